@@ -1,0 +1,199 @@
+// Host entry points of flash_api.h: argument checks, workspace planning, and the one switch
+// from runtime options (dtype, head dim) to template instantiations.
+#include "flash_api.h"
+#include "kernel_traits.cuh"
+#include "launch.cuh"
+
+namespace cf {
+namespace {
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+bool stride_ok(int64_t s) { return (s & 7) == 0; }  // 8 elements of 2 bytes = 16 bytes
+
+// Alignment needed by the 16-byte vector loads/stores of the tensor-core kernels. Batch
+// strides are unused (and not checked) for varlen sides.
+bool tensor_aligned(const void* ptr, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
+                    bool varlen) {
+    return aligned16(ptr) && stride_ok(row_stride) && stride_ok(head_stride) &&
+           (varlen || stride_ok(batch_stride));
+}
+
+int check_fwd(const CfFwdParams* p) {
+    if (p == nullptr) return CF_ERR_BAD_ARGUMENT;
+    if (p->dtype != CF_F32 && p->dtype != CF_F16 && p->dtype != CF_BF16) return CF_ERR_UNSUPPORTED_DTYPE;
+    if (p->d < 8 || p->d > 256 || p->d % 8 != 0) return CF_ERR_UNSUPPORTED_HEAD_DIM;
+    if (p->b < 0 || p->h <= 0 || p->hkv <= 0 || p->h % p->hkv != 0 || p->seqlen_q < 0 || p->seqlen_k < 0)
+        return CF_ERR_BAD_ARGUMENT;
+    if (p->h > 65535 || p->b > 65535) return CF_ERR_BAD_ARGUMENT;  // grid y / z limits
+    if ((p->cu_seqlens_q == nullptr) != (p->cu_seqlens_k == nullptr)) return CF_ERR_BAD_ARGUMENT;
+    if (p->b > 0 && (p->q == nullptr || p->k == nullptr || p->v == nullptr || p->o == nullptr || p->lse == nullptr))
+        return CF_ERR_BAD_ARGUMENT;
+    if (p->dtype != CF_F32) {
+        const bool vq = p->cu_seqlens_q != nullptr, vk = p->cu_seqlens_k != nullptr;
+        if (!tensor_aligned(p->q, p->q_batch_stride, p->q_row_stride, p->q_head_stride, vq) ||
+            !tensor_aligned(p->k, p->k_batch_stride, p->k_row_stride, p->k_head_stride, vk) ||
+            !tensor_aligned(p->v, p->v_batch_stride, p->v_row_stride, p->v_head_stride, vk) ||
+            !tensor_aligned(p->o, p->o_batch_stride, p->o_row_stride, p->o_head_stride, vq))
+            return CF_ERR_MISALIGNED;
+    }
+    return CF_OK;
+}
+
+template <typename T>
+cudaError_t fwd_tc(const CfFwdParams& p, cudaStream_t s) {
+    switch (round_head_dim(p.d)) {
+        case 32: return run_fwd_tc<T, 32>(p, s);
+        case 64: return run_fwd_tc<T, 64>(p, s);
+        case 96: return run_fwd_tc<T, 96>(p, s);
+        case 128: return run_fwd_tc<T, 128>(p, s);
+        case 192: return run_fwd_tc<T, 192>(p, s);
+        default: return run_fwd_tc<T, 256>(p, s);
+    }
+}
+
+template <typename T>
+cudaError_t bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
+    switch (round_head_dim(p.fwd.d)) {
+        case 32: return run_bwd_tc<T, 32>(p, ws, s);
+        case 64: return run_bwd_tc<T, 64>(p, ws, s);
+        case 96: return run_bwd_tc<T, 96>(p, ws, s);
+        case 128: return run_bwd_tc<T, 128>(p, ws, s);
+        case 192: return run_bwd_tc<T, 192>(p, ws, s);
+        default: return run_bwd_tc<T, 256>(p, ws, s);
+    }
+}
+
+// Backward workspace plan; a pure function of the parameters (cf_bwd_workspace_size and cf_bwd
+// must agree, so no device query).
+struct BwdPlan {
+    size_t dsum_off, dq_off, dkv_off, total;
+    int nsplit, hps;
+    int64_t total_q, total_k;
+    bool atomic_dq;
+};
+
+size_t round256(size_t x) { return (x + 255) & ~size_t(255); }
+
+BwdPlan plan_bwd(const CfBwdParams& p) {
+    const CfFwdParams& f = p.fwd;
+    BwdPlan pl{};
+    pl.total_q = f.cu_seqlens_q ? (int64_t)p.total_q : (int64_t)f.b * f.seqlen_q;
+    pl.total_k = f.cu_seqlens_k ? (int64_t)p.total_k : (int64_t)f.b * f.seqlen_k;
+    const bool tc = f.dtype != CF_F32;
+    pl.atomic_dq = tc && p.deterministic == 0;
+    // GQA/MQA on tensor cores: split the query heads of a KV head over several CTAs when the
+    // grid would otherwise be small (partials summed in a fixed order by a reduction kernel).
+    pl.nsplit = 1;
+    pl.hps = f.h / f.hkv;
+    if (tc && f.h > f.hkv) {
+        const int group = f.h / f.hkv;
+        const int64_t ctas = (int64_t)((f.seqlen_k + 63) / 64) * f.hkv * f.b;
+        const int64_t target = 264;  // ~2 waves of 132 SMs
+        int want = ctas >= target ? 1 : (int)((target + ctas - 1) / ctas);
+        if (want > group) want = group;
+        pl.hps = (group + want - 1) / want;
+        pl.nsplit = (group + pl.hps - 1) / pl.hps;
+        if ((int64_t)f.hkv * pl.nsplit > 65535) { pl.nsplit = 1; pl.hps = group; }
+    }
+    size_t off = 0;
+    pl.dsum_off = off;
+    off += round256(sizeof(float) * (size_t)f.h * pl.total_q);
+    pl.dq_off = off;
+    if (pl.atomic_dq) off += round256(sizeof(float) * (size_t)pl.total_q * f.h * f.d);
+    pl.dkv_off = off;
+    if (pl.nsplit > 1) off += round256(sizeof(float) * 2 * (size_t)pl.nsplit * pl.total_k * f.hkv * f.d);
+    pl.total = off;
+    return pl;
+}
+
+int check_bwd(const CfBwdParams* p) {
+    if (p == nullptr) return CF_ERR_BAD_ARGUMENT;
+    int st = check_fwd(&p->fwd);
+    if (st != CF_OK) return st;
+    const CfFwdParams& f = p->fwd;
+    if (f.b > 0 && (p->dout == nullptr || p->dq == nullptr || p->dk == nullptr || p->dv == nullptr))
+        return CF_ERR_BAD_ARGUMENT;
+    if (f.cu_seqlens_q && (p->total_q < 0 || p->total_k < 0)) return CF_ERR_BAD_ARGUMENT;
+    if (f.dtype != CF_F32) {
+        const bool vq = f.cu_seqlens_q != nullptr, vk = f.cu_seqlens_k != nullptr;
+        if (!tensor_aligned(p->dout, p->do_batch_stride, p->do_row_stride, p->do_head_stride, vq) ||
+            !tensor_aligned(p->dq, p->dq_batch_stride, p->dq_row_stride, p->dq_head_stride, vq) ||
+            !tensor_aligned(p->dk, p->dk_batch_stride, p->dk_row_stride, p->dk_head_stride, vk) ||
+            !tensor_aligned(p->dv, p->dv_batch_stride, p->dv_row_stride, p->dv_head_stride, vk))
+            return CF_ERR_MISALIGNED;
+    }
+    return CF_OK;
+}
+
+}  // namespace
+}  // namespace cf
+
+extern "C" {
+
+int cf_fwd(const CfFwdParams* p, cudaStream_t stream) {
+    using namespace cf;
+    const int st = check_fwd(p);
+    if (st != CF_OK) return st;
+    if (p->b == 0 || p->seqlen_q == 0) return CF_OK;
+    cudaError_t e;
+    switch (p->dtype) {
+        case CF_F32: e = run_fwd_f32(*p, stream); break;
+        case CF_F16: e = fwd_tc<__half>(*p, stream); break;
+        default: e = fwd_tc<__nv_bfloat16>(*p, stream); break;
+    }
+    return (int)e;
+}
+
+size_t cf_bwd_workspace_size(const CfBwdParams* p) {
+    using namespace cf;
+    if (check_bwd(p) != CF_OK) return 0;
+    return plan_bwd(*p).total;
+}
+
+int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
+    using namespace cf;
+    const int st = check_bwd(p);
+    if (st != CF_OK) return st;
+    const CfFwdParams& f = p->fwd;
+    if (f.b == 0 || (f.seqlen_q == 0 && f.seqlen_k == 0)) return CF_OK;
+    const BwdPlan pl = plan_bwd(*p);
+    if (pl.total > 0 && workspace == nullptr) return CF_ERR_BAD_ARGUMENT;
+    char* base = static_cast<char*>(workspace);
+    BwdWs ws;
+    ws.dsum = reinterpret_cast<float*>(base + pl.dsum_off);
+    ws.dq_accum = pl.atomic_dq ? reinterpret_cast<float*>(base + pl.dq_off) : nullptr;
+    ws.dkv = pl.nsplit > 1 ? reinterpret_cast<float*>(base + pl.dkv_off) : nullptr;
+    ws.nsplit = pl.nsplit;
+    ws.hps = pl.hps;
+    ws.total_q = pl.total_q;
+    ws.total_k = pl.total_k;
+
+    cudaError_t e;
+    if (pl.atomic_dq) {
+        e = cudaMemsetAsync(ws.dq_accum, 0, pl.dkv_off - pl.dq_off, stream);
+        if (e != cudaSuccess) return (int)e;
+    }
+    if ((e = run_bwd_dot_do_o(*p, ws, stream)) != cudaSuccess) return (int)e;
+    switch (f.dtype) {
+        case CF_F32: e = run_bwd_f32(*p, ws, stream); break;
+        case CF_F16: e = bwd_tc<__half>(*p, ws, stream); break;
+        default: e = bwd_tc<__nv_bfloat16>(*p, ws, stream); break;
+    }
+    return (int)e;
+}
+
+const char* cf_error_string(int status) {
+    switch (status) {
+        case CF_OK: return "success";
+        case CF_ERR_UNSUPPORTED_DTYPE: return "candle-flash: unsupported dtype (f32, f16, bf16 only)";
+        case CF_ERR_UNSUPPORTED_HEAD_DIM: return "candle-flash: unsupported head dim (need d % 8 == 0, 8 <= d <= 256)";
+        case CF_ERR_MISALIGNED:
+            return "candle-flash: f16/bf16 tensors need 16-byte aligned pointers and strides that are multiples of 8 elements";
+        case CF_ERR_BAD_ARGUMENT: return "candle-flash: bad argument";
+        default:
+            if (status > 0) return cudaGetErrorString(static_cast<cudaError_t>(status));
+            return "candle-flash: unknown error";
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,103 @@
+// The one C interface between the Rust crate (src/cuda/) and our CUDA kernels.
+//
+// Rust mirrors these structs with #[repr(C)] in src/cuda/ffi.rs: change both together.
+// All pointers are device pointers. Strides are in elements; the last (head-dim) axis is always
+// contiguous. Every entry point launches on the stream it is given (candle's stream) and returns
+// 0 on success, a cudaError_t (> 0) when a launch failed, or a CfStatus (< 0) when the
+// combination of options is not supported; cf_error_string() turns any of them into text.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum CfDType { CF_F32 = 0, CF_F16 = 1, CF_BF16 = 2 };
+
+enum CfStatus {
+    CF_OK = 0,
+    CF_ERR_UNSUPPORTED_DTYPE = -1,
+    CF_ERR_UNSUPPORTED_HEAD_DIM = -2,
+    CF_ERR_MISALIGNED = -3,
+    CF_ERR_BAD_ARGUMENT = -4,
+};
+
+// Addressing of one (batch b, row i, head h) vector, for x in {q, k, v, o, dout, dq, dk, dv}:
+//   batched (cu_seqlens_* == NULL): x + b*x_batch_stride + i*x_row_stride + h*x_head_stride
+//   varlen:                         x + (cu_seqlens[b] + i)*x_row_stride + h*x_head_stride
+// q/o/dout/dq use cu_seqlens_q and seqlen_q; k/v/dk/dv use cu_seqlens_k and seqlen_k.
+// Query head h reads KV head h / (h / hkv) with integer division of the head counts, i.e.
+// kv_head = h_index / (p->h / p->hkv) (GQA/MQA: h % hkv == 0, checked by the Rust side).
+//
+// lse (f32, natural log) of (b, h, i): lse[b*lse_batch_stride + h*lse_head_stride + row]
+//   with row = i (batched) or cu_seqlens_q[b] + i (varlen, lse_batch_stride == 0).
+// A row that sees no key gets o = 0 and lse = -inf.
+typedef struct {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    float* lse;
+    // NULL when there is no ALiBi; otherwise the slope of (b, h) is
+    // alibi_slopes[b*alibi_batch_stride + h] (alibi_batch_stride == 0 for slopes of shape [H]).
+    const float* alibi_slopes;
+    // NULL unless varlen; otherwise b+1 cumulative offsets (device memory).
+    const uint32_t* cu_seqlens_q;
+    const uint32_t* cu_seqlens_k;
+
+    int64_t q_batch_stride, q_row_stride, q_head_stride;
+    int64_t k_batch_stride, k_row_stride, k_head_stride;
+    int64_t v_batch_stride, v_row_stride, v_head_stride;
+    int64_t o_batch_stride, o_row_stride, o_head_stride;
+    int64_t lse_batch_stride, lse_head_stride;
+
+    int32_t b, h, hkv, d;
+    // Batched: the sequence lengths. Varlen: max_seqlen_q / max_seqlen_k (grid sizing); the real
+    // length of sequence b is cu_seqlens[b+1] - cu_seqlens[b] (<= the max, checked by Rust).
+    int32_t seqlen_q, seqlen_k;
+    int32_t alibi_batch_stride;
+    // Key j is visible to query i (both 0-based within their sequence, sq/sk that sequence's
+    // lengths) iff  i + sk - sq - window_left <= j <= i + sk - sq + window_right,
+    // where a negative window means unbounded on that side. causal == (-1, 0).
+    int32_t window_left, window_right;
+    // logit = s = softmax_scale * q.k ; if softcap > 0: s = softcap * tanh(s / softcap);
+    //         s -= slope * |i + sk - sq - j| (ALiBi); masked keys are excluded.
+    float softmax_scale;
+    float softcap;  // 0 = off
+    int32_t dtype;  // CfDType of q, k, v, o (and dout, dq, dk, dv)
+} CfFwdParams;
+
+typedef struct {
+    CfFwdParams fwd;  // q, k, v, o and lse of the forward (read only here) and every option
+    const void* dout;
+    int64_t do_batch_stride, do_row_stride, do_head_stride;
+    void* dq;
+    void* dk;  // [.., hkv, d]: gradients summed over the query heads of each KV head
+    void* dv;
+    int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+    int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+    int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+    // Nonzero: the same inputs give the same bits every run (no order-dependent atomics).
+    int32_t deterministic;
+    // Total rows of q / k over the whole batch (b*seqlen for batched, cu_seqlens[b] for varlen):
+    // lets the workspace be sized without reading device memory.
+    int32_t total_q, total_k;
+} CfBwdParams;
+
+// Forward: writes o and lse.
+int cf_fwd(const CfFwdParams* p, cudaStream_t stream);
+
+// Backward: bytes of scratch memory cf_bwd needs for these parameters (may be 0).
+size_t cf_bwd_workspace_size(const CfBwdParams* p);
+// Backward: writes dq, dk, dv. `workspace` holds cf_bwd_workspace_size(p) bytes, contents
+// undefined on entry (cf_bwd clears what it needs on `stream`).
+int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream);
+
+// Text for any status returned above (static storage, never NULL).
+const char* cf_error_string(int status);
+
+#ifdef __cplusplus
+}
+#endif

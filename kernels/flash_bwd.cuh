@@ -1,0 +1,485 @@
+// Backward pass, tensor-core kernels (f16/bf16), FA2 algorithm:
+//   dsum  = rowsum(dO * O)                                (bwd_dot_do_o_kernel, flash_bwd_f32.cu)
+//   dK/dV: one CTA per 64 keys of a KV head, looping over the query blocks (and the query heads
+//          of its split): recompute P = exp(logit - lse), dV += P^T dO, dP = dO V^T,
+//          dS = P (dP - D) [* (1 - tanh^2) with softcap], dK += dS^T Q (scaled at the end);
+//          non-deterministic mode also does dQ_accum += dS K with f32 atomics.
+//   dQ:    deterministic mode: a forward-like pass per query block over the key blocks.
+//          Atomic mode: dq = scale * dq_accum converted to T.
+//   GQA:   split > 1 CTAs per KV head write f32 partial dK/dV, summed in a fixed order.
+#pragma once
+#include "kernel_traits.cuh"
+#include "launch.cuh"
+
+namespace cf {
+
+// P and dS of one score element; masked -> 0. lse2 = lse * log2 e (+inf for rows seeing nothing).
+struct PdS {
+    float p, ds;
+};
+__device__ __forceinline__ PdS p_ds(const LogitInfo& li, float qk, float dp, float lse2, float dsum,
+                                    int i, int j, int off, bool visible) {
+    float x2, df = 1.f;
+    if (li.general) {
+        x2 = li.logit(qk, i, j, off, &df) * kLog2e;
+    } else {
+        x2 = qk * li.c;
+    }
+    const float pv = visible ? ex2(x2 - lse2) : 0.f;
+    return {pv, pv * (dp - dsum) * df};
+}
+__device__ __forceinline__ float lse_to_log2(float lse) {
+    return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
+// ------------------------------------------------------------------ dK / dV (+ atomic dQ)
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfBwdParams p, const BwdWs ws) {
+    using T = typename Kt::Elem;
+    constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads, ST = Kt::kStages;
+    constexpr int C = D / 8;     // chunks per Q/K/V/dO row
+    constexpr int CP = BN / 8;   // chunks per P/dS row
+    constexpr int KS = D / 16;   // k-steps of S and dP
+    constexpr int MS = BM / 16;  // k-steps of phase B
+    constexpr int NS = BN / 16;  // k-steps of phase C
+    constexpr int AMT = Kt::kAMT, AWM = Kt::kAWarpsM, AH = Kt::kAHalves;
+    constexpr int BMT = Kt::kBMT, BNT = Kt::kBNT;
+    constexpr int CMT = Kt::kCMT, CWM = Kt::kCWarpsM, CD = Kt::kCWarpsD, CG = Kt::kCGroup;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sK = reinterpret_cast<T*>(smem);
+    T* sV = sK + BN * D;
+    T* sQ = sV + BN * D;          // [ST][BM*D]
+    T* sdO = sQ + ST * BM * D;    // [ST][BM*D]
+    T* sP = sdO + ST * BM * D;    // [BM*BN]
+    T* sdS = sP + BM * BN;        // [BM*BN]
+    float* sL = reinterpret_cast<float*>(sdS + BM * BN);  // [ST][BM]
+    float* sD = sL + ST * BM;                             // [ST][BM]
+
+    const CfFwdParams& f = p.fwd;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, q4 = lane & 3;
+    const int n_block = blockIdx.x, b = blockIdx.z;
+    const int hkv_i = blockIdx.y / ws.nsplit, split = blockIdx.y % ws.nsplit;
+    const SeqInfo si(f, b);
+    const int n0 = n_block * BN;
+    if (n0 >= si.sk) return;
+    const int dch = f.d >> 3;
+    const int group = f.h / f.hkv;
+    const int h_begin = hkv_i * group + split * ws.hps;
+    const int h_end = min(h_begin + ws.hps, (hkv_i + 1) * group);
+
+    const MaskInfo mk(si.sq, si.sk, f.window_left, f.window_right);
+    int m_lo, m_hi;
+    mk.query_range(n0, min(n0 + BN, si.sk) - 1, m_lo, m_hi);
+    const int mb_lo = m_lo / BM;
+    const int nm = m_hi > m_lo ? (m_hi + BM - 1) / BM - mb_lo : 0;
+    const int total_it = nm * max(h_end - h_begin, 0);
+
+    const T* kg = static_cast<const T*>(f.k) + si.k_off(b, f.k_batch_stride, f.k_row_stride) + (int64_t)hkv_i * f.k_head_stride;
+    const T* vg = static_cast<const T*>(f.v) + si.k_off(b, f.v_batch_stride, f.v_row_stride) + (int64_t)hkv_i * f.v_head_stride;
+    const int64_t q_boff = si.q_off(b, f.q_batch_stride, f.q_row_stride);
+    const int64_t do_boff = si.q_off(b, p.do_batch_stride, p.do_row_stride);
+    const int64_t lse_boff = (int64_t)b * f.lse_batch_stride + (si.q_varlen ? si.q_row0 : 0);
+
+    load_tile<BN, C, NTH>(sK, kg + (int64_t)n0 * f.k_row_stride, f.k_row_stride, si.sk - n0, dch, tid, f.k);
+    load_tile<BN, C, NTH>(sV, vg + (int64_t)n0 * f.v_row_stride, f.v_row_stride, si.sk - n0, dch, tid, f.v);
+
+    auto issue_q = [&](int it, int stage) {
+        const int hq = h_begin + it / nm;
+        const int m0 = (mb_lo + it % nm) * BM;
+        const T* qg = static_cast<const T*>(f.q) + q_boff + (int64_t)hq * f.q_head_stride + (int64_t)m0 * f.q_row_stride;
+        const T* dog = static_cast<const T*>(p.dout) + do_boff + (int64_t)hq * p.do_head_stride + (int64_t)m0 * p.do_row_stride;
+        load_tile<BM, C, NTH>(sQ + stage * BM * D, qg, f.q_row_stride, si.sq - m0, dch, tid, f.q);
+        load_tile<BM, C, NTH>(sdO + stage * BM * D, dog, p.do_row_stride, si.sq - m0, dch, tid, p.dout);
+        if (tid < BM) {
+            const bool ok = m0 + tid < si.sq;
+            const float* lp = f.lse + lse_boff + (int64_t)hq * f.lse_head_stride + m0 + tid;
+            const float* dp = ws.dsum + (int64_t)hq * ws.total_q + si.q_row0 + m0 + tid;
+            cp_async_4(smem_addr(sL + stage * BM + tid), ok ? (const void*)lp : (const void*)f.lse, ok);
+            cp_async_4(smem_addr(sD + stage * BM + tid), ok ? (const void*)dp : (const void*)ws.dsum, ok);
+        }
+    };
+    if (total_it > 0) issue_q(0, 0);
+    cp_async_commit();
+
+    float dk[BMT][BNT][4], dv[BMT][BNT][4];
+#pragma unroll
+    for (int mt = 0; mt < BMT; ++mt)
+#pragma unroll
+        for (int t = 0; t < BNT; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk[mt][t][e] = dv[mt][t][e] = 0.f;
+
+    const int wa_m = warp % AWM, wa_n = warp / AWM;  // A: rows 16*AMT*wa_m, keys 32*wa_n
+    const int wb_n = warp % 4, wb_d = warp / 4;      // B: keys 16*BMT*wb_n, column pairs 2t + wb_d
+    const int wc_m = warp % CWM, wc_d = warp / CWM;  // C: rows 16*CMT*wc_m, column pairs CD*t + wc_d
+    const int ra0 = 16 * AMT * wa_m, rb0 = 16 * BMT * wb_n, rc0 = 16 * CMT * wc_m;
+
+    for (int it = 0; it < total_it; ++it) {
+        const int hq = h_begin + it / nm;
+        const int m0 = (mb_lo + it % nm) * BM;
+        const int st = (ST == 2) ? (it & 1) : 0;
+        cp_async_wait<0>();
+        __syncthreads();  // this step's tiles landed; the previous step is done everywhere
+        if (ST == 2 && it + 1 < total_it) {
+            issue_q(it + 1, st ^ 1);
+            cp_async_commit();
+        }
+        const T* cQ = sQ + st * BM * D;
+        const T* cdO = sdO + st * BM * D;
+        const LogitInfo li(f, b, hq);
+
+        // ---- phase A: S = Q K^T, dP = dO V^T; P and dS -> shared (as T). With AH = 2 the
+        //      warp's 32 keys are done as two halves of 16 (fewer live registers).
+        const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
+#pragma unroll
+        for (int hf = 0; hf < AH; ++hf) {
+            constexpr int NTA = 4 / AH;
+            const int key0 = 32 * wa_n + (32 / AH) * hf;  // first key (local) of this half
+            float s[AMT][NTA][4], dpa[AMT][NTA][4];
+#pragma unroll
+            for (int mt = 0; mt < AMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NTA; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = dpa[mt][nt][e] = 0.f;
+            gemm_abt<AMT, NTA, KS, C, C, T>(s, cQ, ra0, sK, key0, lane);
+            gemm_abt<AMT, NTA, KS, C, C, T>(dpa, cdO, ra0, sV, key0, lane);
+#pragma unroll
+            for (int mt = 0; mt < AMT; ++mt) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int rl = ra0 + 16 * mt + g + 8 * r;
+                    const int i = m0 + rl;
+                    const float lse2 = lse_to_log2(sL[st * BM + rl]);
+                    const float dsv = sD[st * BM + rl];
+#pragma unroll
+                    for (int nt = 0; nt < NTA; ++nt) {
+                        float pv[2], dsr[2];
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int j = n0 + key0 + 8 * nt + 2 * q4 + e;
+                            const bool vis = full || (i < si.sq && mk.visible(i, j));
+                            const PdS x = p_ds(li, s[mt][nt][2 * r + e], dpa[mt][nt][2 * r + e], lse2, dsv, i, j, mk.off, vis);
+                            pv[e] = x.p;
+                            dsr[e] = x.ds;
+                        }
+                        const int off = swz<CP>(rl, (key0 >> 3) + nt) * 8 + 2 * q4;
+                        *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(pv[0], pv[1]);
+                        *reinterpret_cast<uint32_t*>(sdS + off) = pack2<T>(dsr[0], dsr[1]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // P, dS visible
+
+        // ---- phase B: dV += P^T dO, dK += dS^T Q
+        gemm_at_b<BMT, BNT, MS, CP, C, 4, T, Kt::kBUnroll>(dv, sP, 2 * BMT * wb_n, cdO, 2 * wb_d, lane);
+        gemm_at_b<BMT, BNT, MS, CP, C, 4, T, Kt::kBUnroll>(dk, sdS, 2 * BMT * wb_n, cQ, 2 * wb_d, lane);
+
+        if (ST == 1 && it + 1 < total_it) {
+            __syncthreads();  // everyone is done with Q/dO
+            issue_q(it + 1, 0);
+            cp_async_commit();
+        }
+
+        // ---- phase C (atomic mode): dQ_accum += dS K, 2*CG n8 tiles at a time
+        if (ws.dq_accum != nullptr) {
+            const int64_t rstride = (int64_t)f.h * f.d;
+            float* dqg = ws.dq_accum + (si.q_row0 + m0) * rstride + (int64_t)hq * f.d;
+#pragma unroll
+            for (int gi = 0; gi < Kt::kCPairs / CG; ++gi) {
+                float acc[CMT][2 * CG][4];
+#pragma unroll
+                for (int mt = 0; mt < CMT; ++mt)
+#pragma unroll
+                    for (int t = 0; t < 2 * CG; ++t)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[mt][t][e] = 0.f;
+                gemm_ab<CMT, 2 * CG, NS, CP, C, 2 * CD, T>(acc, sdS, rc0, sK, 2 * wc_d, gi * CG * 2 * CD, lane);
+#pragma unroll
+                for (int mt = 0; mt < CMT; ++mt)
+#pragma unroll
+                    for (int t = 0; t < 2 * CG; ++t)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int rl = rc0 + 16 * mt + g + 8 * (e >> 1);
+                            const int pair = CD * (gi * CG + (t >> 1)) + wc_d;
+                            const int col = 16 * pair + 8 * (t & 1) + 2 * q4 + (e & 1);
+                            if (m0 + rl < si.sq && col < f.d) atomicAdd(dqg + rl * rstride + col, acc[mt][t][e]);
+                        }
+            }
+        }
+    }
+
+    // ---- write dK (scaled) and dV. Element (mt, t, e): key rb0 + 16 mt + g + 8 (e>>1),
+    //      column 32 (t>>1) + 16 wb_d + 8 (t&1) + 2 q4 + (e&1).
+    const float scale = f.softmax_scale;
+#pragma unroll
+    for (int mt = 0; mt < BMT; ++mt)
+#pragma unroll
+        for (int t = 0; t < BNT; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk[mt][t][e] *= scale;
+
+    cp_async_wait<0>();
+    if (ws.nsplit == 1) {
+        __syncthreads();  // all shared reads done: reuse the Q / dO buffers as dK / dV staging
+        T* sOk = sQ;
+        T* sOv = sdO;
+#pragma unroll
+        for (int mt = 0; mt < BMT; ++mt)
+#pragma unroll
+            for (int t = 0; t < BNT; ++t)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int rl = rb0 + 16 * mt + g + 8 * r;
+                    const int off = swz<C>(rl, 4 * (t >> 1) + 2 * wb_d + (t & 1)) * 8 + 2 * q4;
+                    *reinterpret_cast<uint32_t*>(sOk + off) = pack2<T>(dk[mt][t][2 * r], dk[mt][t][2 * r + 1]);
+                    *reinterpret_cast<uint32_t*>(sOv + off) = pack2<T>(dv[mt][t][2 * r], dv[mt][t][2 * r + 1]);
+                }
+        __syncthreads();
+        T* dkg = static_cast<T*>(p.dk) + si.k_off(b, p.dk_batch_stride, p.dk_row_stride) + (int64_t)hkv_i * p.dk_head_stride;
+        T* dvg = static_cast<T*>(p.dv) + si.k_off(b, p.dv_batch_stride, p.dv_row_stride) + (int64_t)hkv_i * p.dv_head_stride;
+        for (int idx = tid; idx < BN * C; idx += NTH) {
+            const int r = idx / C, c = idx % C;
+            if (n0 + r < si.sk && c < dch) {
+                *reinterpret_cast<uint4*>(dkg + (int64_t)(n0 + r) * p.dk_row_stride + c * 8) =
+                    *reinterpret_cast<const uint4*>(sOk + swz<C>(r, c) * 8);
+                *reinterpret_cast<uint4*>(dvg + (int64_t)(n0 + r) * p.dv_row_stride + c * 8) =
+                    *reinterpret_cast<const uint4*>(sOv + swz<C>(r, c) * 8);
+            }
+        }
+    } else {
+        const int64_t rs = (int64_t)f.hkv * f.d;
+        float* wk = ws.dkv + ((int64_t)split * ws.total_k + si.k_row0 + n0) * rs + (int64_t)hkv_i * f.d;
+        float* wv = wk + (int64_t)ws.nsplit * ws.total_k * rs;
+#pragma unroll
+        for (int mt = 0; mt < BMT; ++mt)
+#pragma unroll
+            for (int t = 0; t < BNT; ++t)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int rl = rb0 + 16 * mt + g + 8 * r;
+                    const int col = 32 * (t >> 1) + 16 * wb_d + 8 * (t & 1) + 2 * q4;
+                    if (n0 + rl < si.sk && col < f.d) {
+                        *reinterpret_cast<float2*>(wk + rl * rs + col) = make_float2(dk[mt][t][2 * r], dk[mt][t][2 * r + 1]);
+                        *reinterpret_cast<float2*>(wv + rl * rs + col) = make_float2(dv[mt][t][2 * r], dv[mt][t][2 * r + 1]);
+                    }
+                }
+    }
+}
+
+// ------------------------------------------------------------------ deterministic dQ
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dq_tc_kernel(const CfBwdParams p, const BwdWs ws) {
+    using T = typename Kt::Elem;
+    constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
+    constexpr int C = D / 8, NT = BN / 8, DT = D / 8, KS = D / 16, PS = BN / 16;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sQ = reinterpret_cast<T*>(smem);
+    T* sdO = sQ + BM * D;
+    T* sK = sdO + BM * D;     // [2][BN*D]
+    T* sV = sK + 2 * BN * D;  // [2][BN*D]
+
+    const CfFwdParams& f = p.fwd;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, q4 = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const SeqInfo si(f, b);
+    const int m_block = (f.window_right >= 0 && f.window_left < 0) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int m0 = m_block * BM;
+    if (m0 >= si.sq) return;
+    const int hk = h / (f.h / f.hkv);
+    const int dch = f.d >> 3;
+
+    const T* qg = static_cast<const T*>(f.q) + si.q_off(b, f.q_batch_stride, f.q_row_stride) + (int64_t)h * f.q_head_stride;
+    const T* dog = static_cast<const T*>(p.dout) + si.q_off(b, p.do_batch_stride, p.do_row_stride) + (int64_t)h * p.do_head_stride;
+    const T* kg = static_cast<const T*>(f.k) + si.k_off(b, f.k_batch_stride, f.k_row_stride) + (int64_t)hk * f.k_head_stride;
+    const T* vg = static_cast<const T*>(f.v) + si.k_off(b, f.v_batch_stride, f.v_row_stride) + (int64_t)hk * f.v_head_stride;
+    T* dqg = static_cast<T*>(p.dq) + si.q_off(b, p.dq_batch_stride, p.dq_row_stride) + (int64_t)h * p.dq_head_stride;
+
+    const MaskInfo mk(si.sq, si.sk, f.window_left, f.window_right);
+    const int m_last = min(m0 + BM, si.sq) - 1;
+    int n_lo, n_hi;
+    mk.key_range(m0, m_last, n_lo, n_hi);
+    const int nb_lo = n_lo / BN, nb_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : nb_lo;
+
+    load_tile<BM, C, NTH>(sQ, qg + (int64_t)m0 * f.q_row_stride, f.q_row_stride, si.sq - m0, dch, tid, f.q);
+    load_tile<BM, C, NTH>(sdO, dog + (int64_t)m0 * p.do_row_stride, p.do_row_stride, si.sq - m0, dch, tid, p.dout);
+    if (nb_hi > nb_lo) {
+        const int n0 = nb_lo * BN;
+        load_tile<BN, C, NTH>(sK, kg + (int64_t)n0 * f.k_row_stride, f.k_row_stride, si.sk - n0, dch, tid, f.k);
+        load_tile<BN, C, NTH>(sV, vg + (int64_t)n0 * f.v_row_stride, f.v_row_stride, si.sk - n0, dch, tid, f.v);
+    }
+    cp_async_commit();
+
+    const int row_w = 16 * warp;
+    float lse2[2], dsv[2];
+    {
+        const float* lp = f.lse + (int64_t)b * f.lse_batch_stride + (int64_t)h * f.lse_head_stride + (si.q_varlen ? si.q_row0 : 0);
+        const float* dp = ws.dsum + (int64_t)h * ws.total_q + si.q_row0;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int i = m0 + row_w + g + 8 * r;
+            lse2[r] = i < si.sq ? lse_to_log2(lp[i]) : INFINITY;
+            dsv[r] = i < si.sq ? dp[i] : 0.f;
+        }
+    }
+    const LogitInfo li(f, b, h);
+
+    float acc[1][DT][4];
+#pragma unroll
+    for (int t = 0; t < DT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][t][e] = 0.f;
+
+    for (int nb = nb_lo, it = 0; nb < nb_hi; ++nb, ++it) {
+        const int n0 = nb * BN;
+        const int st = it & 1;
+        cp_async_wait<0>();
+        __syncthreads();  // K/V[nb] landed; everyone is done with the other stage
+        if (nb + 1 < nb_hi) {
+            const int n1 = n0 + BN;
+            load_tile<BN, C, NTH>(sK + (st ^ 1) * BN * D, kg + (int64_t)n1 * f.k_row_stride, f.k_row_stride, si.sk - n1, dch, tid, f.k);
+            load_tile<BN, C, NTH>(sV + (st ^ 1) * BN * D, vg + (int64_t)n1 * f.v_row_stride, f.v_row_stride, si.sk - n1, dch, tid, f.v);
+            cp_async_commit();
+        }
+        const T* cK = sK + st * BN * D;
+        const T* cV = sV + st * BN * D;
+        float s[1][NT][4], dpa[1][NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][nt][e] = dpa[0][nt][e] = 0.f;
+        gemm_abt<1, NT, KS, C, C, T>(s, sQ, row_w, cK, 0, lane);
+        gemm_abt<1, NT, KS, C, C, T>(dpa, sdO, row_w, cV, 0, lane);
+        const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                const int i = m0 + row_w + g + 8 * r;
+                const int j = n0 + 8 * nt + 2 * q4 + (e & 1);
+                const bool vis = full || (i < si.sq && mk.visible(i, j));
+                s[0][nt][e] = p_ds(li, s[0][nt][e], dpa[0][nt][e], lse2[r], dsv[r], i, j, mk.off, vis).ds;
+            }
+        uint32_t a[1][PS][4];
+        c_to_a<1, PS, T>(a, s);
+        gemm_rs_b<1, DT, PS, C, 2, T>(acc, a, cK, 0, 0, lane);
+    }
+
+    // scale, stage in this warp's own rows of sQ, store
+    const float scale = f.softmax_scale;
+    cp_async_wait<0>();  // no copy into sQ may still be in flight (empty key range)
+    __syncwarp();
+#pragma unroll
+    for (int t = 0; t < DT; ++t)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int rl = row_w + g + 8 * r;
+            *reinterpret_cast<uint32_t*>(sQ + swz<C>(rl, t) * 8 + 2 * q4) =
+                pack2<T>(acc[0][t][2 * r] * scale, acc[0][t][2 * r + 1] * scale);
+        }
+    __syncwarp();
+#pragma unroll
+    for (int it = 0; it < (16 * C) / 32; ++it) {
+        const int idx = lane + it * 32;
+        const int rl = row_w + idx / C, c = idx % C;
+        if (m0 + rl < si.sq && c < dch)
+            *reinterpret_cast<uint4*>(dqg + (int64_t)(m0 + rl) * p.dq_row_stride + c * 8) =
+                *reinterpret_cast<const uint4*>(sQ + swz<C>(rl, c) * 8);
+    }
+}
+
+// ------------------------------------------------------------------ small per-row kernels
+// One warp per (row, head); grid (ceil(max_rows / 8), heads, b), 256 threads.
+template <typename T>
+__global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const CfBwdParams p, const BwdWs ws) {
+    const CfFwdParams& f = p.fwd;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int h = blockIdx.y, b = blockIdx.z, i = blockIdx.x * 8 + warp;
+    const SeqInfo si(f, b);
+    if (i >= si.sq) return;
+    const float* src = ws.dq_accum + ((si.q_row0 + i) * f.h + h) * (int64_t)f.d;
+    T* dst = static_cast<T*>(p.dq) + si.q_off(b, p.dq_batch_stride, p.dq_row_stride) + (int64_t)i * p.dq_row_stride + (int64_t)h * p.dq_head_stride;
+    const float scale = f.softmax_scale;
+    for (int c = lane; c < f.d; c += 32) dst[c] = from_float<T>(src[c] * scale);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) bwd_reduce_dkv_kernel(const CfBwdParams p, const BwdWs ws) {
+    const CfFwdParams& f = p.fwd;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int hk = blockIdx.y, b = blockIdx.z, j = blockIdx.x * 8 + warp;
+    const SeqInfo si(f, b);
+    if (j >= si.sk) return;
+    const int64_t rs = (int64_t)f.hkv * f.d;
+    const int64_t split_stride = ws.total_k * rs;
+    const float* wk = ws.dkv + (si.k_row0 + j) * rs + (int64_t)hk * f.d;
+    const float* wv = wk + ws.nsplit * split_stride;
+    T* dk = static_cast<T*>(p.dk) + si.k_off(b, p.dk_batch_stride, p.dk_row_stride) + (int64_t)j * p.dk_row_stride + (int64_t)hk * p.dk_head_stride;
+    T* dv = static_cast<T*>(p.dv) + si.k_off(b, p.dv_batch_stride, p.dv_row_stride) + (int64_t)j * p.dv_row_stride + (int64_t)hk * p.dv_head_stride;
+    for (int c = lane; c < f.d; c += 32) {
+        float sk = 0.f, sv = 0.f;
+        for (int s = 0; s < ws.nsplit; ++s) {  // fixed order: deterministic
+            sk += wk[s * split_stride + c];
+            sv += wv[s * split_stride + c];
+        }
+        dk[c] = from_float<T>(sk);
+        dv[c] = from_float<T>(sv);
+    }
+}
+
+// ------------------------------------------------------------------ launcher
+template <typename K>
+static cudaError_t set_smem(K kern, int smem) {
+    if (smem > 48 * 1024)
+        return cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    return cudaSuccess;
+}
+
+template <typename T, int D>
+cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream) {
+    const CfFwdParams& f = p.fwd;
+    cudaError_t e;
+    {
+        using Kt = BwdTraits<T, D>;
+        auto kern = bwd_dkdv_tc_kernel<Kt>;
+        if ((e = set_smem(kern, Kt::kSmemBytes)) != cudaSuccess) return e;
+        const dim3 grid((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
+        if (grid.x > 0) {
+            kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws);
+            if ((e = cudaGetLastError()) != cudaSuccess) return e;
+        }
+    }
+    if (ws.dq_accum == nullptr) {
+        using Kt = BwdDqTraits<T, D>;
+        auto kern = bwd_dq_tc_kernel<Kt>;
+        if ((e = set_smem(kern, Kt::kSmemBytes)) != cudaSuccess) return e;
+        const dim3 grid((f.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM, f.h, f.b);
+        if (grid.x > 0) {
+            kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws);
+            if ((e = cudaGetLastError()) != cudaSuccess) return e;
+        }
+    } else {
+        const dim3 grid((f.seqlen_q + 7) / 8, f.h, f.b);
+        if (grid.x > 0) {
+            bwd_convert_dq_kernel<T><<<grid, 256, 0, stream>>>(p, ws);
+            if ((e = cudaGetLastError()) != cudaSuccess) return e;
+        }
+    }
+    if (ws.nsplit > 1) {
+        const dim3 grid((f.seqlen_k + 7) / 8, f.hkv, f.b);
+        if (grid.x > 0) {
+            bwd_reduce_dkv_kernel<T><<<grid, 256, 0, stream>>>(p, ws);
+            if ((e = cudaGetLastError()) != cudaSuccess) return e;
+        }
+    }
+    return cudaSuccess;
+}
+
+}  // namespace cf

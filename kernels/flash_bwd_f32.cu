@@ -1,0 +1,278 @@
+// Backward pieces that are not tensor-core kernels: dsum = rowsum(dO*O) for every dtype, and the
+// f32 SIMT backward (a dK/dV kernel that loops over the query heads of its KV head, and a dQ
+// kernel). The f32 path has no atomics: it is always deterministic.
+#include "kernel_traits.cuh"
+#include "launch.cuh"
+
+namespace cf {
+
+// One warp per (query row, head); grid (ceil(max_sq / 8), h, b), 256 threads.
+template <typename T>
+__global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const CfBwdParams p, const BwdWs ws) {
+    const CfFwdParams& f = p.fwd;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int h = blockIdx.y, b = blockIdx.z, i = blockIdx.x * 8 + warp;
+    const SeqInfo si(f, b);
+    if (i >= si.sq) return;
+    const T* o = static_cast<const T*>(f.o) + si.q_off(b, f.o_batch_stride, f.o_row_stride) + (int64_t)i * f.o_row_stride + (int64_t)h * f.o_head_stride;
+    const T* dO = static_cast<const T*>(p.dout) + si.q_off(b, p.do_batch_stride, p.do_row_stride) + (int64_t)i * p.do_row_stride + (int64_t)h * p.do_head_stride;
+    float acc = 0.f;
+    for (int c = lane; c < f.d; c += 32) acc = fmaf(to_float<T>(o[c]), to_float<T>(dO[c]), acc);
+    acc = warp_sum(acc);
+    if (lane == 0) ws.dsum[(int64_t)h * ws.total_q + si.q_row0 + i] = acc;
+}
+
+cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream) {
+    const CfFwdParams& f = p.fwd;
+    const dim3 grid((f.seqlen_q + 7) / 8, f.h, f.b);
+    if (grid.x == 0) return cudaSuccess;
+    switch (f.dtype) {
+        case CF_F32: bwd_dot_do_o_kernel<float><<<grid, 256, 0, stream>>>(p, ws); break;
+        case CF_F16: bwd_dot_do_o_kernel<__half><<<grid, 256, 0, stream>>>(p, ws); break;
+        default: bwd_dot_do_o_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(p, ws); break;
+    }
+    return cudaGetLastError();
+}
+
+// ------------------------------------------------------------------ f32 dK / dV
+// CTA: 16 keys of one KV head; loops over all query heads of that KV head and the query blocks
+// (32 rows) that see these keys. Scores: thread -> key tid&15, rows (tid>>4) + 8k. Accumulation:
+// thread -> key tid>>3, columns (tid&7) + 8m.
+__global__ void __launch_bounds__(F32BwdTraits::kNThreads) bwd_dkdv_f32_kernel(const CfBwdParams p, const BwdWs ws) {
+    constexpr int BN = F32BwdTraits::kBlockN, BM = F32BwdTraits::kBlockM, NTH = F32BwdTraits::kNThreads;
+    const CfFwdParams& f = p.fwd;
+    extern __shared__ float smf[];
+    const int d = f.d, ld = d + 1, d8 = d >> 3;
+    float* sK = smf;
+    float* sV = sK + BN * ld;
+    float* sQ = sV + BN * ld;
+    float* sdO = sQ + BM * ld;
+    float* sP = sdO + BM * ld;     // [BM][BN+1]
+    float* sdS = sP + BM * (BN + 1);
+    float* sL = sdS + BM * (BN + 1);
+    float* sD = sL + BM;
+
+    const int tid = threadIdx.x;
+    const int jl = tid & 15, ib = tid >> 4;   // score phase
+    const int jr = tid >> 3, sub = tid & 7;   // accumulation phase
+    const int hk = blockIdx.y, b = blockIdx.z;
+    const SeqInfo si(f, b);
+    const int n0 = blockIdx.x * BN;
+    if (n0 >= si.sk) return;
+    const int group = f.h / f.hkv;
+
+    const MaskInfo mk(si.sq, si.sk, f.window_left, f.window_right);
+    int m_lo, m_hi;
+    mk.query_range(n0, min(n0 + BN, si.sk) - 1, m_lo, m_hi);
+
+    const float* kg = static_cast<const float*>(f.k) + si.k_off(b, f.k_batch_stride, f.k_row_stride) + (int64_t)hk * f.k_head_stride;
+    const float* vg = static_cast<const float*>(f.v) + si.k_off(b, f.v_batch_stride, f.v_row_stride) + (int64_t)hk * f.v_head_stride;
+    for (int idx = tid; idx < BN * d; idx += NTH) {
+        const int jj = idx / d, c = idx % d;
+        const bool ok = n0 + jj < si.sk;
+        sK[jj * ld + c] = ok ? kg[(int64_t)(n0 + jj) * f.k_row_stride + c] : 0.f;
+        sV[jj * ld + c] = ok ? vg[(int64_t)(n0 + jj) * f.v_row_stride + c] : 0.f;
+    }
+    float dk[32], dv[32];
+#pragma unroll
+    for (int m = 0; m < 32; ++m) dk[m] = dv[m] = 0.f;
+
+    for (int hq = hk * group; hq < (hk + 1) * group; ++hq) {
+        const LogitInfo li(f, b, hq);
+        const float* qg = static_cast<const float*>(f.q) + si.q_off(b, f.q_batch_stride, f.q_row_stride) + (int64_t)hq * f.q_head_stride;
+        const float* dog = static_cast<const float*>(p.dout) + si.q_off(b, p.do_batch_stride, p.do_row_stride) + (int64_t)hq * p.do_head_stride;
+        const float* lp = f.lse + (int64_t)b * f.lse_batch_stride + (int64_t)hq * f.lse_head_stride + (si.q_varlen ? si.q_row0 : 0);
+        const float* dp = ws.dsum + (int64_t)hq * ws.total_q + si.q_row0;
+        for (int m0 = (m_lo / BM) * BM; m0 < m_hi; m0 += BM) {
+            __syncthreads();
+            for (int idx = tid; idx < BM * d; idx += NTH) {
+                const int ii = idx / d, c = idx % d;
+                const bool ok = m0 + ii < si.sq;
+                sQ[ii * ld + c] = ok ? qg[(int64_t)(m0 + ii) * f.q_row_stride + c] : 0.f;
+                sdO[ii * ld + c] = ok ? dog[(int64_t)(m0 + ii) * p.do_row_stride + c] : 0.f;
+            }
+            if (tid < BM) {
+                const bool ok = m0 + tid < si.sq;
+                const float L = ok ? lp[m0 + tid] : INFINITY;
+                sL[tid] = L == -INFINITY ? INFINITY : L;
+                sD[tid] = ok ? dp[m0 + tid] : 0.f;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int il = ib + 8 * k;
+                const int i = m0 + il, j = n0 + jl;
+                const float* qr = sQ + il * ld;
+                const float* dr = sdO + il * ld;
+                const float* kr = sK + jl * ld;
+                const float* vr = sV + jl * ld;
+                float qk = 0.f, dpv = 0.f;
+                for (int c = 0; c < d; ++c) {
+                    qk = fmaf(qr[c], kr[c], qk);
+                    dpv = fmaf(dr[c], vr[c], dpv);
+                }
+                float df;
+                const float x = li.logit(qk, i, j, mk.off, &df);
+                const bool vis = i < si.sq && mk.visible(i, j);
+                const float pv = vis ? expf(x - sL[il]) : 0.f;
+                sP[il * (BN + 1) + jl] = pv;
+                sdS[il * (BN + 1) + jl] = pv * (dpv - sD[il]) * df;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int m = 0; m < 32; ++m) {
+                if (m < d8) {
+                    const int c = sub + 8 * m;
+                    float av = dv[m], ak = dk[m];
+                    for (int il = 0; il < BM; ++il) {
+                        av = fmaf(sP[il * (BN + 1) + jr], sdO[il * ld + c], av);
+                        ak = fmaf(sdS[il * (BN + 1) + jr], sQ[il * ld + c], ak);
+                    }
+                    dv[m] = av;
+                    dk[m] = ak;
+                }
+            }
+        }
+    }
+    const int j = n0 + jr;
+    if (j < si.sk) {
+        float* dkg = static_cast<float*>(p.dk) + si.k_off(b, p.dk_batch_stride, p.dk_row_stride) + (int64_t)j * p.dk_row_stride + (int64_t)hk * p.dk_head_stride;
+        float* dvg = static_cast<float*>(p.dv) + si.k_off(b, p.dv_batch_stride, p.dv_row_stride) + (int64_t)j * p.dv_row_stride + (int64_t)hk * p.dv_head_stride;
+        const float scale = f.softmax_scale;
+#pragma unroll
+        for (int m = 0; m < 32; ++m) {
+            if (m < d8) {
+                dkg[sub + 8 * m] = dk[m] * scale;
+                dvg[sub + 8 * m] = dv[m];
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ f32 dQ
+// CTA: 16 query rows of one head, looping over the key blocks (32 keys) it sees. Thread -> row
+// tid>>3; scores for keys (tid&7) + 8k, dQ columns (tid&7) + 8m.
+__global__ void __launch_bounds__(F32DqTraits::kNThreads) bwd_dq_f32_kernel(const CfBwdParams p, const BwdWs ws) {
+    constexpr int BM = F32DqTraits::kBlockM, BN = F32DqTraits::kBlockN, NTH = F32DqTraits::kNThreads;
+    const CfFwdParams& f = p.fwd;
+    extern __shared__ float smf[];
+    const int d = f.d, ld = d + 1, d8 = d >> 3;
+    float* sQ = smf;
+    float* sdO = sQ + BM * ld;
+    float* sK = sdO + BM * ld;
+    float* sV = sK + BN * ld;
+    float* sdS = sV + BN * ld;  // [BM][BN+1]
+
+    const int tid = threadIdx.x, r = tid >> 3, sub = tid & 7;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const SeqInfo si(f, b);
+    const int m_block = (f.window_right >= 0 && f.window_left < 0) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int m0 = m_block * BM;
+    if (m0 >= si.sq) return;
+    const int hk = h / (f.h / f.hkv);
+    const float* qg = static_cast<const float*>(f.q) + si.q_off(b, f.q_batch_stride, f.q_row_stride) + (int64_t)h * f.q_head_stride;
+    const float* dog = static_cast<const float*>(p.dout) + si.q_off(b, p.do_batch_stride, p.do_row_stride) + (int64_t)h * p.do_head_stride;
+    const float* kg = static_cast<const float*>(f.k) + si.k_off(b, f.k_batch_stride, f.k_row_stride) + (int64_t)hk * f.k_head_stride;
+    const float* vg = static_cast<const float*>(f.v) + si.k_off(b, f.v_batch_stride, f.v_row_stride) + (int64_t)hk * f.v_head_stride;
+    float* dqg = static_cast<float*>(p.dq) + si.q_off(b, p.dq_batch_stride, p.dq_row_stride) + (int64_t)h * p.dq_head_stride;
+
+    const MaskInfo mk(si.sq, si.sk, f.window_left, f.window_right);
+    const int m_last = min(m0 + BM, si.sq) - 1;
+    int n_lo, n_hi;
+    mk.key_range(m0, m_last, n_lo, n_hi);
+    const LogitInfo li(f, b, h);
+
+    for (int idx = tid; idx < BM * d; idx += NTH) {
+        const int ii = idx / d, c = idx % d;
+        const bool ok = m0 + ii < si.sq;
+        sQ[ii * ld + c] = ok ? qg[(int64_t)(m0 + ii) * f.q_row_stride + c] : 0.f;
+        sdO[ii * ld + c] = ok ? dog[(int64_t)(m0 + ii) * p.do_row_stride + c] : 0.f;
+    }
+    const int i = m0 + r;
+    float L = INFINITY, Dv = 0.f;
+    if (i < si.sq) {
+        L = f.lse[(int64_t)b * f.lse_batch_stride + (int64_t)h * f.lse_head_stride + (si.q_varlen ? si.q_row0 : 0) + i];
+        if (L == -INFINITY) L = INFINITY;
+        Dv = ws.dsum[(int64_t)h * ws.total_q + si.q_row0 + i];
+    }
+    float dq[32];
+#pragma unroll
+    for (int m = 0; m < 32; ++m) dq[m] = 0.f;
+
+    if (n_hi > n_lo) {
+        for (int n0 = (n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
+            __syncthreads();
+            for (int idx = tid; idx < BN * d; idx += NTH) {
+                const int jj = idx / d, c = idx % d;
+                const bool ok = n0 + jj < si.sk;
+                sK[jj * ld + c] = ok ? kg[(int64_t)(n0 + jj) * f.k_row_stride + c] : 0.f;
+                sV[jj * ld + c] = ok ? vg[(int64_t)(n0 + jj) * f.v_row_stride + c] : 0.f;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int jl = sub + 8 * k, j = n0 + jl;
+                const float* qr = sQ + r * ld;
+                const float* dr = sdO + r * ld;
+                const float* kr = sK + jl * ld;
+                const float* vr = sV + jl * ld;
+                float qk = 0.f, dpv = 0.f;
+                for (int c = 0; c < d; ++c) {
+                    qk = fmaf(qr[c], kr[c], qk);
+                    dpv = fmaf(dr[c], vr[c], dpv);
+                }
+                float df;
+                const float x = li.logit(qk, i, j, mk.off, &df);
+                const bool vis = i < si.sq && mk.visible(i, j);
+                const float pv = vis ? expf(x - L) : 0.f;
+                sdS[r * (BN + 1) + jl] = pv * (dpv - Dv) * df;
+            }
+            __syncwarp();  // a row's 8 threads share a warp
+#pragma unroll
+            for (int m = 0; m < 32; ++m) {
+                if (m < d8) {
+                    const int c = sub + 8 * m;
+                    float a = dq[m];
+                    for (int jl = 0; jl < BN; ++jl) a = fmaf(sdS[r * (BN + 1) + jl], sK[jl * ld + c], a);
+                    dq[m] = a;
+                }
+            }
+        }
+    }
+    if (i < si.sq) {
+        const float scale = f.softmax_scale;
+#pragma unroll
+        for (int m = 0; m < 32; ++m)
+            if (m < d8) dqg[(int64_t)i * p.dq_row_stride + sub + 8 * m] = dq[m] * scale;
+    }
+}
+
+cudaError_t run_bwd_f32(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream) {
+    const CfFwdParams& f = p.fwd;
+    cudaError_t e;
+    {
+        const size_t smem = F32BwdTraits::smem_bytes(f.d);
+        if (smem > 48 * 1024 &&
+            (e = cudaFuncSetAttribute(bwd_dkdv_f32_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess)
+            return e;
+        const dim3 grid((f.seqlen_k + F32BwdTraits::kBlockN - 1) / F32BwdTraits::kBlockN, f.hkv, f.b);
+        if (grid.x > 0) {
+            bwd_dkdv_f32_kernel<<<grid, F32BwdTraits::kNThreads, smem, stream>>>(p, ws);
+            if ((e = cudaGetLastError()) != cudaSuccess) return e;
+        }
+    }
+    {
+        const size_t smem = F32DqTraits::smem_bytes(f.d);
+        if (smem > 48 * 1024 &&
+            (e = cudaFuncSetAttribute(bwd_dq_f32_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess)
+            return e;
+        const dim3 grid((f.seqlen_q + F32DqTraits::kBlockM - 1) / F32DqTraits::kBlockM, f.h, f.b);
+        if (grid.x > 0) {
+            bwd_dq_f32_kernel<<<grid, F32DqTraits::kNThreads, smem, stream>>>(p, ws);
+            if ((e = cudaGetLastError()) != cudaSuccess) return e;
+        }
+    }
+    return cudaSuccess;
+}
+
+}  // namespace cf

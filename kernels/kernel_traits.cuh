@@ -1,0 +1,122 @@
+// The ONE place for tile sizes. Every kernel reads its shape from these traits; the
+// static_asserts document what the kernel code assumes.
+#pragma once
+#include "tile.cuh"
+
+namespace cf {
+
+// Head dims that get their own instantiation; d is rounded up to the next one (extra columns
+// are zero-filled on load and never stored).
+constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
+inline int round_head_dim(int d) {
+    return d <= 32 ? 32 : d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : d <= 192 ? 192 : 256;
+}
+
+// ------------------------------------------------------------------ forward (tensor cores)
+// CTA = kNWarps warps over kBlockM query rows (each warp owns kMTiles m16 tiles), looping over
+// kBlockN keys per step. Shared memory: Q [kBlockM][D] + K [kBlockN][D] + V [kBlockN][D].
+template <typename T_, int kHeadDim_>
+struct FwdTraits {
+    using Elem = T_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kHeadDim <= 128 ? 128 : 64;
+    static constexpr int kBlockN = kHeadDim <= 64 ? 64 : (kHeadDim <= 128 ? 64 : 64);
+    static constexpr int kNWarps = 4;
+    static constexpr int kNThreads = kNWarps * 32;
+    static constexpr int kMTiles = kBlockM / (16 * kNWarps);
+    static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
+
+    static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dim tile: multiple of 32, <= 256");
+    static_assert(kBlockM == 16 * kNWarps * kMTiles, "warps own whole m16 tiles");
+    static_assert(kBlockN % 16 == 0, "P*V k-steps of 16 keys");
+    static_assert(kSmemBytes <= 160 * 1024, "must fit sm_80's 163 KB");
+};
+
+// ------------------------------------------------------------------ backward (tensor cores)
+// dK/dV kernel: CTA = 8 warps over kBlockN keys of one KV head, looping over kBlockM query rows
+// per step (and over the query heads of its split). Three warp layouts:
+//   A (S = Q K^T, dP = dO V^T, kBlockM x kBlockN): kAWarpsM x kAWarpsN warps, 16*kAMT x 32 each
+//     (computed as kAHalves passes of 32/kAHalves keys to bound live registers)
+//   B (dV += P^T dO, dK += dS^T Q, kBlockN x D): 4 x 2 warps, 16*kBMT keys x D/2 columns each
+//     (the 2 warps interleave 16-column pairs)
+//   C (atomic dQ += dS K, kBlockM x D): kCWarpsM x kCWarpsD warps, 16*kCMT rows x D/kCWarpsD
+//     columns each (interleaved 16-column pairs), at most 32 columns at a time
+// Shared: K, V [kBlockN][D]; Q, dO [kStages][kBlockM][D]; P, dS [kBlockM][kBlockN];
+// lse, D [kStages][kBlockM] (f32). dK/dV are staged through the Q and dO buffers at the end.
+template <typename T_, int kHeadDim_>
+struct BwdTraits {
+    using Elem = T_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
+    static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+    static constexpr int kNWarps = 8;
+    static constexpr int kNThreads = kNWarps * 32;
+    static constexpr int kStages = kHeadDim <= 128 ? 2 : 1;  // Q/dO double buffering
+    static constexpr int kAWarpsN = kBlockN / 32, kAWarpsM = kNWarps / kAWarpsN;
+    static constexpr int kAMT = kBlockM / (16 * kAWarpsM);
+    static constexpr int kAHalves = (kAMT * kHeadDim >= 192) ? 2 : 1;  // phase A in 2 key halves
+    static constexpr int kBWarpsN = 4, kBWarpsD = 2;
+    static constexpr int kBMT = kBlockN / (16 * kBWarpsN);
+    static constexpr int kBNT = kHeadDim / 8 / kBWarpsD;
+    static constexpr int kBUnroll = ((kBMT == 2 && kHeadDim >= 96) || kHeadDim >= 192) ? 1 : kBlockM / 16;  // no spills
+    static constexpr int kCWarpsD = (kBlockN == 128 && kHeadDim % 64 == 0) ? 4 : 2;
+    static constexpr int kCWarpsM = kNWarps / kCWarpsD;
+    static constexpr int kCMT = kBlockM / (16 * kCWarpsM);
+    static constexpr int kCPairs = kHeadDim / 16 / kCWarpsD;            // 16-column pairs per warp
+    static constexpr int kCGroup = kCPairs % 2 == 0 ? 2 : 1;            // pairs per dQ sub-step
+    static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 +
+                                      2 * kStages * kBlockM * kHeadDim * 2 +
+                                      2 * kBlockM * kBlockN * 2 + 2 * kStages * kBlockM * 4;
+
+    static_assert(kAWarpsM * kAWarpsN == kNWarps && 16 * kAMT * kAWarpsM == kBlockM, "layout A");
+    static_assert(16 * kBMT * kBWarpsN == kBlockN && kBWarpsN * kBWarpsD == kNWarps, "layout B");
+    static_assert((kHeadDim / 16) % kBWarpsD == 0 && kBNT % 2 == 0, "layout B columns");
+    static_assert(16 * kCMT * kCWarpsM == kBlockM && (kHeadDim / 16) % kCWarpsD == 0, "layout C");
+    static_assert(kCWarpsD * 2 <= 4 || kHeadDim % 64 == 0, "pair stride 8 needs 8-chunk swizzle");
+    static_assert(kStages * kBlockM >= kBlockN, "dK/dV staging fits in the Q/dO buffers");
+    static_assert((kBlockN / 8) % 8 == 0, "P/dS rows: 8-chunk swizzle (transposed reads)");
+    static_assert(kSmemBytes <= 163 * 1024, "must fit sm_80's 163 KB");
+};
+
+// Deterministic dQ kernel: like the forward, 4 warps each owning 16 query rows, looping over
+// kBlockN keys per step with K/V double-buffered. Shared: Q, dO [kBlockM][D]; K, V [2][kBlockN][D].
+template <typename T_, int kHeadDim_>
+struct BwdDqTraits {
+    using Elem = T_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = 64;
+    static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;
+    static constexpr int kNWarps = 4;
+    static constexpr int kNThreads = kNWarps * 32;
+    static constexpr int kSmemBytes = 2 * kBlockM * kHeadDim * 2 + 4 * kBlockN * kHeadDim * 2;
+
+    static_assert(kBlockM == 16 * kNWarps, "one m16 tile per warp");
+    static_assert(kBlockN % 16 == 0, "dS*K k-steps of 16 keys");
+    static_assert(kSmemBytes <= 160 * 1024, "must fit sm_80's 163 KB");
+};
+
+// ------------------------------------------------------------------ f32 (SIMT)
+struct F32FwdTraits {  // 16 query rows x 32 keys, 8 threads per row
+    static constexpr int kBlockM = 16, kBlockN = 32, kNThreads = 128;
+    static size_t smem_bytes(int d) {
+        return size_t(4) * ((kBlockM + 2 * kBlockN) * (d + 1) + kBlockM * (kBlockN + 1));
+    }
+};
+struct F32BwdTraits {  // dK/dV: 16 keys per CTA, 32 query rows per step
+    static constexpr int kBlockN = 16, kBlockM = 32, kNThreads = 128;
+    static size_t smem_bytes(int d) {
+        return size_t(4) * ((2 * kBlockN + 2 * kBlockM) * (d + 1) + 2 * kBlockM * (kBlockN + 1) +
+                            2 * kBlockM);
+    }
+};
+struct F32DqTraits {  // dQ: 16 query rows x 32 keys
+    static constexpr int kBlockM = 16, kBlockN = 32, kNThreads = 128;
+    static size_t smem_bytes(int d) {
+        return size_t(4) * ((2 * kBlockM + 2 * kBlockN) * (d + 1) + kBlockM * (kBlockN + 1));
+    }
+};
+static_assert(F32FwdTraits::kNThreads == F32FwdTraits::kBlockM * 8, "8 threads per query row");
+static_assert(F32DqTraits::kNThreads == F32DqTraits::kBlockM * 8, "8 threads per query row");
+static_assert(F32BwdTraits::kNThreads == F32BwdTraits::kBlockN * 8, "8 threads per key row");
+
+}  // namespace cf

@@ -1,0 +1,21 @@
+// Host-side launchers, one per (kernel family, dtype, head-dim tile); defined and explicitly
+// instantiated in flash_fwd.cu / flash_bwd_*.cu, dispatched from flash_api.cu.
+#pragma once
+#include <cuda_runtime.h>
+#include "attn_common.cuh"
+
+namespace cf {
+
+template <typename T, int D>
+cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);
+cudaError_t run_fwd_f32(const CfFwdParams& p, cudaStream_t stream);
+
+// Writes dsum (D = rowsum(dO*O)) into ws.dsum.
+cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
+// Tensor-core backward after dsum: dK/dV (+ atomic dQ when ws.dq_accum), then the dQ pass
+// (deterministic) or the dQ conversion, then the split reduction (ws.nsplit > 1).
+template <typename T, int D>
+cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
+cudaError_t run_bwd_f32(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
+
+}  // namespace cf

@@ -1,0 +1,175 @@
+//! The tiled CPU path: FlashAttention's algorithm (not matmul-softmax-matmul) on f32 tiles.
+//!
+//! Tiles of [`Q_TILE`] query rows meet tiles of [`K_TILE`] key rows; each worker keeps only
+//! tile-sized scratch, so memory stays O(N). f16/bf16 inputs are widened to f32 once on entry
+//! and the results narrowed once on exit: all accumulation is f32, as on the GPU. Work is spread
+//! over (sequence, head, tile) with rayon; tile products go through the `gemm` crate, which
+//! candle itself uses for its CPU matmul.
+
+mod bwd;
+mod fwd;
+
+pub(crate) use bwd::{backward, BwdInputs};
+pub(crate) use fwd::forward;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, DType, Layout, Result};
+use half::{bf16, f16};
+use std::borrow::Cow;
+
+/// Query rows per tile (per worker task in the forward).
+pub const Q_TILE: usize = 64;
+/// Key rows per tile. 64x64 score tiles (16 KiB in f32) stay in L1/L2 next to a Q tile.
+pub const K_TILE: usize = 64;
+
+/// The tensor's elements in logical (row-major) order as f32: borrowed when the storage is
+/// already contiguous f32, converted otherwise.
+pub(crate) fn dense_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<Cow<'a, [f32]>> {
+    fn gather<T: Copy>(data: &[T], layout: &Layout, to_f32: impl Fn(T) -> f32) -> Vec<f32> {
+        match layout.contiguous_offsets() {
+            Some((start, end)) => data[start..end].iter().map(|&x| to_f32(x)).collect(),
+            None => strided_offsets(layout).map(|i| to_f32(data[i])).collect(),
+        }
+    }
+    Ok(match storage {
+        CpuStorage::F32(data) => match layout.contiguous_offsets() {
+            Some((start, end)) => Cow::Borrowed(&data[start..end]),
+            None => Cow::Owned(gather(data, layout, |x| x)),
+        },
+        CpuStorage::F16(data) => Cow::Owned(gather(data, layout, f16::to_f32)),
+        CpuStorage::BF16(data) => Cow::Owned(gather(data, layout, bf16::to_f32)),
+        other => bail!("candle-flash: unsupported dtype {:?} on cpu", other.dtype()),
+    })
+}
+
+/// Storage offsets of a strided layout's elements in logical (row-major) order.
+fn strided_offsets(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
+    let (dims, strides) = (layout.dims(), layout.stride());
+    let mut index = vec![0usize; dims.len()];
+    let mut offset = layout.start_offset();
+    (0..layout.shape().elem_count()).map(move |_| {
+        let current = offset;
+        // Advance the multi-index like an odometer, last axis fastest.
+        for axis in (0..dims.len()).rev() {
+            index[axis] += 1;
+            offset += strides[axis];
+            if index[axis] < dims[axis] {
+                break;
+            }
+            offset -= strides[axis] * dims[axis];
+            index[axis] = 0;
+        }
+        current
+    })
+}
+
+/// Narrows f32 results to the dtype of the inputs.
+pub(crate) fn storage_from_f32(data: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(data),
+        DType::F16 => CpuStorage::F16(data.into_iter().map(f16::from_f32).collect()),
+        DType::BF16 => CpuStorage::BF16(data.into_iter().map(bf16::from_f32).collect()),
+        dt => bail!("candle-flash: unsupported dtype {dt:?} on cpu"),
+    })
+}
+
+/// A raw pointer that rayon tasks may share. Each task writes a disjoint set of elements:
+/// the (row, head) slots of its own sequence, head and tile.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedMut(pub *mut f32);
+// SAFETY: only used for writes to disjoint elements, as stated at each use.
+unsafe impl Send for SharedMut {}
+unsafe impl Sync for SharedMut {}
+
+/// A row-major matrix view: element (r, c) at `ptr[r * row_stride + c * col_stride]`.
+#[derive(Clone, Copy)]
+pub(crate) struct MatRef {
+    pub ptr: *const f32,
+    pub row_stride: isize,
+    pub col_stride: isize,
+}
+
+impl MatRef {
+    pub fn rows(ptr: *const f32, row_stride: usize) -> Self {
+        Self { ptr, row_stride: row_stride as isize, col_stride: 1 }
+    }
+    /// The transpose of the row-major matrix at `ptr`, without moving data.
+    pub fn transposed(ptr: *const f32, row_stride: usize) -> Self {
+        Self { ptr, row_stride: 1, col_stride: row_stride as isize }
+    }
+}
+
+/// `dst (m×n, row stride dst_rs) = [dst +] beta · a (m×k) · b (k×n)`, single-threaded (the
+/// callers are already parallel).
+///
+/// # Safety
+/// Every pointer must be valid for the extents and strides given.
+pub(crate) unsafe fn tile_matmul(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    a: MatRef,
+    b: MatRef,
+    beta: f32,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                std::slice::from_raw_parts_mut(dst.add(r * dst_rs), n).fill(0.0);
+            }
+        }
+        return;
+    }
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        accumulate,
+        a.ptr,
+        a.col_stride,
+        a.row_stride,
+        b.ptr,
+        b.col_stride,
+        b.row_stride,
+        1.0,
+        beta,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    )
+}
+
+/// Turns raw q·k products of one row into logits: scale, softcap, ALiBi, and -inf outside
+/// the visible key range `[lo, hi)` (columns are keys `j0..j0 + row.len()`).
+#[inline]
+pub(crate) fn logits_row(
+    row: &mut [f32],
+    j0: usize,
+    (lo, hi): (usize, usize),
+    scale: f32,
+    softcap: Option<f32>,
+    alibi: Option<(f32, isize)>,
+) {
+    match softcap {
+        None => row.iter_mut().for_each(|x| *x *= scale),
+        Some(c) => row.iter_mut().for_each(|x| *x = c * (*x * scale / c).tanh()),
+    }
+    if let Some((slope, pos)) = alibi {
+        for (c, x) in row.iter_mut().enumerate() {
+            *x -= slope * (pos - (j0 + c) as isize).unsigned_abs() as f32;
+        }
+    }
+    let n = row.len();
+    let vis_lo = lo.saturating_sub(j0).min(n);
+    let vis_hi = hi.saturating_sub(j0).min(n).max(vis_lo);
+    row[..vis_lo].fill(f32::NEG_INFINITY);
+    row[vis_hi..].fill(f32::NEG_INFINITY);
+}

@@ -1,0 +1,248 @@
+//! # candle-flash
+//!
+//! Exact, IO-aware FlashAttention for [Candle](https://github.com/huggingface/candle): forward
+//! **and backward**, as a candle `CustomOp3`, on CUDA (feature `cuda`) and on the CPU (a tiled
+//! implementation of the same algorithm), with the call signatures of `candle-flash-attn`.
+//!
+//! Layouts: q `(B, Sq, H, D)`, k and v `(B, Sk, Hkv, D)`, output `(B, Sq, H, D)`. Varlen: q
+//! `(total_q, H, D)`, k/v `(total_k, Hkv, D)` and cumulative u32 seqlens of length B+1.
+//! `H % Hkv == 0` (GQA/MQA without repeating K/V). Causal masks are aligned bottom-right when
+//! Sq ≠ Sk: query i sees key j iff `j <= i + Sk - Sq`. A row that sees no key gives 0 (and an
+//! LSE of -inf), never NaN. dtypes f32, f16, bf16 (f32 accumulation); head dims up to 256.
+//!
+//! `Tensor::backward()` through any of these functions gives dq, dk, dv; see [`op`] for how
+//! the backward reaches the forward's log-sum-exp without recomputing the forward.
+//!
+//! ```
+//! use candle_core::{Device, Tensor, DType};
+//! let dev = Device::Cpu;
+//! let q = Tensor::randn(0f32, 1., (1, 16, 4, 64), &dev)?;
+//! let k = Tensor::randn(0f32, 1., (1, 16, 2, 64), &dev)?;
+//! let v = Tensor::randn(0f32, 1., (1, 16, 2, 64), &dev)?;
+//! let out = candle_flash::flash_attn(&q, &k, &v, 0.125, true)?;
+//! assert_eq!(out.dims(), &[1, 16, 4, 64]);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod op;
+pub mod params;
+pub mod reference;
+
+pub use params::{FlashAttnOptions, VarLen, MAX_HEAD_DIM};
+
+use candle_core::{Result, Tensor};
+use op::{FlashAttnOp, LseSlot};
+use std::sync::Arc;
+
+/// Attention with every option in `opts`: the function all the `flash_attn*` variants call.
+pub fn flash_attn_with_options(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<Tensor> {
+    Ok(flash_attn_with_lse(q, k, v, opts)?.0)
+}
+
+/// Attention and its log-sum-exp (natural log, f32, `(B, H, Sq)`; `(H, total_q)` for varlen).
+/// The output is differentiable; the LSE is a plain tensor (no gradient).
+pub fn flash_attn_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<(Tensor, Tensor)> {
+    let shape = params::validate(q, k, v, opts)?;
+    let lse = LseSlot::default();
+    let op = FlashAttnOp { opts: opts.clone(), shape, lse: lse.clone() };
+    let out = q.apply_op3_arc(k, v, Arc::new(Box::new(op)))?;
+    Ok((out, lse.get()?))
+}
+
+/// Explicit backward for callers with their own autograd: `(dq, dk, dv)` from the forward's
+/// inputs, output, output gradient and LSE (as returned by [`flash_attn_with_lse`]).
+/// dk and dv are summed over the query heads that share each KV head.
+pub fn flash_attn_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    grad_out: &Tensor,
+    lse: &Tensor,
+    opts: &FlashAttnOptions,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let shape = params::validate(q, k, v, opts)?;
+    op::backward(&shape, opts, q, k, v, out, grad_out, lse)
+}
+
+/// Flash attention. q `(B, Sq, H, D)`, k/v `(B, Sk, Hkv, D)` → `(B, Sq, H, D)`.
+pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32, causal: bool) -> Result<Tensor> {
+    flash_attn_with_options(q, k, v, &FlashAttnOptions::new(softmax_scale).causal(causal))
+}
+
+/// Flash attention with a sliding window: key j is visible to query i iff
+/// `i + Sk - Sq - left <= j <= i + Sk - Sq + right` (`None` = unbounded on that side).
+pub fn flash_attn_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+) -> Result<Tensor> {
+    let opts = FlashAttnOptions::new(softmax_scale).window(window_size_left, window_size_right);
+    flash_attn_with_options(q, k, v, &opts)
+}
+
+/// Flash attention with ALiBi (`alibi_slopes`: f32 `[H]` or `[B, H]`).
+pub fn flash_attn_alibi(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: &Tensor,
+    softmax_scale: f32,
+    causal: bool,
+) -> Result<Tensor> {
+    let opts = FlashAttnOptions::new(softmax_scale).causal(causal).alibi(Some(alibi_slopes));
+    flash_attn_with_options(q, k, v, &opts)
+}
+
+/// Flash attention with ALiBi and a sliding window.
+pub fn flash_attn_alibi_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: &Tensor,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+) -> Result<Tensor> {
+    let opts = FlashAttnOptions::new(softmax_scale)
+        .window(window_size_left, window_size_right)
+        .alibi(Some(alibi_slopes));
+    flash_attn_with_options(q, k, v, &opts)
+}
+
+/// Flash attention with optional ALiBi, a sliding window and a softcap `c > 0` (the logit s
+/// becomes `c·tanh(s/c)`). Unlike candle-flash-attn, `softcap <= 0` is an error, not "off".
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_alibi_windowed_softcap(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: Option<&Tensor>,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+    softcap: f32,
+) -> Result<Tensor> {
+    let opts = FlashAttnOptions::new(softmax_scale)
+        .window(window_size_left, window_size_right)
+        .alibi(alibi_slopes)
+        .softcap(Some(softcap));
+    flash_attn_with_options(q, k, v, &opts)
+}
+
+fn varlen(seqlens_q: &Tensor, seqlens_k: &Tensor, max_seqlen_q: usize, max_seqlen_k: usize) -> Option<VarLen> {
+    Some(VarLen { seqlens_q: seqlens_q.clone(), seqlens_k: seqlens_k.clone(), max_seqlen_q, max_seqlen_k })
+}
+
+/// Varlen flash attention: q `(total_q, H, D)`, k/v `(total_k, Hkv, D)`, seqlens cumulative
+/// u32 `[B+1]` starting at 0 and ending at the totals.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    causal: bool,
+) -> Result<Tensor> {
+    let opts = FlashAttnOptions::new(softmax_scale)
+        .causal(causal)
+        .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k));
+    flash_attn_with_options(q, k, v, &opts)
+}
+
+/// Varlen flash attention with a sliding window.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+) -> Result<Tensor> {
+    let opts = FlashAttnOptions::new(softmax_scale)
+        .window(window_size_left, window_size_right)
+        .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k));
+    flash_attn_with_options(q, k, v, &opts)
+}
+
+/// Varlen flash attention with ALiBi.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_alibi(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    causal: bool,
+) -> Result<Tensor> {
+    let opts = FlashAttnOptions::new(softmax_scale)
+        .causal(causal)
+        .alibi(Some(alibi_slopes))
+        .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k));
+    flash_attn_with_options(q, k, v, &opts)
+}
+
+/// Varlen flash attention with ALiBi and a sliding window.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_alibi_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+) -> Result<Tensor> {
+    let opts = FlashAttnOptions::new(softmax_scale)
+        .window(window_size_left, window_size_right)
+        .alibi(Some(alibi_slopes))
+        .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k));
+    flash_attn_with_options(q, k, v, &opts)
+}
+
+/// Varlen flash attention with optional ALiBi, a sliding window and a softcap `c > 0`.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_alibi_windowed_softcap(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: Option<&Tensor>,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+    softcap: f32,
+) -> Result<Tensor> {
+    let opts = FlashAttnOptions::new(softmax_scale)
+        .window(window_size_left, window_size_right)
+        .alibi(alibi_slopes)
+        .softcap(Some(softcap))
+        .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k));
+    flash_attn_with_options(q, k, v, &opts)
+}

@@ -1,0 +1,120 @@
+//! The plain attention: softmax(scale·QKᵀ + bias)·V with the whole score matrix materialised,
+//! built from candle tensor ops so that candle's autograd differentiates it. Same options,
+//! layouts and edge cases as the fast paths; used by the tests, the benchmark (`--impl naive`)
+//! and the Llama block (`AttnImpl::Naive`). It computes in the dtype of its inputs: convert
+//! them to f64 for a ground truth.
+
+use crate::params::{validate_reference, AttnShape, FlashAttnOptions, SeqSpan};
+use candle_core::{DType, Result, Tensor, D};
+
+/// Naive attention with the layouts of [`crate::flash_attn`] (or the varlen layout when
+/// `opts.varlen` is set).
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<Tensor> {
+    Ok(attention_with_lse(q, k, v, opts)?.0)
+}
+
+/// Naive attention and its log-sum-exp (f32, `(B, H, Sq)`, or `(H, total_q)` for varlen).
+pub fn attention_with_lse(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &FlashAttnOptions,
+) -> Result<(Tensor, Tensor)> {
+    let shape = validate_reference(q, k, v, opts)?;
+    let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+    // Packed row views: (total, heads, D) for both layouts.
+    let qp = q.reshape((shape.total_q, h, d))?;
+    let kp = k.reshape((shape.total_k, hkv, d))?;
+    let vp = v.reshape((shape.total_k, hkv, d))?;
+    let mut outs = Vec::with_capacity(shape.batch);
+    let mut lses = Vec::with_capacity(shape.batch);
+    for (b, seq) in shape.seqs.iter().enumerate() {
+        let qs = qp.narrow(0, seq.q_start, seq.q_len)?;
+        let ks = kp.narrow(0, seq.k_start, seq.k_len)?;
+        let vs = vp.narrow(0, seq.k_start, seq.k_len)?;
+        let (o, lse) = sequence_attention(&qs, &ks, &vs, opts, &shape, seq, b)?;
+        outs.push(o);
+        lses.push(lse);
+    }
+    let out = Tensor::cat(&outs, 0)?.reshape(q.dims())?;
+    let lse = if shape.is_varlen {
+        Tensor::cat(&lses, 1)?
+    } else {
+        Tensor::stack(&lses, 0)?
+    };
+    Ok((out, lse))
+}
+
+/// The additive bias of one sequence, `(H, Sq, Sk)` f32: ALiBi where set, -inf where masked.
+fn bias(opts: &FlashAttnOptions, shape: &AttnShape, seq: &SeqSpan, b: usize) -> Vec<f32> {
+    let (sq, sk, h) = (seq.q_len, seq.k_len, shape.num_heads);
+    let mut out = vec![0f32; h * sq * sk];
+    for head in 0..h {
+        let slope = shape.alibi_slope(b, head);
+        for i in 0..sq {
+            let (lo, hi) = shape.key_range(opts, seq, i);
+            let pos = i as isize + seq.diag_offset();
+            for j in 0..sk {
+                let idx = (head * sq + i) * sk + j;
+                out[idx] = if j < lo || j >= hi {
+                    f32::NEG_INFINITY
+                } else if let Some(slope) = slope {
+                    -slope * (pos - j as isize).unsigned_abs() as f32
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+    out
+}
+
+/// q `(Sq, H, D)`, k/v `(Sk, Hkv, D)` → out `(Sq, H, D)`, lse `(H, Sq)` f32.
+fn sequence_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &FlashAttnOptions,
+    shape: &AttnShape,
+    seq: &SeqSpan,
+    b: usize,
+) -> Result<(Tensor, Tensor)> {
+    let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+    let (sq, sk) = (seq.q_len, seq.k_len);
+    let dtype = q.dtype();
+    if sk == 0 || sq == 0 {
+        // No key at all: every row is fully masked (output 0, lse -inf). Multiplying by zero
+        // keeps q in the graph so that autograd still returns (zero) gradients.
+        let out = (q.zeros_like()? + (q * 0.0)?)?;
+        let lse = Tensor::full(f32::NEG_INFINITY, (h, sq), q.device())?;
+        return Ok((out, lse));
+    }
+    let group = h / hkv;
+    let qh = q.transpose(0, 1)?.contiguous()?; // (H, Sq, D)
+    // Repeat each KV head for its group of query heads (fine here: this is the reference).
+    let expand = |t: &Tensor| -> Result<Tensor> {
+        t.transpose(0, 1)?
+            .unsqueeze(1)?
+            .expand((hkv, group, sk, d))?
+            .reshape((h, sk, d))
+    };
+    let (kh, vh) = (expand(k)?, expand(v)?);
+    let mut s = (qh.matmul(&kh.t()?)? * opts.softmax_scale as f64)?; // (H, Sq, Sk)
+    if let Some(c) = opts.softcap {
+        s = ((s / c as f64)?.tanh()? * c as f64)?;
+    }
+    let bias = Tensor::from_vec(bias(opts, shape, seq, b), (h, sq, sk), q.device())?.to_dtype(dtype)?;
+    let s = (s + bias)?;
+    // Softmax that gives 0 (not NaN) on rows with no visible key. The max only shifts the
+    // exponent, so it is detached; fully masked rows shift by 0 and divide by 1.
+    let m = s.max_keepdim(D::Minus1)?.detach();
+    let neg_inf = m.eq(f64::NEG_INFINITY)?;
+    let m = neg_inf.where_cond(&m.zeros_like()?, &m)?;
+    let e = s.broadcast_sub(&m)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    let denom = (&sum + sum.eq(0.0)?.to_dtype(dtype)?.detach())?;
+    let p = e.broadcast_div(&denom)?;
+    let out = p.matmul(&vh)?.transpose(0, 1)?; // (Sq, H, D)
+    let lse = (m.to_dtype(DType::F32)? + sum.to_dtype(DType::F32)?.log()?)?.squeeze(D::Minus1)?;
+    Ok((out, lse))
+}
