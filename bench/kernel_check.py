@@ -492,6 +492,11 @@ def matrix(quick):
         C("f16-d256-1023", "f16", b=1, h=2, sq=1023, d=256, wl=-1, wr=0),
         C("bf16-d192-q1023-k17", "bf16", b=1, h=2, sq=1023, sk=17, d=192),
         C("bf16-softcap-alibi-window", "bf16", b=2, h=2, sq=90, d=72, wl=20, wr=3, softcap=4.0, alibi="bh", qmul=3),
+        # GQA grids large enough that one CTA loops over several query heads (nsplit 1, 4 heads;
+        # nsplit 2, 2 heads) instead of one head per split
+        C("bf16-gqa-headloop", "bf16", b=3, h=8, hkv=2, sq=300, sk=2900, d=64),
+        C("f16-gqa-headloop-det-causal", "f16", b=3, h=8, hkv=2, sq=300, sk=2900, d=64, wl=-1, wr=0, det=True),
+        C("bf16-gqa-split2-window", "bf16", b=1, h=8, hkv=2, sq=200, sk=4200, d=128, wl=3000, wr=16),
     ]
     return cases
 

@@ -47,14 +47,14 @@ template <typename T_, int kHeadDim_>
 struct BwdTraits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
+    static constexpr int kBlockM = 64;
     static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
     static constexpr int kNWarps = 8;
     static constexpr int kNThreads = kNWarps * 32;
     static constexpr int kStages = kHeadDim <= 128 ? 2 : 1;  // Q/dO double buffering
     static constexpr int kAWarpsN = kBlockN / 32, kAWarpsM = kNWarps / kAWarpsN;
     static constexpr int kAMT = kBlockM / (16 * kAWarpsM);
-    static constexpr int kAHalves = (kAMT * kHeadDim >= 192) ? 2 : 1;  // phase A in 2 key halves
+    static constexpr int kAHalves = (kAMT == 2 && kHeadDim >= 96) ? 2 : 1;  // phase A in 2 key halves
     static constexpr int kBWarpsN = 4, kBWarpsD = 2;
     static constexpr int kBMT = kBlockN / (16 * kBWarpsN);
     static constexpr int kBNT = kHeadDim / 8 / kBWarpsD;

@@ -10,7 +10,7 @@ use candle_core::{DType, Result, Tensor, D};
 /// Naive attention with the layouts of [`crate::flash_attn`] (or the varlen layout when
 /// `opts.varlen` is set).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<Tensor> {
-    Ok(attention_with_lse(q, k, v, opts)?.0)
+    Ok(attention_impl(q, k, v, opts, false)?.0)
 }
 
 /// Naive attention and its log-sum-exp (f32, `(B, H, Sq)`, or `(H, total_q)` for varlen).
@@ -20,6 +20,18 @@ pub fn attention_with_lse(
     v: &Tensor,
     opts: &FlashAttnOptions,
 ) -> Result<(Tensor, Tensor)> {
+    let (out, lse) = attention_impl(q, k, v, opts, true)?;
+    let lse = lse.ok_or_else(|| candle_core::Error::Msg("candle-flash: reference lse missing".into()))?;
+    Ok((out, lse))
+}
+
+fn attention_impl(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &FlashAttnOptions,
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     let shape = validate_reference(q, k, v, opts)?;
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
     // Packed row views: (total, heads, D) for both layouts.
@@ -32,31 +44,40 @@ pub fn attention_with_lse(
         let qs = qp.narrow(0, seq.q_start, seq.q_len)?;
         let ks = kp.narrow(0, seq.k_start, seq.k_len)?;
         let vs = vp.narrow(0, seq.k_start, seq.k_len)?;
-        let (o, lse) = sequence_attention(&qs, &ks, &vs, opts, &shape, seq, b)?;
+        let (o, lse) = sequence_attention(&qs, &ks, &vs, opts, &shape, seq, b, want_lse)?;
         outs.push(o);
-        lses.push(lse);
+        lses.extend(lse);
     }
     let out = Tensor::cat(&outs, 0)?.reshape(q.dims())?;
+    if !want_lse {
+        return Ok((out, None));
+    }
     let lse = if shape.is_varlen {
         Tensor::cat(&lses, 1)?
     } else {
         Tensor::stack(&lses, 0)?
     };
-    Ok((out, lse))
+    Ok((out, Some(lse)))
 }
 
-/// The additive bias of one sequence, `(H, Sq, Sk)` f32: ALiBi where set, -inf where masked.
-fn bias(opts: &FlashAttnOptions, shape: &AttnShape, seq: &SeqSpan, b: usize) -> Vec<f32> {
-    let (sq, sk, h) = (seq.q_len, seq.k_len, shape.num_heads);
-    let mut out = vec![0f32; h * sq * sk];
-    for head in 0..h {
+/// The additive bias of one sequence, `(H or 1, Sq, Sk)` f32: ALiBi where set (per head),
+/// -inf where masked. None when every query sees every key without a bias.
+fn bias(opts: &FlashAttnOptions, shape: &AttnShape, seq: &SeqSpan, b: usize) -> Option<(Vec<f32>, usize)> {
+    let (sq, sk) = (seq.q_len, seq.k_len);
+    let unmasked = (0..sq).all(|i| shape.key_range(opts, seq, i) == (0, sk));
+    if unmasked && shape.alibi_per_head.is_none() {
+        return None;
+    }
+    let heads = if shape.alibi_per_head.is_some() { shape.num_heads } else { 1 };
+    let mut out = vec![0f32; heads * sq * sk];
+    for head in 0..heads {
         let slope = shape.alibi_slope(b, head);
         for i in 0..sq {
             let (lo, hi) = shape.key_range(opts, seq, i);
             let pos = i as isize + seq.diag_offset();
-            for j in 0..sk {
-                let idx = (head * sq + i) * sk + j;
-                out[idx] = if j < lo || j >= hi {
+            let row = &mut out[(head * sq + i) * sk..(head * sq + i + 1) * sk];
+            for (j, x) in row.iter_mut().enumerate() {
+                *x = if j < lo || j >= hi {
                     f32::NEG_INFINITY
                 } else if let Some(slope) = slope {
                     -slope * (pos - j as isize).unsigned_abs() as f32
@@ -66,10 +87,11 @@ fn bias(opts: &FlashAttnOptions, shape: &AttnShape, seq: &SeqSpan, b: usize) -> 
             }
         }
     }
-    out
+    Some((out, heads))
 }
 
-/// q `(Sq, H, D)`, k/v `(Sk, Hkv, D)` → out `(Sq, H, D)`, lse `(H, Sq)` f32.
+/// q `(Sq, H, D)`, k/v `(Sk, Hkv, D)` → out `(Sq, H, D)`, lse `(H, Sq)` f32 (when asked for).
+#[allow(clippy::too_many_arguments)]
 fn sequence_attention(
     q: &Tensor,
     k: &Tensor,
@@ -78,7 +100,8 @@ fn sequence_attention(
     shape: &AttnShape,
     seq: &SeqSpan,
     b: usize,
-) -> Result<(Tensor, Tensor)> {
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
     let (sq, sk) = (seq.q_len, seq.k_len);
     let dtype = q.dtype();
@@ -87,7 +110,7 @@ fn sequence_attention(
         // keeps q in the graph so that autograd still returns (zero) gradients.
         let out = (q.zeros_like()? + (q * 0.0)?)?;
         let lse = Tensor::full(f32::NEG_INFINITY, (h, sq), q.device())?;
-        return Ok((out, lse));
+        return Ok((out, Some(lse)));
     }
     let group = h / hkv;
     let qh = q.transpose(0, 1)?.contiguous()?; // (H, Sq, D)
@@ -99,12 +122,24 @@ fn sequence_attention(
             .reshape((h, sk, d))
     };
     let (kh, vh) = (expand(k)?, expand(v)?);
-    let mut s = (qh.matmul(&kh.t()?)? * opts.softmax_scale as f64)?; // (H, Sq, Sk)
+    let mut s = (qh.matmul(&kh.t()?.contiguous()?)? * opts.softmax_scale as f64)?; // (H, Sq, Sk)
     if let Some(c) = opts.softcap {
         s = ((s / c as f64)?.tanh()? * c as f64)?;
     }
-    let bias = Tensor::from_vec(bias(opts, shape, seq, b), (h, sq, sk), q.device())?.to_dtype(dtype)?;
-    let s = (s + bias)?;
+    if let Some((bias, heads)) = bias(opts, shape, seq, b) {
+        let bias = Tensor::from_vec(bias, (heads, sq, sk), q.device())?.to_dtype(dtype)?;
+        s = s.broadcast_add(&bias)?;
+    }
+    let no_empty_row = (0..sq).all(|i| {
+        let (lo, hi) = shape.key_range(opts, seq, i);
+        hi > lo
+    });
+    let tracked = [q, k, v].iter().any(|t| t.track_op());
+    if !want_lse && !tracked && no_empty_row {
+        // Inference without empty rows: candle's fused softmax (no backward, no LSE needed).
+        let p = candle_nn::ops::softmax_last_dim(&s)?;
+        return Ok((p.matmul(&vh)?.transpose(0, 1)?, None));
+    }
     // Softmax that gives 0 (not NaN) on rows with no visible key. The max only shifts the
     // exponent, so it is detached; fully masked rows shift by 0 and divide by 1.
     let m = s.max_keepdim(D::Minus1)?.detach();
@@ -116,5 +151,5 @@ fn sequence_attention(
     let p = e.broadcast_div(&denom)?;
     let out = p.matmul(&vh)?.transpose(0, 1)?; // (Sq, H, D)
     let lse = (m.to_dtype(DType::F32)? + sum.to_dtype(DType::F32)?.log()?)?.squeeze(D::Minus1)?;
-    Ok((out, lse))
+    Ok((out, Some(lse)))
 }

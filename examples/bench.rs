@@ -1,0 +1,261 @@
+//! Attention benchmark: flash vs the naive reference, forward, backward and both.
+//!
+//! `cargo run --release --example bench -- --device cpu` prints one JSON object per line
+//! (keys: impl, mode, causal, dtype, b, h, hkv, nq, nk, d, ms, tflops, peak_mb) and a table at
+//! the end. TFLOP/s counts 4·B·H·Nq·Nk·D for the forward (halved when causal), 2.5× that for
+//! the backward and 3.5× for forward+backward. peak_mb is the peak of heap memory allocated
+//! during one call on the CPU (this binary counts allocations), and the growth of used device
+//! memory on CUDA (a lower bound: candle's allocator frees eagerly).
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_flash::{flash_attn_backward, flash_attn_with_lse, reference, FlashAttnOptions};
+use clap::Parser;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::time::Instant;
+
+/// Counts live heap bytes and their peak, so that the CPU rows can report peak memory.
+struct CountingAlloc;
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator unchanged; only adds bookkeeping.
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc(layout);
+        if !p.is_null() {
+            let live = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
+            PEAK.fetch_max(live, Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+        LIVE.fetch_sub(layout.size(), Relaxed);
+    }
+}
+
+#[global_allocator]
+static GLOBAL: CountingAlloc = CountingAlloc;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// cpu or cuda
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Comma-separated: flash, naive
+    #[arg(long = "impl", default_value = "flash,naive")]
+    implementation: String,
+    /// Comma-separated: fwd, bwd, fwd_bwd
+    #[arg(long, default_value = "fwd,bwd")]
+    mode: String,
+    /// Comma-separated sequence lengths (Nq = Nk)
+    #[arg(long, default_value = "256,1024,2048,4096")]
+    seqlens: String,
+    /// Query heads; comma-separated list allowed
+    #[arg(long, default_value = "8")]
+    heads: String,
+    /// KV heads (default: as many as query heads)
+    #[arg(long)]
+    hkv: Option<usize>,
+    /// Head dims, comma-separated
+    #[arg(long, default_value = "64")]
+    hdim: String,
+    /// Batch sizes, comma-separated
+    #[arg(long, default_value = "1")]
+    batch: String,
+    /// true, false or both
+    #[arg(long, default_value = "both")]
+    causal: String,
+    /// f32, f16 or bf16
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Query length override (decode shapes: --nq 1); default Nq = Nk
+    #[arg(long)]
+    nq: Option<usize>,
+    /// Timed iterations (the median is reported)
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
+    /// Skip naive runs whose score matrices would exceed this many GiB
+    #[arg(long, default_value_t = 6.0)]
+    naive_max_gib: f64,
+}
+
+fn list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>> {
+    s.split(',')
+        .map(|x| x.trim().parse::<T>().map_err(|_| anyhow::anyhow!("bad list item {x:?}")))
+        .collect()
+}
+
+struct Row {
+    implementation: String,
+    mode: String,
+    causal: bool,
+    dims: (usize, usize, usize, usize, usize, usize), // b, h, hkv, nq, nk, d
+    ms: f64,
+    tflops: f64,
+    peak_mb: Option<f64>,
+}
+
+fn sync(device: &Device) -> Result<()> {
+    device.synchronize()?;
+    Ok(())
+}
+
+fn used_device_mb(device: &Device) -> Option<f64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(_) = device {
+        use candle_core::cuda_backend::cudarc::driver::result::mem_get_info;
+        return mem_get_info().ok().map(|(free, total)| (total - free) as f64 / 1e6);
+    }
+    let _ = device;
+    None
+}
+
+/// Median time of `f` over `iters` runs after one warm-up, and the peak memory of one run.
+fn time<F: FnMut() -> Result<()>>(device: &Device, iters: usize, mut f: F) -> Result<(f64, Option<f64>)> {
+    f()?;
+    sync(device)?;
+    let base_live = LIVE.load(Relaxed);
+    PEAK.store(base_live, Relaxed);
+    let dev_before = used_device_mb(device);
+    let mut times = vec![];
+    let mut dev_peak: Option<f64> = None;
+    for _ in 0..iters.max(1) {
+        let t = Instant::now();
+        f()?;
+        sync(device)?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+        if let (Some(b), Some(a)) = (dev_before, used_device_mb(device)) {
+            dev_peak = Some(dev_peak.unwrap_or(0.0).max(a - b));
+        }
+    }
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let peak = if device.is_cpu() { Some((PEAK.load(Relaxed) - base_live) as f64 / 1e6) } else { dev_peak };
+    Ok((times[times.len() / 2], peak))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let device = match args.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0)?,
+        d => bail!("unknown device {d}"),
+    };
+    let dtype = match args.dtype.as_str() {
+        "f32" => DType::F32,
+        "f16" => DType::F16,
+        "bf16" => DType::BF16,
+        d => bail!("unknown dtype {d}"),
+    };
+    let causals: Vec<bool> = match args.causal.as_str() {
+        "both" => vec![false, true],
+        c => vec![c.parse()?],
+    };
+    let impls: Vec<String> = list(&args.implementation)?;
+    let modes: Vec<String> = list(&args.mode)?;
+    let mut rows = vec![];
+    for &b in &list::<usize>(&args.batch)? {
+        for &h in &list::<usize>(&args.heads)? {
+            for &d in &list::<usize>(&args.hdim)? {
+                for &nk in &list::<usize>(&args.seqlens)? {
+                    for &causal in &causals {
+                        let nq = args.nq.unwrap_or(nk);
+                        let hkv = args.hkv.unwrap_or(h);
+                        let q = Tensor::randn(0f32, 1., (b, nq, h, d), &device)?.to_dtype(dtype)?;
+                        let k = Tensor::randn(0f32, 1., (b, nk, hkv, d), &device)?.to_dtype(dtype)?;
+                        let v = Tensor::randn(0f32, 1., (b, nk, hkv, d), &device)?.to_dtype(dtype)?;
+                        let dout = Tensor::randn(0f32, 1., (b, nq, h, d), &device)?.to_dtype(dtype)?;
+                        let opts = FlashAttnOptions::new(1.0 / (d as f32).sqrt()).causal(causal);
+                        let fwd_flops = 4.0 * (b * h * nq * nk * d) as f64 * if causal { 0.5 } else { 1.0 };
+                        for implementation in &impls {
+                            let naive_gib = (b * h * nq * nk * 4) as f64 * 4.0 / (1u64 << 30) as f64;
+                            if implementation == "naive" && naive_gib > args.naive_max_gib {
+                                eprintln!("skipping naive at b={b} h={h} n={nk}: ~{naive_gib:.1} GiB of scores");
+                                continue;
+                            }
+                            for mode in &modes {
+                                let flash = match implementation.as_str() {
+                                    "flash" => true,
+                                    "naive" => false,
+                                    i => bail!("unknown impl {i}"),
+                                };
+                                let attn = |q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<(Tensor, Tensor)> {
+                                    if flash {
+                                        flash_attn_with_lse(q, k, v, &opts)
+                                    } else {
+                                        // No LSE: lets the reference use candle's fused softmax
+                                        // when nothing is tracked (the plain candle path).
+                                        let out = reference::attention(q, k, v, &opts)?;
+                                        Ok((out.clone(), out))
+                                    }
+                                };
+                                let (ms, peak) = match mode.as_str() {
+                                    "fwd" => time(&device, args.iters, || {
+                                        attn(&q, &k, &v)?;
+                                        Ok(())
+                                    })?,
+                                    "bwd" if flash => {
+                                        let (out, lse) = attn(&q, &k, &v)?;
+                                        time(&device, args.iters, || {
+                                            flash_attn_backward(&q, &k, &v, &out, &dout, &lse, &opts)?;
+                                            Ok(())
+                                        })?
+                                    }
+                                    "bwd" => {
+                                        // candle's autograd through the naive graph, built once.
+                                        let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
+                                        let loss = (attn(&qv, &kv, &vv)?.0 * &dout)?.sum_all()?;
+                                        time(&device, args.iters, || {
+                                            loss.backward()?;
+                                            Ok(())
+                                        })?
+                                    }
+                                    "fwd_bwd" => time(&device, args.iters, || {
+                                        let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
+                                        let loss = (attn(&qv, &kv, &vv)?.0 * &dout)?.sum_all()?;
+                                        loss.backward()?;
+                                        Ok(())
+                                    })?,
+                                    m => bail!("unknown mode {m}"),
+                                };
+                                let flops = fwd_flops * match mode.as_str() { "fwd" => 1.0, "bwd" => 2.5, _ => 3.5 };
+                                let row = Row { implementation: implementation.clone(), mode: mode.clone(), causal, dims: (b, h, hkv, nq, nk, d), ms, tflops: flops / (ms * 1e-3) / 1e12, peak_mb: peak };
+                                println!(
+                                    "{}",
+                                    serde_json::json!({
+                                        "impl": row.implementation, "mode": row.mode, "causal": causal, "dtype": args.dtype,
+                                        "b": b, "h": h, "hkv": hkv, "nq": nq, "nk": nk, "d": d,
+                                        "ms": row.ms, "tflops": row.tflops, "peak_mb": row.peak_mb,
+                                    })
+                                );
+                                rows.push(row);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    print_table(&rows);
+    Ok(())
+}
+
+fn print_table(rows: &[Row]) {
+    println!("\n| impl | mode | causal | b | h | hkv | nq | nk | d | ms | GFLOP/s | peak MB | vs naive |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let naive = rows.iter().find(|o| o.implementation == "naive" && o.mode == r.mode && o.causal == r.causal && o.dims == r.dims);
+        let speedup = match (r.implementation.as_str(), naive) {
+            ("naive", _) | (_, None) => "".to_string(),
+            (_, Some(n)) => format!("{:.2}x", n.ms / r.ms),
+        };
+        let (b, h, hkv, nq, nk, d) = r.dims;
+        let peak = r.peak_mb.map(|p| format!("{p:.1}")).unwrap_or_else(|| "-".into());
+        println!(
+            "| {} | {} | {} | {b} | {h} | {hkv} | {nq} | {nk} | {d} | {:.2} | {:.1} | {peak} | {speedup} |",
+            r.implementation, r.mode, r.causal, r.ms, r.tflops * 1e3
+        );
+    }
+}

@@ -1,0 +1,133 @@
+//! Bad input gives a clear `candle_core::Error` (naming the tensor and the values), never a
+//! panic; plus a property test over random valid and invalid shapes.
+
+mod common;
+use candle_core::{DType, Device, Tensor};
+use candle_flash::{flash_attn, flash_attn_alibi, flash_attn_alibi_windowed_softcap, flash_attn_backward, flash_attn_varlen, flash_attn_with_lse, FlashAttnOptions, VarLen};
+use rand::Rng;
+
+fn t(dims: &[usize], dtype: DType) -> Tensor {
+    Tensor::zeros(dims, dtype, &Device::Cpu).unwrap()
+}
+
+fn err_of(r: candle_core::Result<Tensor>) -> String {
+    match r {
+        Ok(t) => panic!("expected an error, got a tensor of shape {:?}", t.dims()),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn expect(r: candle_core::Result<Tensor>, needles: &[&str]) {
+    let msg = err_of(r);
+    for n in needles {
+        assert!(msg.contains(n), "error {msg:?} should mention {n:?}");
+    }
+}
+
+#[test]
+fn bad_rank_dtype_and_dims() {
+    let f = DType::F32;
+    expect(flash_attn(&t(&[2, 8, 4], f), &t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), 1.0, false), &["q", "rank 4", "[2, 8, 4]"]);
+    expect(flash_attn(&t(&[2, 8, 4, 16], DType::U32), &t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), 1.0, false), &["q", "U32"]);
+    expect(flash_attn(&t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], DType::F16), &t(&[2, 8, 4, 16], f), 1.0, false), &["dtype mismatch", "F16"]);
+    expect(flash_attn(&t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 32], f), &t(&[2, 8, 4, 32], f), 1.0, false), &["head dims differ", "16", "32"]);
+    expect(flash_attn(&t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), &t(&[2, 9, 4, 16], f), 1.0, false), &["k and v", "[2, 9, 4, 16]"]);
+    expect(flash_attn(&t(&[2, 8, 4, 300], f), &t(&[2, 8, 4, 300], f), &t(&[2, 8, 4, 300], f), 1.0, false), &["head dim 300"]);
+    expect(flash_attn(&t(&[2, 8, 6, 16], f), &t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), 1.0, false), &["6 heads", "4 heads"]);
+    expect(flash_attn(&t(&[2, 8, 4, 16], f), &t(&[3, 8, 4, 16], f), &t(&[3, 8, 4, 16], f), 1.0, false), &["batch", "2", "3"]);
+    expect(flash_attn(&t(&[1, 8, 4, 16], f), &t(&[1, 8, 4, 16], f), &t(&[1, 8, 4, 16], f), f32::NAN, false), &["softmax_scale"]);
+    // Last dim not contiguous.
+    let q = t(&[1, 8, 16, 4], f).transpose(2, 3).unwrap();
+    expect(flash_attn(&q, &t(&[1, 8, 4, 16], f), &t(&[1, 8, 4, 16], f), 1.0, false), &["last dimension of q", "contiguous"]);
+}
+
+#[test]
+fn bad_alibi_and_softcap() {
+    let (q, k) = (t(&[2, 8, 4, 16], DType::F32), t(&[2, 8, 2, 16], DType::F32));
+    expect(flash_attn_alibi(&q, &k, &k, &t(&[3], DType::F32), 1.0, false), &["alibi_slopes", "[3]", "[4]"]);
+    expect(flash_attn_alibi(&q, &k, &k, &t(&[4], DType::F16), 1.0, false), &["alibi_slopes", "f32"]);
+    expect(flash_attn_alibi(&q, &k, &k, &t(&[3, 4], DType::F32), 1.0, false), &["alibi_slopes", "[3, 4]"]);
+    for c in [0.0, -1.0, f32::NAN] {
+        expect(flash_attn_alibi_windowed_softcap(&q, &k, &k, None, 1.0, None, None, c), &["softcap"]);
+    }
+}
+
+#[test]
+fn bad_varlen() {
+    let f = DType::F32;
+    let (q, k) = (t(&[10, 2, 16], f), t(&[12, 2, 16], f));
+    let s = |v: &[u32]| Tensor::new(v, &Device::Cpu).unwrap();
+    expect(flash_attn_varlen(&q, &k, &k, &s(&[0, 6, 4, 10]), &s(&[0, 4, 8, 12]), 10, 10, 1.0, false), &["seqlens_q", "not monotonic"]);
+    expect(flash_attn_varlen(&q, &k, &k, &s(&[0, 6, 9]), &s(&[0, 4, 12]), 10, 10, 1.0, false), &["seqlens_q", "ends at 9", "10 rows"]);
+    expect(flash_attn_varlen(&q, &k, &k, &s(&[0, 6, 10]), &s(&[0, 4, 12]), 10, 5, 1.0, false), &["seqlens_k", "length 8", "max_seqlen 5"]);
+    expect(flash_attn_varlen(&q, &k, &k, &s(&[0, 6, 10]), &s(&[0, 4, 8, 12]), 10, 10, 1.0, false), &["entries"]);
+    expect(flash_attn_varlen(&q, &k, &k, &s(&[1, 6, 10]), &s(&[0, 4, 12]), 10, 10, 1.0, false), &["seqlens_q", "start at 0"]);
+    let wrong = Tensor::new(&[0i64, 10], &Device::Cpu).unwrap();
+    expect(flash_attn_varlen(&q, &k, &k, &wrong, &s(&[0, 12]), 10, 12, 1.0, false), &["seqlens_q", "u32"]);
+    expect(flash_attn_varlen(&t(&[1, 10, 2, 16], f), &k, &k, &s(&[0, 10]), &s(&[0, 12]), 10, 12, 1.0, false), &["q", "rank 3"]);
+}
+
+#[test]
+fn bad_backward_inputs() {
+    let (q, k) = (t(&[1, 8, 2, 16], DType::F32), t(&[1, 8, 2, 16], DType::F32));
+    let opts = FlashAttnOptions::new(0.25);
+    let (out, lse) = flash_attn_with_lse(&q, &k, &k, &opts).unwrap();
+    let bad_lse = t(&[1, 2, 9], DType::F32);
+    let r = flash_attn_backward(&q, &k, &k, &out, &out, &bad_lse, &opts).map(|x| x.0);
+    expect(r, &["lse", "[1, 2, 8]"]);
+    let r = flash_attn_backward(&q, &k, &k, &out, &t(&[1, 8, 2, 8], DType::F32), &lse, &opts).map(|x| x.0);
+    expect(r, &["grad_out", "[1, 8, 2, 8]"]);
+    let r = flash_attn_backward(&q, &k, &k, &out.to_dtype(DType::F16).unwrap(), &out, &lse, &opts).map(|x| x.0);
+    expect(r, &["out", "F16"]);
+}
+
+/// Random shapes, some valid and some broken in one random way: every call returns Ok with the
+/// right shape or an Err, and never panics.
+#[test]
+fn property_random_shapes_never_panic() {
+    let (mut rng, seed) = common::rng();
+    for _ in 0..300 {
+        let (b, sq, sk) = (rng.random_range(1..3), rng.random_range(0..20), rng.random_range(0..20));
+        let hkv = rng.random_range(1..4);
+        let h = hkv * rng.random_range(1..4);
+        let d = rng.random_range(1..40);
+        let dtype = [DType::F32, DType::F16, DType::BF16][rng.random_range(0..3)];
+        let mut qd = vec![b, sq, h, d];
+        let mut kd = vec![b, sk, hkv, d];
+        let mut vd = kd.clone();
+        let breakage = rng.random_range(0..6);
+        match breakage {
+            1 => qd[3] += 1,
+            2 => qd[2] += 1,
+            3 => vd[1] += 1,
+            4 => kd.pop().map(|_| ()).unwrap(),
+            5 => qd[0] += 1,
+            _ => {}
+        }
+        let valid = breakage == 0 || (breakage == 2 && (h + 1) % hkv == 0 && kd.len() == 4);
+        let mut opts = FlashAttnOptions::new(0.3).window(
+            rng.random_bool(0.5).then(|| rng.random_range(0..8)),
+            rng.random_bool(0.5).then(|| rng.random_range(0..8)),
+        );
+        if rng.random_bool(0.3) {
+            opts = opts.softcap(Some(rng.random_range(-1.0f32..5.0)));
+        }
+        let valid = valid && opts.softcap.is_none_or(|c| c > 0.0);
+        if rng.random_bool(0.2) {
+            let tq = b * sq;
+            let tk = b * sk;
+            let cut = |total: usize| Tensor::new(&[0u32, (total / 2) as u32, total as u32], &Device::Cpu).unwrap();
+            opts = opts.varlen(Some(VarLen { seqlens_q: cut(tq), seqlens_k: cut(tk), max_seqlen_q: tq, max_seqlen_k: tk }));
+            qd = vec![tq, qd[2], qd[3]];
+            kd = vec![tk, kd[kd.len() - 2], kd[kd.len() - 1]];
+            vd = vec![vd[0] * vd[1], vd[2], vd[3]];
+        }
+        let (q, k, v) = (t(&qd, dtype), t(&kd, dtype), t(&vd, dtype));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| candle_flash::flash_attn_with_options(&q, &k, &v, &opts)));
+        match result {
+            Err(_) => panic!("panicked on q {qd:?} k {kd:?} v {vd:?} {opts:?} (seed {seed})"),
+            Ok(Ok(out)) => assert_eq!(out.dims(), q.dims(), "seed {seed}"),
+            Ok(Err(e)) => assert!(!valid || opts.varlen.is_some(), "valid input rejected: {e} (q {qd:?} k {kd:?}, seed {seed})"),
+        }
+    }
+}
