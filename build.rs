@@ -65,11 +65,8 @@ fn build_cuda() {
     }
 
     // ---- toolkit
-    let roots: Vec<PathBuf> = ["CUDA_ROOT", "CUDA_PATH", "CUDA_HOME"]
-        .iter()
-        .filter_map(|k| env_nonempty(k))
-        .map(PathBuf::from)
-        .collect();
+    let roots: Vec<PathBuf> =
+        ["CUDA_ROOT", "CUDA_PATH", "CUDA_HOME"].iter().filter_map(|k| env_nonempty(k)).map(PathBuf::from).collect();
     let nvcc = find_nvcc(&roots);
     let ccbin = env_nonempty("NVCC_CCBIN");
 
@@ -99,11 +96,7 @@ fn build_cuda() {
         .map(|s| s.split_whitespace().map(String::from).collect())
         .unwrap_or_default();
     let jobs = env_nonempty("CANDLE_FLASH_NVCC_JOBS")
-        .map(|s| {
-            s.trim()
-                .parse::<usize>()
-                .unwrap_or_else(|_| panic!("CANDLE_FLASH_NVCC_JOBS={s:?} is not a number"))
-        })
+        .map(|s| s.trim().parse::<usize>().unwrap_or_else(|_| panic!("CANDLE_FLASH_NVCC_JOBS={s:?} is not a number")))
         .unwrap_or(sources.len())
         .clamp(1, sources.len());
 
@@ -127,8 +120,7 @@ fn build_cuda() {
     common.extend(extra);
 
     let obj_dir = object_dir(&out_dir);
-    fs::create_dir_all(&obj_dir)
-        .unwrap_or_else(|e| panic!("cannot create {}: {e}", obj_dir.display()));
+    fs::create_dir_all(&obj_dir).unwrap_or_else(|e| panic!("cannot create {}: {e}", obj_dir.display()));
 
     // ---- compile, one nvcc per file, at most `jobs` at once
     let next = AtomicUsize::new(0);
@@ -151,11 +143,7 @@ fn build_cuda() {
     let mut failed = Vec::new();
     let mut objects = Vec::new();
     for (i, r) in &results {
-        let name = sources[*i]
-            .file_name()
-            .unwrap()
-            .to_string_lossy()
-            .into_owned();
+        let name = sources[*i].file_name().unwrap().to_string_lossy().into_owned();
         match r {
             CompileResult::UpToDate(obj) => objects.push(obj.clone()),
             CompileResult::Ok { obj, stderr } => {
@@ -194,11 +182,7 @@ fn build_cuda() {
         .output()
         .unwrap_or_else(|e| panic!("candle-flash: cannot run `{ar}`: {e}"));
     if !out.status.success() {
-        panic!(
-            "candle-flash: `{ar} crs {}` failed:\n{}",
-            lib.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        panic!("candle-flash: `{ar} crs {}` failed:\n{}", lib.display(), String::from_utf8_lossy(&out.stderr));
     }
 
     // ---- link
@@ -311,13 +295,7 @@ enum CompileResult {
     Failed { cmd: String, stderr: String },
 }
 
-fn compile_one(
-    nvcc: &Path,
-    common: &[String],
-    src: &Path,
-    obj_dir: &Path,
-    cwd: &Path,
-) -> CompileResult {
+fn compile_one(nvcc: &Path, common: &[String], src: &Path, obj_dir: &Path, cwd: &Path) -> CompileResult {
     let stem = src.file_stem().unwrap().to_string_lossy().into_owned();
     let obj = obj_dir.join(format!("{stem}.o"));
     let dep = obj_dir.join(format!("{stem}.d"));
@@ -343,20 +321,14 @@ fn compile_one(
     let out = match Command::new(nvcc).args(&args).current_dir(cwd).output() {
         Ok(o) => o,
         Err(e) => {
-            return CompileResult::Failed {
-                cmd: cmd_line,
-                stderr: format!("cannot run {}: {e}", nvcc.display()),
-            }
+            return CompileResult::Failed { cmd: cmd_line, stderr: format!("cannot run {}: {e}", nvcc.display()) }
         }
     };
     let mut stderr = String::from_utf8_lossy(&out.stdout).into_owned();
     stderr.push_str(&String::from_utf8_lossy(&out.stderr));
     if !out.status.success() {
         let _ = fs::remove_file(&obj);
-        return CompileResult::Failed {
-            cmd: cmd_line,
-            stderr: format!("{stderr}\n(nvcc {})", out.status),
-        };
+        return CompileResult::Failed { cmd: cmd_line, stderr: format!("{stderr}\n(nvcc {})", out.status) };
     }
     let _ = fs::write(&cmd_file, &cmd_line);
     CompileResult::Ok { obj, stderr }
@@ -369,11 +341,7 @@ fn mtime(p: &Path) -> Option<SystemTime> {
 /// Object exists, was built by the same command, and no dependency listed in the
 /// nvcc-generated make-style .d file is newer than it.
 fn up_to_date(obj: &Path, dep: &Path, cmd_file: &Path, cmd_line: &str, cwd: &Path) -> bool {
-    let (Some(obj_t), Ok(old_cmd), Ok(d)) = (
-        mtime(obj),
-        fs::read_to_string(cmd_file),
-        fs::read_to_string(dep),
-    ) else {
+    let (Some(obj_t), Ok(old_cmd), Ok(d)) = (mtime(obj), fs::read_to_string(cmd_file), fs::read_to_string(dep)) else {
         return false;
     };
     if old_cmd != cmd_line {

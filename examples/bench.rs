@@ -83,9 +83,7 @@ struct Args {
 }
 
 fn list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>> {
-    s.split(',')
-        .map(|x| x.trim().parse::<T>().map_err(|_| anyhow::anyhow!("bad list item {x:?}")))
-        .collect()
+    s.split(',').map(|x| x.trim().parse::<T>().map_err(|_| anyhow::anyhow!("bad list item {x:?}"))).collect()
 }
 
 struct Row {
@@ -181,16 +179,17 @@ fn main() -> Result<()> {
                                     "naive" => false,
                                     i => bail!("unknown impl {i}"),
                                 };
-                                let attn = |q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<(Tensor, Tensor)> {
-                                    if flash {
-                                        flash_attn_with_lse(q, k, v, &opts)
-                                    } else {
-                                        // No LSE: lets the reference use candle's fused softmax
-                                        // when nothing is tracked (the plain candle path).
-                                        let out = reference::attention(q, k, v, &opts)?;
-                                        Ok((out.clone(), out))
-                                    }
-                                };
+                                let attn =
+                                    |q: &Tensor, k: &Tensor, v: &Tensor| -> candle_core::Result<(Tensor, Tensor)> {
+                                        if flash {
+                                            flash_attn_with_lse(q, k, v, &opts)
+                                        } else {
+                                            // No LSE: lets the reference use candle's fused softmax
+                                            // when nothing is tracked (the plain candle path).
+                                            let out = reference::attention(q, k, v, &opts)?;
+                                            Ok((out.clone(), out))
+                                        }
+                                    };
                                 let (ms, peak) = match mode.as_str() {
                                     "fwd" => time(&device, args.iters, || {
                                         attn(&q, &k, &v)?;
@@ -205,7 +204,8 @@ fn main() -> Result<()> {
                                     }
                                     "bwd" => {
                                         // candle's autograd through the naive graph, built once.
-                                        let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
+                                        let (qv, kv, vv) =
+                                            (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
                                         let loss = (attn(&qv, &kv, &vv)?.0 * &dout)?.sum_all()?;
                                         time(&device, args.iters, || {
                                             loss.backward()?;
@@ -213,15 +213,29 @@ fn main() -> Result<()> {
                                         })?
                                     }
                                     "fwd_bwd" => time(&device, args.iters, || {
-                                        let (qv, kv, vv) = (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
+                                        let (qv, kv, vv) =
+                                            (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
                                         let loss = (attn(&qv, &kv, &vv)?.0 * &dout)?.sum_all()?;
                                         loss.backward()?;
                                         Ok(())
                                     })?,
                                     m => bail!("unknown mode {m}"),
                                 };
-                                let flops = fwd_flops * match mode.as_str() { "fwd" => 1.0, "bwd" => 2.5, _ => 3.5 };
-                                let row = Row { implementation: implementation.clone(), mode: mode.clone(), causal, dims: (b, h, hkv, nq, nk, d), ms, tflops: flops / (ms * 1e-3) / 1e12, peak_mb: peak };
+                                let flops = fwd_flops
+                                    * match mode.as_str() {
+                                        "fwd" => 1.0,
+                                        "bwd" => 2.5,
+                                        _ => 3.5,
+                                    };
+                                let row = Row {
+                                    implementation: implementation.clone(),
+                                    mode: mode.clone(),
+                                    causal,
+                                    dims: (b, h, hkv, nq, nk, d),
+                                    ms,
+                                    tflops: flops / (ms * 1e-3) / 1e12,
+                                    peak_mb: peak,
+                                };
                                 println!(
                                     "{}",
                                     serde_json::json!({
@@ -246,7 +260,9 @@ fn print_table(rows: &[Row]) {
     println!("\n| impl | mode | causal | b | h | hkv | nq | nk | d | ms | GFLOP/s | peak MB | vs naive |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
-        let naive = rows.iter().find(|o| o.implementation == "naive" && o.mode == r.mode && o.causal == r.causal && o.dims == r.dims);
+        let naive = rows
+            .iter()
+            .find(|o| o.implementation == "naive" && o.mode == r.mode && o.causal == r.causal && o.dims == r.dims);
         let speedup = match (r.implementation.as_str(), naive) {
             ("naive", _) | (_, None) => "".to_string(),
             (_, Some(n)) => format!("{:.2}x", n.ms / r.ms),
@@ -255,7 +271,11 @@ fn print_table(rows: &[Row]) {
         let peak = r.peak_mb.map(|p| format!("{p:.1}")).unwrap_or_else(|| "-".into());
         println!(
             "| {} | {} | {} | {b} | {h} | {hkv} | {nq} | {nk} | {d} | {:.2} | {:.1} | {peak} | {speedup} |",
-            r.implementation, r.mode, r.causal, r.ms, r.tflops * 1e3
+            r.implementation,
+            r.mode,
+            r.causal,
+            r.ms,
+            r.tflops * 1e3
         );
     }
 }

@@ -46,10 +46,26 @@ pub fn flash_attn_with_options(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashA
 /// The output is differentiable; the LSE is a plain tensor (no gradient).
 pub fn flash_attn_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<(Tensor, Tensor)> {
     let shape = params::validate(q, k, v, opts)?;
+    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
     let lse = LseSlot::default();
     let op = FlashAttnOp { opts: opts.clone(), shape, lse: lse.clone() };
-    let out = q.apply_op3_arc(k, v, Arc::new(Box::new(op)))?;
+    let out = q.apply_op3_arc(&k, &v, Arc::new(Box::new(op)))?;
     Ok((out, lse.get()?))
+}
+
+/// The GPU kernels load 16 bytes at a time, so on CUDA every row/head/batch stride and the
+/// start offset must be a multiple of 8 elements; rarer layouts are copied (with autograd
+/// routing gradients back through the copy).
+fn aligned(t: &Tensor) -> Result<Tensor> {
+    let (storage, layout) = t.storage_and_layout();
+    let misaligned = !matches!(&*storage, candle_core::Storage::Cpu(_))
+        && (layout.start_offset() % 8 != 0 || layout.stride().iter().rev().skip(1).any(|s| s % 8 != 0));
+    drop(storage);
+    if misaligned {
+        t.force_contiguous()
+    } else {
+        Ok(t.clone())
+    }
 }
 
 /// Explicit backward for callers with their own autograd: `(dq, dk, dv)` from the forward's
@@ -110,9 +126,8 @@ pub fn flash_attn_alibi_windowed(
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    let opts = FlashAttnOptions::new(softmax_scale)
-        .window(window_size_left, window_size_right)
-        .alibi(Some(alibi_slopes));
+    let opts =
+        FlashAttnOptions::new(softmax_scale).window(window_size_left, window_size_right).alibi(Some(alibi_slopes));
     flash_attn_with_options(q, k, v, &opts)
 }
 
@@ -154,9 +169,12 @@ pub fn flash_attn_varlen(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
-    let opts = FlashAttnOptions::new(softmax_scale)
-        .causal(causal)
-        .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k));
+    let opts = FlashAttnOptions::new(softmax_scale).causal(causal).varlen(varlen(
+        seqlens_q,
+        seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    ));
     flash_attn_with_options(q, k, v, &opts)
 }
 
@@ -174,9 +192,12 @@ pub fn flash_attn_varlen_windowed(
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    let opts = FlashAttnOptions::new(softmax_scale)
-        .window(window_size_left, window_size_right)
-        .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k));
+    let opts = FlashAttnOptions::new(softmax_scale).window(window_size_left, window_size_right).varlen(varlen(
+        seqlens_q,
+        seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    ));
     flash_attn_with_options(q, k, v, &opts)
 }
 
@@ -194,10 +215,12 @@ pub fn flash_attn_varlen_alibi(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
-    let opts = FlashAttnOptions::new(softmax_scale)
-        .causal(causal)
-        .alibi(Some(alibi_slopes))
-        .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k));
+    let opts = FlashAttnOptions::new(softmax_scale).causal(causal).alibi(Some(alibi_slopes)).varlen(varlen(
+        seqlens_q,
+        seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+    ));
     flash_attn_with_options(q, k, v, &opts)
 }
 

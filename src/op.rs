@@ -124,7 +124,11 @@ pub(crate) fn backward(
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
             let (dq, dk, dv) = crate::cuda::backward(shape, opts, q, k, v, out, grad_out, lse)?;
-            Ok((wrap(Storage::Cuda(dq), q.dims()), wrap(Storage::Cuda(dk), k.dims()), wrap(Storage::Cuda(dv), v.dims())))
+            Ok((
+                wrap(Storage::Cuda(dq), q.dims()),
+                wrap(Storage::Cuda(dk), k.dims()),
+                wrap(Storage::Cuda(dv), v.dims()),
+            ))
         }
         dev => bail!("candle-flash: backward is not implemented on {:?}", dev.location()),
     }

@@ -152,9 +152,7 @@ impl AttnShape {
     }
 
     pub fn alibi_slope(&self, b: usize, h: usize) -> Option<f32> {
-        self.alibi_per_head
-            .as_ref()
-            .map(|s| s[b * self.num_heads + h])
+        self.alibi_per_head.as_ref().map(|s| s[b * self.num_heads + h])
     }
 
     /// The key range `[lo, hi)` that query row `i` of `seq` may see (possibly empty).
@@ -205,21 +203,14 @@ fn check_float_dtype(name: &str, t: &Tensor, allow_f64: bool) -> candle_core::Re
 
 fn check_same_device(name: &str, t: &Tensor, device: &Device) -> candle_core::Result<()> {
     if !t.device().same_device(device) {
-        bail!(
-            "candle-flash: {name} is on {:?} but q is on {:?}",
-            t.device().location(),
-            device.location()
-        )
+        bail!("candle-flash: {name} is on {:?} but q is on {:?}", t.device().location(), device.location())
     }
     Ok(())
 }
 
 fn check_last_dim_contiguous(name: &str, t: &Tensor) -> candle_core::Result<()> {
     if t.rank() > 0 && t.dims()[t.rank() - 1] > 1 && t.stride()[t.rank() - 1] != 1 {
-        bail!(
-            "candle-flash: the last dimension of {name} must be contiguous, strides are {:?}",
-            t.stride()
-        )
+        bail!("candle-flash: the last dimension of {name} must be contiguous, strides are {:?}", t.stride())
     }
     Ok(())
 }
@@ -230,10 +221,7 @@ fn read_seqlens(name: &str, t: &Tensor, total: usize, max: usize) -> candle_core
         bail!("candle-flash: {name} has dtype {:?}, expected u32", t.dtype())
     }
     if t.rank() != 1 || t.dim(0)? < 2 {
-        bail!(
-            "candle-flash: {name} must be 1-D with B+1 >= 2 cumulative offsets, got shape {:?}",
-            t.dims()
-        )
+        bail!("candle-flash: {name} must be 1-D with B+1 >= 2 cumulative offsets, got shape {:?}", t.dims())
     }
     let offsets: Vec<usize> = t.to_vec1::<u32>()?.into_iter().map(|x| x as usize).collect();
     if offsets[0] != 0 {
@@ -244,29 +232,18 @@ fn read_seqlens(name: &str, t: &Tensor, total: usize, max: usize) -> candle_core
             bail!("candle-flash: {name} is not monotonic at sequence {b}: {offsets:?}")
         }
         if w[1] - w[0] > max {
-            bail!(
-                "candle-flash: sequence {b} of {name} has length {} > max_seqlen {max}",
-                w[1] - w[0]
-            )
+            bail!("candle-flash: sequence {b} of {name} has length {} > max_seqlen {max}", w[1] - w[0])
         }
     }
     if *offsets.last().unwrap() != total {
-        bail!(
-            "candle-flash: {name} ends at {} but the packed tensor has {total} rows",
-            offsets.last().unwrap()
-        )
+        bail!("candle-flash: {name} ends at {} but the packed tensor has {total} rows", offsets.last().unwrap())
     }
     Ok(offsets)
 }
 
 /// Checks q, k, v and the options, for every variant and every device, and returns the shape.
 /// The only device-specific rule is CUDA's head dim (a multiple of 8, for 16-byte loads).
-pub fn validate(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    opts: &FlashAttnOptions,
-) -> candle_core::Result<AttnShape> {
+pub fn validate(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> candle_core::Result<AttnShape> {
     validate_inner(q, k, v, opts, false)
 }
 
@@ -293,33 +270,17 @@ fn validate_inner(
         check_last_dim_contiguous(name, t)?;
     }
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
-        bail!(
-            "candle-flash: dtype mismatch: q {:?}, k {:?}, v {:?}",
-            q.dtype(),
-            k.dtype(),
-            v.dtype()
-        )
+        bail!("candle-flash: dtype mismatch: q {:?}, k {:?}, v {:?}", q.dtype(), k.dtype(), v.dtype())
     }
     let want_rank = if opts.varlen.is_some() { 3 } else { 4 };
-    let layout = if opts.varlen.is_some() {
-        "(total, heads, head_dim)"
-    } else {
-        "(batch, seq, heads, head_dim)"
-    };
+    let layout = if opts.varlen.is_some() { "(total, heads, head_dim)" } else { "(batch, seq, heads, head_dim)" };
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         if t.rank() != want_rank {
-            bail!(
-                "candle-flash: {name} must have rank {want_rank} {layout}, got shape {:?}",
-                t.dims()
-            )
+            bail!("candle-flash: {name} must have rank {want_rank} {layout}, got shape {:?}", t.dims())
         }
     }
     if k.dims() != v.dims() {
-        bail!(
-            "candle-flash: k and v must have the same shape, got k {:?} and v {:?}",
-            k.dims(),
-            v.dims()
-        )
+        bail!("candle-flash: k and v must have the same shape, got k {:?} and v {:?}", k.dims(), v.dims())
     }
     let r = want_rank;
     let (num_heads, head_dim) = (q.dims()[r - 2], q.dims()[r - 1]);
@@ -334,9 +295,7 @@ fn validate_inner(
         bail!("candle-flash: head dim {head_dim} is not supported on CUDA (multiple of 8 up to {MAX_HEAD_DIM})")
     }
     if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-        bail!(
-            "candle-flash: q has {num_heads} heads, which is not a multiple of k/v's {num_kv_heads} heads"
-        )
+        bail!("candle-flash: q has {num_heads} heads, which is not a multiple of k/v's {num_kv_heads} heads")
     }
     if !opts.softmax_scale.is_finite() {
         bail!("candle-flash: softmax_scale must be finite, got {}", opts.softmax_scale)
@@ -354,9 +313,7 @@ fn validate_inner(
             if bk != b {
                 bail!("candle-flash: batch sizes differ: q has {b}, k and v have {bk}")
             }
-            let seqs = (0..b)
-                .map(|i| SeqSpan { q_start: i * sq, q_len: sq, k_start: i * sk, k_len: sk })
-                .collect();
+            let seqs = (0..b).map(|i| SeqSpan { q_start: i * sq, q_len: sq, k_start: i * sk, k_len: sk }).collect();
             (b, sq, sk, b * sq, b * sk, seqs)
         }
         Some(vl) => {
@@ -366,19 +323,10 @@ fn validate_inner(
             let oq = read_seqlens("seqlens_q", &vl.seqlens_q, total_q, vl.max_seqlen_q)?;
             let ok = read_seqlens("seqlens_k", &vl.seqlens_k, total_k, vl.max_seqlen_k)?;
             if oq.len() != ok.len() {
-                bail!(
-                    "candle-flash: seqlens_q has {} entries but seqlens_k has {}",
-                    oq.len(),
-                    ok.len()
-                )
+                bail!("candle-flash: seqlens_q has {} entries but seqlens_k has {}", oq.len(), ok.len())
             }
             let seqs = (0..oq.len() - 1)
-                .map(|b| SeqSpan {
-                    q_start: oq[b],
-                    q_len: oq[b + 1] - oq[b],
-                    k_start: ok[b],
-                    k_len: ok[b + 1] - ok[b],
-                })
+                .map(|b| SeqSpan { q_start: oq[b], q_len: oq[b + 1] - oq[b], k_start: ok[b], k_len: ok[b + 1] - ok[b] })
                 .collect();
             (oq.len() - 1, vl.max_seqlen_q, vl.max_seqlen_k, total_q, total_k, seqs)
         }
@@ -437,12 +385,7 @@ pub fn validate_backward(
     }
     check_same_device("lse", lse, q.device())?;
     if lse.dtype() != DType::F32 || lse.dims() != shape.lse_dims().as_slice() {
-        bail!(
-            "candle-flash: lse must be f32 of shape {:?}, got {:?} {:?}",
-            shape.lse_dims(),
-            lse.dtype(),
-            lse.dims()
-        )
+        bail!("candle-flash: lse must be f32 of shape {:?}, got {:?} {:?}", shape.lse_dims(), lse.dtype(), lse.dims())
     }
     Ok(())
 }

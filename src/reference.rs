@@ -14,12 +14,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) ->
 }
 
 /// Naive attention and its log-sum-exp (f32, `(B, H, Sq)`, or `(H, total_q)` for varlen).
-pub fn attention_with_lse(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    opts: &FlashAttnOptions,
-) -> Result<(Tensor, Tensor)> {
+pub fn attention_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<(Tensor, Tensor)> {
     let (out, lse) = attention_impl(q, k, v, opts, true)?;
     let lse = lse.ok_or_else(|| candle_core::Error::Msg("candle-flash: reference lse missing".into()))?;
     Ok((out, lse))
@@ -52,11 +47,7 @@ fn attention_impl(
     if !want_lse {
         return Ok((out, None));
     }
-    let lse = if shape.is_varlen {
-        Tensor::cat(&lses, 1)?
-    } else {
-        Tensor::stack(&lses, 0)?
-    };
+    let lse = if shape.is_varlen { Tensor::cat(&lses, 1)? } else { Tensor::stack(&lses, 0)? };
     Ok((out, Some(lse)))
 }
 
@@ -114,12 +105,9 @@ fn sequence_attention(
     }
     let group = h / hkv;
     let qh = q.transpose(0, 1)?.contiguous()?; // (H, Sq, D)
-    // Repeat each KV head for its group of query heads (fine here: this is the reference).
+                                               // Repeat each KV head for its group of query heads (fine here: this is the reference).
     let expand = |t: &Tensor| -> Result<Tensor> {
-        t.transpose(0, 1)?
-            .unsqueeze(1)?
-            .expand((hkv, group, sk, d))?
-            .reshape((h, sk, d))
+        t.transpose(0, 1)?.unsqueeze(1)?.expand((hkv, group, sk, d))?.reshape((h, sk, d))
     };
     let (kh, vh) = (expand(k)?, expand(v)?);
     let mut s = (qh.matmul(&kh.t()?.contiguous()?)? * opts.softmax_scale as f64)?; // (H, Sq, Sk)

@@ -3,7 +3,10 @@
 
 mod common;
 use candle_core::{DType, Device, Tensor};
-use candle_flash::{flash_attn, flash_attn_alibi, flash_attn_alibi_windowed_softcap, flash_attn_backward, flash_attn_varlen, flash_attn_with_lse, FlashAttnOptions, VarLen};
+use candle_flash::{
+    flash_attn, flash_attn_alibi, flash_attn_alibi_windowed_softcap, flash_attn_backward, flash_attn_varlen,
+    flash_attn_with_lse, FlashAttnOptions, VarLen,
+};
 use rand::Rng;
 
 fn t(dims: &[usize], dtype: DType) -> Tensor {
@@ -27,18 +30,48 @@ fn expect(r: candle_core::Result<Tensor>, needles: &[&str]) {
 #[test]
 fn bad_rank_dtype_and_dims() {
     let f = DType::F32;
-    expect(flash_attn(&t(&[2, 8, 4], f), &t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), 1.0, false), &["q", "rank 4", "[2, 8, 4]"]);
-    expect(flash_attn(&t(&[2, 8, 4, 16], DType::U32), &t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), 1.0, false), &["q", "U32"]);
-    expect(flash_attn(&t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], DType::F16), &t(&[2, 8, 4, 16], f), 1.0, false), &["dtype mismatch", "F16"]);
-    expect(flash_attn(&t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 32], f), &t(&[2, 8, 4, 32], f), 1.0, false), &["head dims differ", "16", "32"]);
-    expect(flash_attn(&t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), &t(&[2, 9, 4, 16], f), 1.0, false), &["k and v", "[2, 9, 4, 16]"]);
-    expect(flash_attn(&t(&[2, 8, 4, 300], f), &t(&[2, 8, 4, 300], f), &t(&[2, 8, 4, 300], f), 1.0, false), &["head dim 300"]);
-    expect(flash_attn(&t(&[2, 8, 6, 16], f), &t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), 1.0, false), &["6 heads", "4 heads"]);
-    expect(flash_attn(&t(&[2, 8, 4, 16], f), &t(&[3, 8, 4, 16], f), &t(&[3, 8, 4, 16], f), 1.0, false), &["batch", "2", "3"]);
-    expect(flash_attn(&t(&[1, 8, 4, 16], f), &t(&[1, 8, 4, 16], f), &t(&[1, 8, 4, 16], f), f32::NAN, false), &["softmax_scale"]);
+    expect(
+        flash_attn(&t(&[2, 8, 4], f), &t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), 1.0, false),
+        &["q", "rank 4", "[2, 8, 4]"],
+    );
+    expect(
+        flash_attn(&t(&[2, 8, 4, 16], DType::U32), &t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), 1.0, false),
+        &["q", "U32"],
+    );
+    expect(
+        flash_attn(&t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], DType::F16), &t(&[2, 8, 4, 16], f), 1.0, false),
+        &["dtype mismatch", "F16"],
+    );
+    expect(
+        flash_attn(&t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 32], f), &t(&[2, 8, 4, 32], f), 1.0, false),
+        &["head dims differ", "16", "32"],
+    );
+    expect(
+        flash_attn(&t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), &t(&[2, 9, 4, 16], f), 1.0, false),
+        &["k and v", "[2, 9, 4, 16]"],
+    );
+    expect(
+        flash_attn(&t(&[2, 8, 4, 300], f), &t(&[2, 8, 4, 300], f), &t(&[2, 8, 4, 300], f), 1.0, false),
+        &["head dim 300"],
+    );
+    expect(
+        flash_attn(&t(&[2, 8, 6, 16], f), &t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), 1.0, false),
+        &["6 heads", "4 heads"],
+    );
+    expect(
+        flash_attn(&t(&[2, 8, 4, 16], f), &t(&[3, 8, 4, 16], f), &t(&[3, 8, 4, 16], f), 1.0, false),
+        &["batch", "2", "3"],
+    );
+    expect(
+        flash_attn(&t(&[1, 8, 4, 16], f), &t(&[1, 8, 4, 16], f), &t(&[1, 8, 4, 16], f), f32::NAN, false),
+        &["softmax_scale"],
+    );
     // Last dim not contiguous.
     let q = t(&[1, 8, 16, 4], f).transpose(2, 3).unwrap();
-    expect(flash_attn(&q, &t(&[1, 8, 4, 16], f), &t(&[1, 8, 4, 16], f), 1.0, false), &["last dimension of q", "contiguous"]);
+    expect(
+        flash_attn(&q, &t(&[1, 8, 4, 16], f), &t(&[1, 8, 4, 16], f), 1.0, false),
+        &["last dimension of q", "contiguous"],
+    );
 }
 
 #[test]
@@ -57,14 +90,29 @@ fn bad_varlen() {
     let f = DType::F32;
     let (q, k) = (t(&[10, 2, 16], f), t(&[12, 2, 16], f));
     let s = |v: &[u32]| Tensor::new(v, &Device::Cpu).unwrap();
-    expect(flash_attn_varlen(&q, &k, &k, &s(&[0, 6, 4, 10]), &s(&[0, 4, 8, 12]), 10, 10, 1.0, false), &["seqlens_q", "not monotonic"]);
-    expect(flash_attn_varlen(&q, &k, &k, &s(&[0, 6, 9]), &s(&[0, 4, 12]), 10, 10, 1.0, false), &["seqlens_q", "ends at 9", "10 rows"]);
-    expect(flash_attn_varlen(&q, &k, &k, &s(&[0, 6, 10]), &s(&[0, 4, 12]), 10, 5, 1.0, false), &["seqlens_k", "length 8", "max_seqlen 5"]);
+    expect(
+        flash_attn_varlen(&q, &k, &k, &s(&[0, 6, 4, 10]), &s(&[0, 4, 8, 12]), 10, 10, 1.0, false),
+        &["seqlens_q", "not monotonic"],
+    );
+    expect(
+        flash_attn_varlen(&q, &k, &k, &s(&[0, 6, 9]), &s(&[0, 4, 12]), 10, 10, 1.0, false),
+        &["seqlens_q", "ends at 9", "10 rows"],
+    );
+    expect(
+        flash_attn_varlen(&q, &k, &k, &s(&[0, 6, 10]), &s(&[0, 4, 12]), 10, 5, 1.0, false),
+        &["seqlens_k", "length 8", "max_seqlen 5"],
+    );
     expect(flash_attn_varlen(&q, &k, &k, &s(&[0, 6, 10]), &s(&[0, 4, 8, 12]), 10, 10, 1.0, false), &["entries"]);
-    expect(flash_attn_varlen(&q, &k, &k, &s(&[1, 6, 10]), &s(&[0, 4, 12]), 10, 10, 1.0, false), &["seqlens_q", "start at 0"]);
+    expect(
+        flash_attn_varlen(&q, &k, &k, &s(&[1, 6, 10]), &s(&[0, 4, 12]), 10, 10, 1.0, false),
+        &["seqlens_q", "start at 0"],
+    );
     let wrong = Tensor::new(&[0i64, 10], &Device::Cpu).unwrap();
     expect(flash_attn_varlen(&q, &k, &k, &wrong, &s(&[0, 12]), 10, 12, 1.0, false), &["seqlens_q", "u32"]);
-    expect(flash_attn_varlen(&t(&[1, 10, 2, 16], f), &k, &k, &s(&[0, 10]), &s(&[0, 12]), 10, 12, 1.0, false), &["q", "rank 3"]);
+    expect(
+        flash_attn_varlen(&t(&[1, 10, 2, 16], f), &k, &k, &s(&[0, 10]), &s(&[0, 12]), 10, 12, 1.0, false),
+        &["q", "rank 3"],
+    );
 }
 
 #[test]
@@ -117,17 +165,26 @@ fn property_random_shapes_never_panic() {
             let tq = b * sq;
             let tk = b * sk;
             let cut = |total: usize| Tensor::new(&[0u32, (total / 2) as u32, total as u32], &Device::Cpu).unwrap();
-            opts = opts.varlen(Some(VarLen { seqlens_q: cut(tq), seqlens_k: cut(tk), max_seqlen_q: tq, max_seqlen_k: tk }));
+            opts = opts.varlen(Some(VarLen {
+                seqlens_q: cut(tq),
+                seqlens_k: cut(tk),
+                max_seqlen_q: tq,
+                max_seqlen_k: tk,
+            }));
             qd = vec![tq, qd[2], qd[3]];
             kd = vec![tk, kd[kd.len() - 2], kd[kd.len() - 1]];
             vd = vec![vd[0] * vd[1], vd[2], vd[3]];
         }
         let (q, k, v) = (t(&qd, dtype), t(&kd, dtype), t(&vd, dtype));
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| candle_flash::flash_attn_with_options(&q, &k, &v, &opts)));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            candle_flash::flash_attn_with_options(&q, &k, &v, &opts)
+        }));
         match result {
             Err(_) => panic!("panicked on q {qd:?} k {kd:?} v {vd:?} {opts:?} (seed {seed})"),
             Ok(Ok(out)) => assert_eq!(out.dims(), q.dims(), "seed {seed}"),
-            Ok(Err(e)) => assert!(!valid || opts.varlen.is_some(), "valid input rejected: {e} (q {qd:?} k {kd:?}, seed {seed})"),
+            Ok(Err(e)) => {
+                assert!(!valid || opts.varlen.is_some(), "valid input rejected: {e} (q {qd:?} k {kd:?}, seed {seed})")
+            }
         }
     }
 }

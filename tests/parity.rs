@@ -19,7 +19,8 @@ fn sweep(cases: &[Case], with_grad: bool) {
 
 /// Masks, each with Sq < Sk, Sq > Sk and Sq == Sk.
 fn mask_cases(dtype: DType, with_grad: bool) -> Vec<Case> {
-    let sizes: &[(usize, usize)] = if with_grad { &[(17, 113), (113, 17), (64, 64)] } else { &[(17, 113), (113, 17), (65, 65)] };
+    let sizes: &[(usize, usize)] =
+        if with_grad { &[(17, 113), (113, 17), (64, 64)] } else { &[(17, 113), (113, 17), (65, 65)] };
     let mut cases = vec![];
     for &s in sizes {
         let base = Case::new(dtype, s, (4, 2), 64);
@@ -74,7 +75,8 @@ fn tile_breaking_lengths() {
         }
     }
     sweep(&cases, true);
-    let long = [Case::new(DType::F32, (1023, 1023), (2, 1), 64).causal(), Case::new(DType::BF16, (1023, 1023), (2, 2), 64)];
+    let long =
+        [Case::new(DType::F32, (1023, 1023), (2, 1), 64).causal(), Case::new(DType::BF16, (1023, 1023), (2, 2), 64)];
     sweep(&long, false);
 }
 

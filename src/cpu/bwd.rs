@@ -61,13 +61,8 @@ pub(crate) fn backward(
     // dK/dV per *query* head, summed over each group below.
     let mut dk_heads = vec![0f32; shape.total_k * h * d];
     let mut dv_heads = vec![0f32; shape.total_k * h * d];
-    let tasks: Vec<(usize, usize)> =
-        (0..shape.seqs.len()).flat_map(|b| (0..h).map(move |head| (b, head))).collect();
-    let ptrs = (
-        SharedMut(dq.as_mut_ptr()),
-        SharedMut(dk_heads.as_mut_ptr()),
-        SharedMut(dv_heads.as_mut_ptr()),
-    );
+    let tasks: Vec<(usize, usize)> = (0..shape.seqs.len()).flat_map(|b| (0..h).map(move |head| (b, head))).collect();
+    let ptrs = (SharedMut(dq.as_mut_ptr()), SharedMut(dk_heads.as_mut_ptr()), SharedMut(dv_heads.as_mut_ptr()));
     let max_q = shape.seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
     let inputs = (&q[..], &k[..], &v[..], &out[..], &dout[..], &lse[..]);
     tasks.par_iter().for_each_init(
@@ -85,18 +80,15 @@ pub(crate) fn backward(
             return per_head;
         }
         let mut summed = vec![0f32; shape.total_k * hkv * d];
-        summed
-            .par_chunks_mut(hkv * d)
-            .zip(per_head.par_chunks(h * d))
-            .for_each(|(dst, src)| {
-                for kvh in 0..hkv {
-                    let dst = &mut dst[kvh * d..(kvh + 1) * d];
-                    for g in 0..group {
-                        let src = &src[(kvh * group + g) * d..(kvh * group + g + 1) * d];
-                        dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
-                    }
+        summed.par_chunks_mut(hkv * d).zip(per_head.par_chunks(h * d)).for_each(|(dst, src)| {
+            for kvh in 0..hkv {
+                let dst = &mut dst[kvh * d..(kvh + 1) * d];
+                for g in 0..group {
+                    let src = &src[(kvh * group + g) * d..(kvh * group + g + 1) * d];
+                    dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
                 }
-            });
+            }
+        });
         summed
     };
     let dk = sum_groups(dk_heads);
@@ -157,7 +149,15 @@ unsafe fn backward_head(
             let q_tile = q.as_ptr().add(q_off(i0));
             let do_tile = dout.as_ptr().add(q_off(i0));
             // P = exp(logits - lse), recomputed from Q and K.
-            tile_matmul((rows, cols, d), probs.as_mut_ptr(), K_TILE, false, MatRef::rows(q_tile, q_rs), MatRef::transposed(k_tile, kv_rs), 1.0);
+            tile_matmul(
+                (rows, cols, d),
+                probs.as_mut_ptr(),
+                K_TILE,
+                false,
+                MatRef::rows(q_tile, q_rs),
+                MatRef::transposed(k_tile, kv_rs),
+                1.0,
+            );
             for r in 0..rows {
                 let i = i0 + r;
                 let row = &mut probs[r * K_TILE..r * K_TILE + cols];
@@ -178,9 +178,25 @@ unsafe fn backward_head(
                 }
             }
             // dV += Pᵀ dO.
-            tile_matmul((cols, d, rows), dv_acc.as_mut_ptr(), d, true, MatRef::transposed(probs.as_ptr(), K_TILE), MatRef::rows(do_tile, q_rs), 1.0);
+            tile_matmul(
+                (cols, d, rows),
+                dv_acc.as_mut_ptr(),
+                d,
+                true,
+                MatRef::transposed(probs.as_ptr(), K_TILE),
+                MatRef::rows(do_tile, q_rs),
+                1.0,
+            );
             // dP = dO Vᵀ.
-            tile_matmul((rows, cols, d), dprobs.as_mut_ptr(), K_TILE, false, MatRef::rows(do_tile, q_rs), MatRef::transposed(v_tile, kv_rs), 1.0);
+            tile_matmul(
+                (rows, cols, d),
+                dprobs.as_mut_ptr(),
+                K_TILE,
+                false,
+                MatRef::rows(do_tile, q_rs),
+                MatRef::transposed(v_tile, kv_rs),
+                1.0,
+            );
             // dS = P ∘ (dP − D) (∘ tanh' under softcap), stored over dP.
             for r in 0..rows {
                 let di = delta[i0 + r];
@@ -191,8 +207,24 @@ unsafe fn backward_head(
                 }
             }
             // dQ += scale · dS K ; dK += scale · dSᵀ Q.
-            tile_matmul((rows, d, cols), dq.0.add(q_off(i0)), q_rs, true, MatRef::rows(dprobs.as_ptr(), K_TILE), MatRef::rows(k_tile, kv_rs), scale);
-            tile_matmul((cols, d, rows), dk_acc.as_mut_ptr(), d, true, MatRef::transposed(dprobs.as_ptr(), K_TILE), MatRef::rows(q_tile, q_rs), scale);
+            tile_matmul(
+                (rows, d, cols),
+                dq.0.add(q_off(i0)),
+                q_rs,
+                true,
+                MatRef::rows(dprobs.as_ptr(), K_TILE),
+                MatRef::rows(k_tile, kv_rs),
+                scale,
+            );
+            tile_matmul(
+                (cols, d, rows),
+                dk_acc.as_mut_ptr(),
+                d,
+                true,
+                MatRef::transposed(dprobs.as_ptr(), K_TILE),
+                MatRef::rows(q_tile, q_rs),
+                scale,
+            );
         }
         for c in 0..cols {
             let (dk_dst, dv_dst) = (dk.0.add(dkv_off(j0 + c)), dv.0.add(dkv_off(j0 + c)));

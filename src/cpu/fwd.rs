@@ -42,9 +42,7 @@ pub(crate) fn forward(
         .seqs
         .iter()
         .enumerate()
-        .flat_map(|(b, seq)| {
-            (0..h).flat_map(move |head| (0..seq.q_len).step_by(Q_TILE).map(move |i0| (b, head, i0)))
-        })
+        .flat_map(|(b, seq)| (0..h).flat_map(move |head| (0..seq.q_len).step_by(Q_TILE).map(move |i0| (b, head, i0))))
         .collect();
     let (out_ptr, lse_ptr) = (SharedMut(out.as_mut_ptr()), SharedMut(lse.as_mut_ptr()));
     tasks.par_iter().for_each_init(

@@ -32,10 +32,8 @@ pub fn cuda_device() -> Option<Device> {
 }
 
 pub fn rng() -> (StdRng, u64) {
-    let seed = std::env::var("CANDLE_FLASH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::rng().random());
+    let seed =
+        std::env::var("CANDLE_FLASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| rand::rng().random());
     (StdRng::seed_from_u64(seed), seed)
 }
 
@@ -53,8 +51,24 @@ pub fn randn(rng: &mut StdRng, dims: &[usize], std: f32) -> Result<Tensor> {
 
 /// Largest |a - b| over all elements, +inf if `a` holds a NaN anywhere.
 pub fn max_err(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_device(&Device::Cpu).unwrap().to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
-    let b = b.to_device(&Device::Cpu).unwrap().to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let a = a
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
+    let b = b
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
     assert_eq!(a.len(), b.len());
     a.iter().zip(&b).fold(0.0, |m, (x, y)| {
         if x.is_nan() || y.is_nan() {
@@ -158,11 +172,12 @@ pub fn make_inputs(case: &Case, rng: &mut StdRng) -> Result<Inputs> {
     };
     let seqlens = (!case.varlen.is_empty()).then(|| {
         let cum = |f: fn(&(usize, usize)) -> usize| {
-            std::iter::once(0u32).chain(case.varlen.iter().scan(0u32, |acc, s| {
-                *acc += f(s) as u32;
-                Some(*acc)
-            }))
-            .collect::<Vec<u32>>()
+            std::iter::once(0u32)
+                .chain(case.varlen.iter().scan(0u32, |acc, s| {
+                    *acc += f(s) as u32;
+                    Some(*acc)
+                }))
+                .collect::<Vec<u32>>()
         };
         (cum(|s| s.0), cum(|s| s.1))
     });
@@ -170,9 +185,8 @@ pub fn make_inputs(case: &Case, rng: &mut StdRng) -> Result<Inputs> {
 }
 
 pub fn options(case: &Case, inputs: &Inputs, device: &Device) -> Result<FlashAttnOptions> {
-    let mut opts = FlashAttnOptions::new(1.0 / (case.d as f32).sqrt())
-        .window(case.window.0, case.window.1)
-        .softcap(case.softcap);
+    let mut opts =
+        FlashAttnOptions::new(1.0 / (case.d as f32).sqrt()).window(case.window.0, case.window.1).softcap(case.softcap);
     if let Some(a) = &inputs.alibi {
         opts = opts.alibi(Some(&a.to_device(device)?));
     }
@@ -194,17 +208,11 @@ pub struct Run {
     pub grads: Option<[Tensor; 3]>,
 }
 
-pub fn run(
-    flash: bool,
-    inputs: &Inputs,
-    case: &Case,
-    dtype: DType,
-    device: &Device,
-    with_grad: bool,
-) -> Result<Run> {
+pub fn run(flash: bool, inputs: &Inputs, case: &Case, dtype: DType, device: &Device, with_grad: bool) -> Result<Run> {
     let opts = options(case, inputs, device)?;
     let to = |t: &Tensor| t.to_dtype(dtype)?.to_device(device);
-    let (q, k, v) = (Var::from_tensor(&to(&inputs.q)?)?, Var::from_tensor(&to(&inputs.k)?)?, Var::from_tensor(&to(&inputs.v)?)?);
+    let (q, k, v) =
+        (Var::from_tensor(&to(&inputs.q)?)?, Var::from_tensor(&to(&inputs.k)?)?, Var::from_tensor(&to(&inputs.v)?)?);
     let (out, lse) = if flash {
         candle_flash::flash_attn_with_lse(&q, &k, &v, &opts)?
     } else {

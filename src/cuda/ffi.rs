@@ -1,0 +1,81 @@
+//! `#[repr(C)]` mirrors of `kernels/flash_api.h` (the one interface to our CUDA code) and the
+//! declarations of its entry points. Change both files together.
+
+use std::ffi::{c_char, c_int, c_void};
+
+pub const CF_F32: i32 = 0;
+pub const CF_F16: i32 = 1;
+pub const CF_BF16: i32 = 2;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CfFwdParams {
+    pub q: *const c_void,
+    pub k: *const c_void,
+    pub v: *const c_void,
+    pub o: *mut c_void,
+    pub lse: *mut f32,
+    pub alibi_slopes: *const f32,
+    pub cu_seqlens_q: *const u32,
+    pub cu_seqlens_k: *const u32,
+
+    pub q_batch_stride: i64,
+    pub q_row_stride: i64,
+    pub q_head_stride: i64,
+    pub k_batch_stride: i64,
+    pub k_row_stride: i64,
+    pub k_head_stride: i64,
+    pub v_batch_stride: i64,
+    pub v_row_stride: i64,
+    pub v_head_stride: i64,
+    pub o_batch_stride: i64,
+    pub o_row_stride: i64,
+    pub o_head_stride: i64,
+    pub lse_batch_stride: i64,
+    pub lse_head_stride: i64,
+
+    pub b: i32,
+    pub h: i32,
+    pub hkv: i32,
+    pub d: i32,
+    pub seqlen_q: i32,
+    pub seqlen_k: i32,
+    pub alibi_batch_stride: i32,
+    pub window_left: i32,
+    pub window_right: i32,
+    pub softmax_scale: f32,
+    pub softcap: f32,
+    pub dtype: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CfBwdParams {
+    pub fwd: CfFwdParams,
+    pub dout: *const c_void,
+    pub do_batch_stride: i64,
+    pub do_row_stride: i64,
+    pub do_head_stride: i64,
+    pub dq: *mut c_void,
+    pub dk: *mut c_void,
+    pub dv: *mut c_void,
+    pub dq_batch_stride: i64,
+    pub dq_row_stride: i64,
+    pub dq_head_stride: i64,
+    pub dk_batch_stride: i64,
+    pub dk_row_stride: i64,
+    pub dk_head_stride: i64,
+    pub dv_batch_stride: i64,
+    pub dv_row_stride: i64,
+    pub dv_head_stride: i64,
+    pub deterministic: i32,
+    pub total_q: i32,
+    pub total_k: i32,
+}
+
+extern "C" {
+    pub fn cf_fwd(p: *const CfFwdParams, stream: *mut c_void) -> c_int;
+    pub fn cf_bwd_workspace_size(p: *const CfBwdParams) -> usize;
+    pub fn cf_bwd(p: *const CfBwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;
+    pub fn cf_error_string(status: c_int) -> *const c_char;
+}
