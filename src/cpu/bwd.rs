@@ -4,7 +4,7 @@
 //! Per-query-head dK/dV are then summed over each KV head's group (GQA) in a fixed order, so
 //! the result is deterministic.
 
-use super::{dense_f32, logits_row, tile_matmul, MatRef, SharedMut, K_TILE, Q_TILE};
+use super::{dense_f32, exp_shifted_sum, logits_row, tile_matmul, MatRef, SharedMut, K_TILE, Q_TILE};
 use crate::params::{AttnShape, FlashAttnOptions};
 use candle_core::{CpuStorage, Layout, Result};
 use rayon::prelude::*;
@@ -174,7 +174,7 @@ unsafe fn backward_head(
                 if row_lse == f32::NEG_INFINITY {
                     row.fill(0.0); // the row saw no key: no gradient flows through it
                 } else {
-                    row.iter_mut().for_each(|x| *x = (*x - row_lse).exp());
+                    exp_shifted_sum(row, row_lse);
                 }
             }
             // dV += Pᵀ dO.

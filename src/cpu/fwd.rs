@@ -1,6 +1,6 @@
 //! CPU forward: one rayon task per (sequence, query head, Q tile); online softmax over K tiles.
 
-use super::{dense_f32, logits_row, tile_matmul, MatRef, SharedMut, K_TILE, Q_TILE};
+use super::{dense_f32, exp_shifted_sum, logits_row, tile_matmul, MatRef, SharedMut, K_TILE, Q_TILE};
 use crate::params::{AttnShape, FlashAttnOptions};
 use candle_core::{CpuStorage, Layout, Result};
 use rayon::prelude::*;
@@ -104,18 +104,13 @@ unsafe fn forward_tile(
             let row = &mut scores[r * K_TILE..r * K_TILE + cols];
             let pos = (i0 + r) as isize + seq.diag_offset();
             logits_row(row, j0, ranges[r], opts.softmax_scale, opts.softcap, alibi.map(|s| (s, pos)));
-            let tile_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let new_max = row_max[r].max(tile_max);
+            let new_max = row_max[r].max(super::row_max(row));
             if new_max == f32::NEG_INFINITY {
                 // Nothing visible to this row yet: its probabilities are all zero.
                 row.fill(0.0);
                 continue;
             }
-            let mut sum = 0.0;
-            for x in row.iter_mut() {
-                *x = (*x - new_max).exp();
-                sum += *x;
-            }
+            let sum = exp_shifted_sum(row, new_max);
             // Rescale what was accumulated under the old max (exp(-inf) = 0 on the first tile).
             let correction = (row_max[r] - new_max).exp();
             if correction != 1.0 {

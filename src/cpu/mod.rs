@@ -173,3 +173,57 @@ pub(crate) fn logits_row(
     row[..vis_lo].fill(f32::NEG_INFINITY);
     row[vis_hi..].fill(f32::NEG_INFINITY);
 }
+
+/// `x ← exp(x - shift)` over a row, returning the row's sum. A polynomial exp (Cody-Waite
+/// reduction, degree-6 Taylor on [-ln2/2, ln2/2], ~2e-7 relative error) that the compiler
+/// vectorises; libm's scalar `expf` took about a third of the forward's time on 64x64 tiles.
+/// Arguments below -87 (including -inf, i.e. masked keys) give exactly 0.
+#[inline]
+pub(crate) fn exp_shifted_sum(row: &mut [f32], shift: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting rounds to an integer
+    #[inline(always)]
+    fn exp1(x: f32) -> f32 {
+        let xc = x.clamp(-87.0, 88.0);
+        let n = (xc * LOG2E + ROUND) - ROUND;
+        let r = xc - n * LN2_HI - n * LN2_LO;
+        let p =
+            1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+        let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+        if x < -87.0 {
+            0.0
+        } else {
+            p * scale
+        }
+    }
+    let mut partial = [0f32; 8];
+    let mut chunks = row.chunks_exact_mut(8);
+    for chunk in &mut chunks {
+        for (x, acc) in chunk.iter_mut().zip(partial.iter_mut()) {
+            *x = exp1(*x - shift);
+            *acc += *x;
+        }
+    }
+    let mut sum = 0.0;
+    for x in chunks.into_remainder() {
+        *x = exp1(*x - shift);
+        sum += *x;
+    }
+    sum + partial.iter().sum::<f32>()
+}
+
+/// Largest element of a row (-inf for an empty or fully masked row), vectorisable.
+#[inline]
+pub(crate) fn row_max(row: &[f32]) -> f32 {
+    let mut partial = [f32::NEG_INFINITY; 8];
+    let mut chunks = row.chunks_exact(8);
+    for chunk in &mut chunks {
+        for (x, m) in chunk.iter().zip(partial.iter_mut()) {
+            *m = if *x > *m { *x } else { *m };
+        }
+    }
+    let rest = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    partial.iter().fold(rest, |m, &x| if x > m { x } else { m })
+}
