@@ -105,3 +105,25 @@ fn varlen() {
     }
     sweep(&cases, true);
 }
+
+/// Deterministic backward: the same inputs give the same bits on every run, on every device.
+#[test]
+fn deterministic_backward_is_bitwise_stable() {
+    for device in devices() {
+        for dtype in DTYPES {
+            let case = Case::new(dtype, (200, 300), (8, 2), 64).causal();
+            let (mut rng, seed) = common::rng();
+            let x = common::make_inputs(&case, &mut rng).unwrap();
+            let opts = common::options(&case, &x, &device).unwrap().deterministic(true);
+            let to = |t: &candle_core::Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
+            let (q, k, v, dout) = (to(&x.q), to(&x.k), to(&x.v), to(&x.dout));
+            let (out, lse) = candle_flash::flash_attn_with_lse(&q, &k, &v, &opts).unwrap();
+            let grads = || candle_flash::flash_attn_backward(&q, &k, &v, &out, &dout, &lse, &opts).unwrap();
+            let (a, b) = (grads(), grads());
+            for (x, y) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+                let diff = common::max_err(x, y);
+                assert!(diff == 0.0, "{dtype:?} on {:?}: runs differ by {diff} (seed {seed})", device.location());
+            }
+        }
+    }
+}

@@ -23,7 +23,12 @@ pub fn cuda_device() -> Option<Device> {
         return None;
     }
     match Device::new_cuda(0) {
-        Ok(d) => Some(d),
+        Ok(d) => {
+            // NaN-fill every kernel output before launch so unwritten elements fail the checks.
+            #[cfg(feature = "cuda")]
+            candle_flash::cuda::set_poison_outputs(true);
+            Some(d)
+        }
         Err(e) => {
             println!("skipping CUDA: no usable GPU ({e})");
             None

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Builds (here, no GPU needed) the `cuda` test binaries and the bench example, and copies them
+# stripped into the ignored folder gpu-bin/, with the library-path helper, for the device tool:
+#   run(command="bash scripts/gpu-run.sh", carry=["gpu-bin"])
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -f .cuda/env.sh ] || bash scripts/install-cuda.sh
+# shellcheck disable=SC1091
+source .cuda/env.sh
+
+out=gpu-bin
+rm -rf "$out"
+mkdir -p "$out/tests"
+# Test binaries: one per tests/*.rs (plus the lib's unit tests), found in cargo's JSON output.
+cargo test --release --features cuda --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do
+  cp "$exe" "$out/tests/$name"
+done
+cargo build --release --features cuda --example bench
+cp "${CARGO_TARGET_DIR:-target}/release/examples/bench" "$out/bench"
+strip "$out"/tests/* "$out/bench"
+# ../shared does not travel to the device: carry its library-path helper along.
+cp ../shared/device/cuda-libs.sh "$out/"
+du -sh "$out"
+ls -la "$out" "$out/tests"

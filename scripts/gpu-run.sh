@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (device tool), over binaries built by scripts/gpu-build.sh and carried
+# in gpu-bin/: every test binary (parity on CUDA with outputs poisoned, CPU vs CUDA), one small
+# case under compute-sanitizer, and a summary last. Full logs go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/candle-flash-out}
+mkdir -p "$OUT"
+# shellcheck disable=SC1091
+source gpu-bin/cuda-libs.sh >/dev/null
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+summary=()
+log="$OUT/tests.log"
+: > "$log"
+for t in gpu-bin/tests/*; do
+  name=$(basename "$t")
+  echo "=== $name" >> "$log"
+  "$t" --test-threads=1 --nocapture >> "$log" 2>&1
+  rc=$?
+  result=$(grep -E "^test result" "$log" | tail -n 1)
+  summary+=("$(printf '%-10s rc=%-3s %s' "$name" "$rc" "$result")")
+done
+
+# One small case under compute-sanitizer (memcheck): forward and backward, varlen with an empty
+# sequence, GQA, window and ALiBi on CUDA.
+san="$OUT/sanitizer.log"
+compute-sanitizer --tool memcheck --error-exitcode 1 gpu-bin/tests/parity varlen --test-threads=1 > "$san" 2>&1
+san_rc=$?
+summary+=("$(printf '%-10s rc=%-3s %s' sanitizer "$san_rc" "$(grep -E 'ERROR SUMMARY' "$san" | tail -n 1)")")
+
+echo
+echo "==== summary ($(cat "$OUT/gpu.txt"))"
+printf '%s\n' "${summary[@]}"
