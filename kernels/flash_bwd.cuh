@@ -144,8 +144,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
                 for (int nt = 0; nt < NTA; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[mt][nt][e] = dpa[mt][nt][e] = 0.f;
-            gemm_abt<AMT, NTA, KS, C, C, T>(s, cQ, ra0, sK, key0, lane);
-            gemm_abt<AMT, NTA, KS, C, C, T>(dpa, cdO, ra0, sV, key0, lane);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+            constexpr int AU = D >= 192 ? 2 : (D >= 128 ? 1 : KS);  // sm_80's allocator: bound the hoisted loads
+#else
+            constexpr int AU = KS;
+#endif
+            gemm_abt<AMT, NTA, KS, C, C, T, AU>(s, cQ, ra0, sK, key0, lane);
+            gemm_abt<AMT, NTA, KS, C, C, T, AU>(dpa, cdO, ra0, sV, key0, lane);
 #pragma unroll
             for (int mt = 0; mt < AMT; ++mt) {
 #pragma unroll

@@ -202,14 +202,13 @@ struct SwzPtr {
 // acc[MT][NT] (+)= A * B^T, A = rows [a_row0, a_row0 + 16*MT) of a swizzled tile with CA chunks
 // per row, B = rows [b_row0, b_row0 + 8*NT) of a swizzled tile with CB chunks per row; the
 // reduction runs over k = [0, 16*KS) (the first 2*KS chunks of both). a_row0, b_row0: multiples of 8.
-template <int MT, int NT, int KS, int CA, int CB, typename T>
+template <int MT, int NT, int KS, int CA, int CB, typename T, int KUNROLL = KS>
 __device__ __forceinline__ void gemm_abt(float (&acc)[MT][NT][4], const T* sA, int a_row0,
                                          const T* sB, int b_row0, int lane) {
     static_assert(NT % 2 == 0, "n tiles come in pairs (one ldmatrix.x4)");
     const SwzPtr<CA> pa(sA, a_row0 + (lane & 15), lane >> 4);
     const SwzPtr<CB> pb(sB, b_row0 + (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
+    auto step = [&](int ks) {
         uint32_t a[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) ldsm_x4(a[mt], pa.at(mt * 16, 2 * ks));
@@ -223,6 +222,13 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[MT][NT][4], const T* sA, i
                 mma16816<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
             }
         }
+    };
+    if constexpr (KUNROLL >= KS) {  // plain full unroll (the codegen the H100 runs were timed with)
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) step(ks);
+    } else {
+#pragma unroll KUNROLL
+        for (int ks = 0; ks < KS; ++ks) step(ks);
     }
 }
 
