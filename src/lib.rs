@@ -27,6 +27,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod llama;
 pub mod op;
 pub mod params;
 pub mod reference;

@@ -1,0 +1,319 @@
+//! Loading a [`Llama`] with its tokenizer and chat template from a GGUF file (architecture
+//! `llama`) or a Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`).
+
+use super::attention::AttnImpl;
+use super::config::{value_to_usize, LlamaConfig, RopeScaling};
+use super::model::Llama;
+use candle_core::quantized::gguf_file;
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use tokenizers::Tokenizer;
+
+/// A model and what generating text with it needs.
+pub struct LoadedLlama {
+    pub model: Llama,
+    /// None when the file carries no tokenizer (GGUF without `tokenizer.ggml.*`, or a folder
+    /// without `tokenizer.json`).
+    pub tokenizer: Option<Tokenizer>,
+    /// The Jinja chat template, when the model has one.
+    pub chat_template: Option<String>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    /// Tokens that end generation: the declared end-of-sequence ids plus the common
+    /// end-of-turn markers present in the vocabulary (GGUF files declare one eos id, while
+    /// chat models end a turn with another token, e.g. `<|im_end|>` or `<|eot_id|>`).
+    pub stop_token_ids: Vec<u32>,
+}
+
+const END_MARKERS: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "</s>"];
+
+/// A GGUF file (by its content) or a Hugging Face folder (or a file inside one).
+/// `progress(done, total)` reports tensors dequantized (GGUF) or layers built (safetensors).
+pub fn load(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+    attn_impl: AttnImpl,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<LoadedLlama> {
+    if path.is_dir() {
+        return load_safetensors_dir(path, dtype, device, attn_impl, progress);
+    }
+    if !path.exists() {
+        bail!("model not found: {}", path.display())
+    }
+    let is_gguf = std::fs::File::open(path)
+        .and_then(|mut f| {
+            let mut magic = [0u8; 4];
+            std::io::Read::read_exact(&mut f, &mut magic).map(|_| &magic == b"GGUF")
+        })
+        .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))?;
+    if is_gguf {
+        return load_gguf(path, dtype, device, attn_impl, progress);
+    }
+    match path.parent() {
+        Some(dir) if dir.join("config.json").is_file() => load_safetensors_dir(dir, dtype, device, attn_impl, progress),
+        _ => bail!("{}: neither a GGUF file nor a folder with config.json and *.safetensors", path.display()),
+    }
+}
+
+/// GGUF tensor names and the Hugging Face names the model is built from (per layer after
+/// `blk.N.` / `model.layers.N.`).
+const LAYER_NAMES: &[(&str, &str)] = &[
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+];
+const GLOBAL_NAMES: &[(&str, &str)] = &[
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+];
+
+/// The Hugging Face name of a GGUF tensor of a Llama model (None for tensors the model does
+/// not read as weights, such as `rope_freqs.weight`).
+pub fn gguf_to_hf_name(name: &str) -> Option<String> {
+    if let Some((_, hf)) = GLOBAL_NAMES.iter().find(|(g, _)| *g == name) {
+        return Some(hf.to_string());
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, suffix) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (_, hf) = LAYER_NAMES.iter().find(|(g, _)| *g == suffix)?;
+    Some(format!("model.layers.{layer}.{hf}"))
+}
+
+/// The GGUF name of a Hugging Face tensor of a Llama model (the inverse of
+/// [`gguf_to_hf_name`]).
+pub fn hf_to_gguf_name(name: &str) -> Option<String> {
+    if let Some((g, _)) = GLOBAL_NAMES.iter().find(|(_, hf)| *hf == name) {
+        return Some(g.to_string());
+    }
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, suffix) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (g, _) = LAYER_NAMES.iter().find(|(_, hf)| *hf == suffix)?;
+    Some(format!("blk.{layer}.{g}"))
+}
+
+fn qk_dims(w: &Tensor, n_head: usize) -> Result<(usize, usize, usize)> {
+    let (rows, cols) = w.dims2()?;
+    if n_head == 0 || !rows.is_multiple_of(n_head) || !(rows / n_head).is_multiple_of(2) {
+        bail!("q/k weight {:?} does not split into {n_head} heads of even size", w.dims())
+    }
+    Ok((rows, cols, rows / n_head / 2))
+}
+
+/// llama.cpp's conversion permutes the rows of Q and K (per head, the two halves of the head
+/// dim are interleaved) so that its interleaved rotary matches Hugging Face's "rotate half"
+/// rotary. This is that permutation (`convert_hf_to_gguf.py`'s `permute`): used to write GGUF.
+pub fn permute_qk_rows(w: &Tensor, n_head: usize) -> Result<Tensor> {
+    let (rows, cols, half) = qk_dims(w, n_head)?;
+    w.reshape((n_head, 2, half, cols))?.transpose(1, 2)?.reshape((rows, cols))
+}
+
+/// The inverse of [`permute_qk_rows`]: GGUF rows back to Hugging Face order, so that the
+/// model's non-interleaved rotary (`rope_thd`, in the flash layout) applies to GGUF weights.
+pub fn unpermute_qk_rows(w: &Tensor, n_head: usize) -> Result<Tensor> {
+    let (rows, cols, half) = qk_dims(w, n_head)?;
+    w.reshape((n_head, half, 2, cols))?.transpose(1, 2)?.reshape((rows, cols))
+}
+
+/// A GGUF file of architecture `llama`; every tensor is dequantized to `dtype` at load.
+pub fn load_gguf(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+    attn_impl: AttnImpl,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<LoadedLlama> {
+    let with_path = |e: candle_core::Error| candle_core::Error::Msg(format!("{}: {e}", path.display()));
+    let mut file = std::fs::File::open(path).map_err(|e| with_path(e.into()))?;
+    let ct = gguf_file::Content::read(&mut file).map_err(with_path)?;
+    let mut cfg = LlamaConfig::from_gguf(&ct).map_err(with_path)?;
+    if let Some(info) = ct.tensor_infos.get("rope_freqs.weight") {
+        let factors = info.read(&mut file, ct.tensor_data_offset, &Device::Cpu)?.dequantize(&Device::Cpu)?;
+        cfg.rope_scaling = RopeScaling::FreqFactors(factors.flatten_all()?.to_vec1()?);
+        cfg.validate()?;
+    }
+    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
+    names.sort();
+    let mut tensors = HashMap::with_capacity(names.len());
+    for (i, name) in names.iter().enumerate() {
+        if let Some(hf) = gguf_to_hf_name(name) {
+            let t = ct.tensor(&mut file, name, device)?.dequantize(device)?;
+            let t = if name.ends_with(".attn_q.weight") {
+                unpermute_qk_rows(&t, cfg.num_attention_heads)?
+            } else if name.ends_with(".attn_k.weight") {
+                unpermute_qk_rows(&t, cfg.num_key_value_heads)?
+            } else {
+                t
+            };
+            tensors.insert(hf, t.to_dtype(dtype)?);
+        }
+        progress(i + 1, names.len());
+    }
+    let vb = VarBuilder::from_tensors(tensors, dtype, device);
+    let model = Llama::load(vb, &cfg, attn_impl, &mut |_, _| {}).map_err(with_path)?;
+
+    let has_tokenizer = ct.metadata.contains_key("tokenizer.ggml.tokens");
+    let tokenizer = if has_tokenizer { Some(tokenizer_from_gguf(&ct).map_err(with_path)?) } else { None };
+    let token_name = |key: &str| -> Option<String> {
+        let id = ct.metadata.get(key).and_then(|v| value_to_usize(v).ok())?;
+        let tokens = ct.metadata.get("tokenizer.ggml.tokens")?.to_vec().ok()?;
+        tokens.get(id)?.to_string().ok().cloned()
+    };
+    let mut stop = Vec::new();
+    if let Some(id) = ct.metadata.get("tokenizer.ggml.eos_token_id").and_then(|v| value_to_usize(v).ok()) {
+        stop.push(id as u32);
+    }
+    Ok(LoadedLlama {
+        chat_template: ct.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned(),
+        bos_token: token_name("tokenizer.ggml.bos_token_id"),
+        eos_token: token_name("tokenizer.ggml.eos_token_id"),
+        stop_token_ids: with_end_markers(stop, tokenizer.as_ref()),
+        tokenizer,
+        model,
+    })
+}
+
+fn with_end_markers(mut ids: Vec<u32>, tokenizer: Option<&Tokenizer>) -> Vec<u32> {
+    if let Some(tok) = tokenizer {
+        ids.extend(END_MARKERS.iter().filter_map(|m| tok.token_to_id(m)));
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// The byte-level BPE tokenizer stored in GGUF metadata (`tokenizer.ggml.model == "gpt2"`),
+/// through candle's `TokenizerFromGguf`, with the pre-tokenizer corrected where candle's
+/// default does not match llama.cpp.
+///
+/// candle maps every `tokenizer.ggml.pre` it does not know to byte-level with
+/// `add_prefix_space = true`, which turns "Hello" into " Hello" and changes the ids. llama.cpp
+/// (and the original tokenizer.json) adds no space unless `tokenizer.ggml.add_space_prefix`
+/// says so, and `smollm` also splits digits one by one before the GPT-2 regex.
+pub fn tokenizer_from_gguf(ct: &gguf_file::Content) -> Result<Tokenizer> {
+    use tokenizers::pre_tokenizers::{byte_level::ByteLevel, digits::Digits, sequence::Sequence, PreTokenizerWrapper};
+    let mut tokenizer = <Tokenizer as TokenizerFromGguf>::from_gguf(ct)?;
+    let pre = ct.metadata.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).map_or("gpt2", |s| s.as_str());
+    let add_space_prefix =
+        ct.metadata.get("tokenizer.ggml.add_space_prefix").and_then(|v| v.to_bool().ok()).unwrap_or(false);
+    let byte_level = ByteLevel::new(add_space_prefix, true, true);
+    let fixed: Option<PreTokenizerWrapper> = match pre {
+        // candle reproduces these tokenizers' own regexes.
+        "qwen2" | "smaug-bpe" | "lfm2" | "llama3" => None,
+        "smollm" => Some(Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()),
+        _ => Some(byte_level.into()),
+    };
+    if let Some(pt) = fixed {
+        tokenizer.with_pre_tokenizer(Some(pt));
+    }
+    Ok(tokenizer)
+}
+
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text =
+        std::fs::read_to_string(path).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))?;
+    serde_json::from_str(&text).map(Some).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))
+}
+
+/// `eos_token_id` is a number or a list of numbers in config.json / generation_config.json.
+fn json_ids(v: Option<&serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        _ => vec![],
+    }
+}
+
+/// Special tokens in tokenizer_config.json are a string or `{"content": ...}`.
+fn json_token(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// A Hugging Face folder: `config.json`, `*.safetensors` (memory-mapped), and optionally
+/// `tokenizer.json`, `tokenizer_config.json` (chat template, special tokens) and
+/// `generation_config.json` (eos ids).
+pub fn load_safetensors_dir(
+    dir: &Path,
+    dtype: DType,
+    device: &Device,
+    attn_impl: AttnImpl,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<LoadedLlama> {
+    let config_path = dir.join("config.json");
+    let config_text = std::fs::read_to_string(&config_path)
+        .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", config_path.display())))?;
+    let mut cfg = LlamaConfig::from_hf_json(&config_text)?;
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", dir.display())))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        bail!("{}: no *.safetensors files", dir.display())
+    }
+    // SAFETY: the files are memory-mapped read-only; like every mmap-based loader we rely on
+    // them not being modified while the model is alive.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device)? };
+    if !vb.contains_tensor("lm_head.weight") {
+        // Some tied checkpoints do not say so in config.json; they just omit lm_head.
+        cfg.tie_word_embeddings = true;
+    }
+    let model = Llama::load(vb, &cfg, attn_impl, progress)?;
+
+    let tokenizer_path = dir.join("tokenizer.json");
+    let tokenizer = if tokenizer_path.is_file() {
+        Some(
+            Tokenizer::from_file(&tokenizer_path)
+                .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", tokenizer_path.display())))?,
+        )
+    } else {
+        None
+    };
+    let config_json: Option<serde_json::Value> = serde_json::from_str(&config_text).ok();
+    let tok_cfg = read_json(&dir.join("tokenizer_config.json"))?;
+    let gen_cfg = read_json(&dir.join("generation_config.json"))?;
+    let mut stop = json_ids(config_json.as_ref().and_then(|c| c.get("eos_token_id")));
+    stop.extend(json_ids(gen_cfg.as_ref().and_then(|c| c.get("eos_token_id"))));
+    let chat_template = tok_cfg.as_ref().and_then(|c| match c.get("chat_template")? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        // Several named templates: [{"name": "default", "template": ...}, ...].
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+        _ => None,
+    });
+    let eos_token = json_token(tok_cfg.as_ref().and_then(|c| c.get("eos_token")));
+    if let (Some(tok), Some(eos)) = (&tokenizer, &eos_token) {
+        stop.extend(tok.token_to_id(eos));
+    }
+    Ok(LoadedLlama {
+        chat_template,
+        bos_token: json_token(tok_cfg.as_ref().and_then(|c| c.get("bos_token"))),
+        eos_token,
+        stop_token_ids: with_end_markers(stop, tokenizer.as_ref()),
+        tokenizer,
+        model,
+    })
+}

@@ -1,0 +1,275 @@
+//! The full Llama: embeddings, decoder layers (RMSNorm, attention, RMSNorm, SwiGLU MLP),
+//! final norm, lm_head; and a generation loop.
+
+use super::attention::{AttnImpl, KvCache, LlamaAttention, Rope, RotaryEmbedding};
+use super::config::LlamaConfig;
+use super::sampling::LogitsProcessor;
+use candle_core::{bail, DType, Device, Module, Result, Tensor};
+use candle_nn::{Embedding, Linear, VarBuilder};
+use std::time::Instant;
+
+/// RMSNorm with candle-nn's fused kernel, or its differentiable composition when gradients are
+/// tracked (the fused op has no backward).
+#[derive(Clone, Debug)]
+struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn load(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Self { weight: vb.get(size, "weight")?, eps: eps as f32 })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.track_op() || self.weight.track_op() {
+            candle_nn::ops::rms_norm_slow(x, &self.weight, self.eps)
+        } else {
+            candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)
+        }
+    }
+}
+
+/// SwiGLU: `down(silu(gate(x)) * up(x))`.
+#[derive(Clone, Debug)]
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Self {
+            gate_proj: candle_nn::linear_no_bias(h, i, vb.pp("gate_proj"))?,
+            up_proj: candle_nn::linear_no_bias(h, i, vb.pp("up_proj"))?,
+            down_proj: candle_nn::linear_no_bias(i, h, vb.pp("down_proj"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: LlamaAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    fn forward(&self, x: &Tensor, rope: &Rope, cache: Option<&mut KvCache>) -> Result<Tensor> {
+        let h = (x + self.self_attn.forward(&self.input_layernorm.forward(x)?, rope, cache)?)?;
+        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?
+    }
+}
+
+/// One KV cache per layer, for one batch of sequences that advance together.
+#[derive(Clone, Debug)]
+pub struct Cache {
+    layers: Vec<KvCache>,
+}
+
+impl Cache {
+    pub fn new(num_layers: usize, min_capacity: usize) -> Self {
+        Self { layers: (0..num_layers).map(|_| KvCache::new(min_capacity)).collect() }
+    }
+
+    /// Tokens cached so far (the position of the next token).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, KvCache::len)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn layers(&self) -> &[KvCache] {
+        &self.layers
+    }
+
+    pub fn reset(&mut self) {
+        self.layers.iter_mut().for_each(KvCache::reset);
+    }
+}
+
+/// What [`Llama::generate`] produced, with its timings.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// The generated tokens (without the prompt; with the stop token when one ended it).
+    pub tokens: Vec<u32>,
+    pub prompt_tokens: usize,
+    /// Seconds for the prompt's forward and the first token's sampling.
+    pub prefill_secs: f64,
+    /// Seconds for the remaining tokens (one forward each).
+    pub decode_secs: f64,
+}
+
+impl Generation {
+    pub fn prefill_tokens_per_sec(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_secs.max(1e-9)
+    }
+
+    /// Decode steps (tokens after the first) per second.
+    pub fn decode_tokens_per_sec(&self) -> f64 {
+        self.tokens.len().saturating_sub(1) as f64 / self.decode_secs.max(1e-9)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Llama {
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rotary: RotaryEmbedding,
+    cfg: LlamaConfig,
+    dtype: DType,
+    device: Device,
+}
+
+impl Llama {
+    /// From Hugging Face tensor names (`model.embed_tokens.weight`, `model.layers.N...`,
+    /// `model.norm.weight`, `lm_head.weight` unless tied). `progress(done, total)` is called
+    /// after each layer.
+    pub fn load(
+        vb: VarBuilder,
+        cfg: &LlamaConfig,
+        attn_impl: AttnImpl,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let vm = vb.pp("model");
+        let embed_tokens = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vm.pp("embed_tokens"))?;
+        let n = cfg.num_hidden_layers;
+        let mut layers = Vec::with_capacity(n);
+        for i in 0..n {
+            let vl = vm.pp(format!("layers.{i}"));
+            layers.push(DecoderLayer {
+                input_layernorm: RmsNorm::load(cfg.hidden_size, cfg.rms_norm_eps, vl.pp("input_layernorm"))?,
+                self_attn: LlamaAttention::load(vl.pp("self_attn"), cfg, attn_impl)?,
+                post_attention_layernorm: RmsNorm::load(
+                    cfg.hidden_size,
+                    cfg.rms_norm_eps,
+                    vl.pp("post_attention_layernorm"),
+                )?,
+                mlp: Mlp::load(vl.pp("mlp"), cfg)?,
+            });
+            progress(i + 1, n);
+        }
+        let norm = RmsNorm::load(cfg.hidden_size, cfg.rms_norm_eps, vm.pp("norm"))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed_tokens.embeddings().clone(), None)
+        } else {
+            candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+        };
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rotary: RotaryEmbedding::new(cfg)?,
+            cfg: cfg.clone(),
+            dtype: vb.dtype(),
+            device: vb.device().clone(),
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn set_attn_impl(&mut self, attn_impl: AttnImpl) {
+        self.layers.iter_mut().for_each(|l| l.self_attn.set_attn_impl(attn_impl));
+    }
+
+    /// An empty cache for this model.
+    pub fn new_cache(&self) -> Cache {
+        Cache::new(self.layers.len(), 256)
+    }
+
+    /// The hidden states after the final norm, `(B, S, hidden)`.
+    fn hidden(&self, input_ids: &Tensor, cache: Option<&mut Cache>) -> Result<Tensor> {
+        let (_b, s) = input_ids.dims2()?;
+        if s == 0 {
+            bail!("llama: empty input")
+        }
+        let mut cache_layers = match cache {
+            Some(c) if c.layers.len() != self.layers.len() => {
+                bail!("llama: cache has {} layers, the model {}", c.layers.len(), self.layers.len())
+            }
+            Some(c) => Some(c.layers.as_mut_slice()),
+            None => None,
+        };
+        let start = cache_layers.as_deref().and_then(|l| l.first()).map_or(0, KvCache::len);
+        let rope = self.rotary.rope(start, s, self.dtype, &self.device)?;
+        let mut x = self.embed_tokens.forward(input_ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(&x, &rope, cache_layers.as_deref_mut().map(|l| &mut l[i]))?;
+        }
+        self.norm.forward(&x)
+    }
+
+    /// Logits (f32) of the last position of each sequence, `(B, vocab)`. Only that position
+    /// goes through lm_head: a 4096-token prompt would otherwise produce a 4096 x vocab matrix
+    /// (800 MB for a 49k vocabulary) to read one row of it.
+    pub fn forward(&self, input_ids: &Tensor, cache: Option<&mut Cache>) -> Result<Tensor> {
+        let x = self.hidden(input_ids, cache)?;
+        let s = x.dim(1)?;
+        self.lm_head.forward(&x.narrow(1, s - 1, 1)?.contiguous()?)?.squeeze(1)?.to_dtype(DType::F32)
+    }
+
+    /// Logits (f32) of every position, `(B, S, vocab)`.
+    pub fn forward_all(&self, input_ids: &Tensor, cache: Option<&mut Cache>) -> Result<Tensor> {
+        self.lm_head.forward(&self.hidden(input_ids, cache)?)?.to_dtype(DType::F32)
+    }
+
+    /// Generates up to `max_new_tokens` after `prompt` (one sequence), stopping after any
+    /// token of `stop_tokens`. `on_token` sees each token as soon as it is sampled (for
+    /// streaming). Prefill is one forward over the whole prompt; decode feeds one token at a
+    /// time against the KV cache.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        sampler: &mut LogitsProcessor,
+        stop_tokens: &[u32],
+        mut on_token: impl FnMut(u32) -> Result<()>,
+    ) -> Result<Generation> {
+        if prompt.is_empty() {
+            bail!("llama: the prompt has no tokens")
+        }
+        let mut cache = Cache::new(self.layers.len(), prompt.len() + max_new_tokens);
+        let mut tokens = Vec::with_capacity(max_new_tokens);
+        let t0 = Instant::now();
+        let (mut prefill_secs, mut input) = (0.0, Tensor::new(prompt, &self.device)?.unsqueeze(0)?);
+        for step in 0..max_new_tokens {
+            let logits = self.forward(&input, Some(&mut cache))?.squeeze(0)?;
+            let next = sampler.sample(&logits)?;
+            if step == 0 {
+                prefill_secs = t0.elapsed().as_secs_f64();
+            }
+            tokens.push(next);
+            on_token(next)?;
+            if stop_tokens.contains(&next) {
+                break;
+            }
+            input = Tensor::new(&[next], &self.device)?.unsqueeze(0)?;
+        }
+        let decode_secs = if tokens.is_empty() { 0.0 } else { t0.elapsed().as_secs_f64() - prefill_secs };
+        Ok(Generation { tokens, prompt_tokens: prompt.len(), prefill_secs, decode_secs })
+    }
+}
