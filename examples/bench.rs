@@ -74,6 +74,12 @@ struct Args {
     /// Query length override (decode shapes: --nq 1); default Nq = Nk
     #[arg(long)]
     nq: Option<usize>,
+    /// FlashAttention papers' grid: batch = tokens / N for each N (overrides --batch)
+    #[arg(long)]
+    tokens: Option<usize>,
+    /// With --tokens: query heads = hidden / D (overrides --heads)
+    #[arg(long)]
+    hidden: Option<usize>,
     /// Timed iterations (the median is reported)
     #[arg(long, default_value_t = 3)]
     iters: usize,
@@ -154,12 +160,14 @@ fn main() -> Result<()> {
     let impls: Vec<String> = list(&args.implementation)?;
     let modes: Vec<String> = list(&args.mode)?;
     let mut rows = vec![];
-    for &b in &list::<usize>(&args.batch)? {
-        for &h in &list::<usize>(&args.heads)? {
+    for &b_arg in &list::<usize>(&args.batch)? {
+        for &h_arg in &list::<usize>(&args.heads)? {
             for &d in &list::<usize>(&args.hdim)? {
                 for &nk in &list::<usize>(&args.seqlens)? {
                     for &causal in &causals {
                         let nq = args.nq.unwrap_or(nk);
+                        let b = args.tokens.map(|t| (t / nk).max(1)).unwrap_or(b_arg);
+                        let h = args.hidden.map(|hd| hd / d).unwrap_or(h_arg);
                         let hkv = args.hkv.unwrap_or(h);
                         let q = Tensor::randn(0f32, 1., (b, nq, h, d), &device)?.to_dtype(dtype)?;
                         let k = Tensor::randn(0f32, 1., (b, nk, hkv, d), &device)?.to_dtype(dtype)?;
@@ -242,6 +250,8 @@ fn main() -> Result<()> {
                                         "impl": row.implementation, "mode": row.mode, "causal": causal, "dtype": args.dtype,
                                         "b": b, "h": h, "hkv": hkv, "nq": nq, "nk": nk, "d": d,
                                         "ms": row.ms, "tflops": row.tflops, "peak_mb": row.peak_mb,
+                                        // K and V read once: the memory floor of decode shapes.
+                                        "kv_tbps": (2 * b * nk * hkv * d * dtype.size_in_bytes()) as f64 / (ms * 1e-3) / 1e12,
                                     })
                                 );
                                 rows.push(row);

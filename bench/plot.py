@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Draws TFLOP/s against N from benchmark JSON lines (examples/bench.rs and bench/sdpa.py):
+one panel per (D, causal, mode), one line per implementation. Also prints the ratio table
+(ours / torch-flash, ours / torch-cudnn) for every grid point.
+
+usage: plot.py bench.jsonl out.png [title]
+"""
+import json
+import sys
+from collections import defaultdict
+
+
+def load(path):
+    rows = []
+    for line in open(path):
+        line = line.strip()
+        if line.startswith("{"):
+            r = json.loads(line)
+            if "error" not in r and r.get("nq") == r.get("nk"):
+                rows.append(r)
+    return rows
+
+
+def ratio_table(rows):
+    key = lambda r: (r["mode"], r["d"], r["causal"], r["nk"], r["dtype"])
+    by = defaultdict(dict)
+    for r in rows:
+        by[key(r)][r["impl"]] = r["tflops"]
+    print("| mode | d | causal | N | dtype | ours TF/s | FA2 TF/s | cuDNN TF/s | ours/FA2 | ours/cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for k in sorted(by):
+        v = by[k]
+        if "flash" not in v:
+            continue
+        ours, fa2, cud = v["flash"], v.get("torch-flash"), v.get("torch-cudnn")
+        f = lambda x: f"{x:.0f}" if x else "-"
+        rr = lambda x: f"{ours / x:.2f}" if x else "-"
+        print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {f(ours)} | {f(fa2)} | {f(cud)} | {rr(fa2)} | {rr(cud)} |")
+
+
+def plot(rows, out, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = sorted({(r["mode"], r["d"], r["causal"]) for r in rows})
+    cols = 4
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.6 * nrows), squeeze=False)
+    for ax, (mode, d, causal) in zip(axes.flat, panels):
+        for impl in sorted({r["impl"] for r in rows}):
+            pts = sorted((r["nk"], r["tflops"]) for r in rows if (r["mode"], r["d"], r["causal"], r["impl"]) == (mode, d, causal, impl))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{mode}, D={d}, {'causal' if causal else 'non-causal'}", fontsize=10)
+        ax.set_xlabel("N")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":
+    rows = load(sys.argv[1])
+    ratio_table(rows)
+    if len(sys.argv) > 2:
+        plot(rows, sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "")

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Device side: our bench (gpu-bin/bench, from scripts/gpu-build.sh) and PyTorch SDPA on the
+# FlashAttention papers' grid (B*N = 16384 tokens, hidden 2048, D in {64, 128}, causal and not)
+# plus the decode shapes, in one run; then the plot and the ratio table (ours / FA2, ours /
+# cuDNN), printed last. Usage: bash scripts/gpu-bench.sh [modes] [dtype]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/candle-flash-out}
+mkdir -p "$OUT"
+modes=${1:-fwd,bwd,fwd_bwd}
+dtype=${2:-bf16}
+seqlens=${SEQLENS:-512,1024,2048,4096,8192,16384}
+# shellcheck disable=SC1091
+source gpu-bin/cuda-libs.sh >/dev/null
+jsonl="$OUT/bench.jsonl"
+: > "$jsonl"
+grid=(--tokens 16384 --hidden 2048 --hdim 64,128 --seqlens "$seqlens" --dtype "$dtype")
+gpu-bin/bench --device cuda --impl flash --mode "$modes" "${grid[@]}" --iters 10 2>>"$OUT/bench.err" | grep '^{' >> "$jsonl"
+python3 bench/sdpa.py --impl torch-flash,torch-cudnn --mode "$modes" "${grid[@]}" 2>>"$OUT/bench.err" >> "$jsonl"
+# Decode: 1 query against long caches, 32 query / 8 KV heads, D = 128.
+dec=(--nq 1 --seqlens 4096,32768 --heads 32 --hkv 8 --hdim 128 --batch 1,16 --causal false --dtype "$dtype")
+gpu-bin/bench --device cuda --impl flash --mode fwd "${dec[@]}" --iters 20 2>>"$OUT/bench.err" | grep '^{' > "$OUT/decode.jsonl"
+python3 bench/sdpa.py --impl torch-flash --mode fwd "${dec[@]}" --iters 20 >> "$OUT/decode.jsonl" 2>>"$OUT/bench.err"
+gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)
+torchv=$(python3 -c 'import torch; print(torch.__version__, "cuDNN", torch.backends.cudnn.version())')
+python3 bench/plot.py "$jsonl" "$OUT/bench.png" "candle-flash vs PyTorch SDPA, $dtype, $gpu, torch $torchv, $(date -u +%F)" > "$OUT/ratios.md"
+echo "== decode (Sq=1): ms and K/V TB/s"
+python3 - "$OUT/decode.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    if l.startswith("{"):
+        r = json.loads(l)
+        if "error" not in r:
+            print(f"{r['impl']:12s} b={r['b']:2d} nk={r['nk']:6d}  {r['ms']*1e3:8.1f} us  {r['kv_tbps']:.2f} TB/s")
+PY
+echo "== $gpu, torch $torchv"
+cat "$OUT/ratios.md"
