@@ -15,6 +15,7 @@
 #   .cuda/root/lib64 -> ../lib64    unversioned .so symlinks (link time only)
 #   .cuda/lib64/stubs/libcuda.so    link-time stub of the driver API
 #                                   (soname libcuda.so.1 -> real driver at run time)
+#   .cuda/nodriver/libcuda.so.1     same stub, opt-in at run time on driverless machines
 #   .cuda/env.sh                    environment to source
 set -euo pipefail
 
@@ -80,6 +81,10 @@ export PATH="$ABS_C/root/bin:\${PATH}"
 export CUDA_COMPUTE_CAP=90
 export LIBRARY_PATH="$ABS_C/lib64:$ABS_C/lib64/stubs\${LIBRARY_PATH:+:\${LIBRARY_PATH}}"
 export LD_LIBRARY_PATH="$ABS_C/lib64\${LD_LIBRARY_PATH:+:\${LD_LIBRARY_PATH}}"
+# No GPU driver here: binaries built with --features cuda need libcuda.so.1 to start. To run
+# them anyway (CPU tests; CUDA calls fail with CUDA_ERROR_NO_DEVICE), opt in per command:
+#   LD_LIBRARY_PATH=$ABS_C/nodriver:\$LD_LIBRARY_PATH cargo test --release --features cuda
+# Never do that on a GPU machine (it would shadow the real driver).
 EOF
     mv "$C/env.sh.tmp" "$C/env.sh"
 }
@@ -120,12 +125,16 @@ if [ ! -e "$C/lib64/stubs/libcuda.so" ]; then
       | sed -E 's/^CUresult[[:space:]]+(CUDAAPI[[:space:]]+)?//; s/[[:space:]]*\($//' \
       | sort -u > "$tmp/syms.txt"
     {
-        echo '/* generated link-time stub of libcuda.so; never loaded at run time */'
-        while read -r s; do echo "int $s(void) { return 999; /* CUDA_ERROR_UNKNOWN */ }"; done < "$tmp/syms.txt"
+        echo '/* generated stub of libcuda.so: every driver call fails with CUDA_ERROR_NO_DEVICE */'
+        while read -r s; do echo "int $s(void) { return 100; /* CUDA_ERROR_NO_DEVICE */ }"; done < "$tmp/syms.txt"
     } > "$tmp/stub.c"
     gcc -shared -fPIC -O0 -Wl,-soname,libcuda.so.1 -o "$C/lib64/stubs/libcuda.so" "$tmp/stub.c"
     echo "stub libcuda.so: $(wc -l < "$tmp/syms.txt") symbols"
 fi
+# Opt-in only (NOT in env.sh's LD_LIBRARY_PATH): lets `--features cuda` binaries start on a
+# machine without a driver (CPU tests run; Device::new_cuda returns an error).
+mkdir -p "$C/nodriver"
+ln -sfn ../lib64/stubs/libcuda.so "$C/nodriver/libcuda.so.1"
 
 echo "nvcc: $(grep release <<<"$ver")"
 echo "probe compile for sm_90a: OK"

@@ -8,7 +8,7 @@ mod ffi;
 
 use crate::params::{AttnShape, FlashAttnOptions};
 use candle_core::cuda_backend::cudarc::driver::{
-    result::memset_d8_async, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    result::memset_d8_async, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::CudaDType;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Error, Layout, Result, Storage, Tensor};
@@ -247,7 +247,7 @@ pub(crate) fn backward(
     }
 }
 
-fn backward_t<T: CudaDType + DeviceRepr>(
+fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
     tensors: [&Tensor; 5],
