@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds (here, no GPU needed) the `cuda` test binaries and the bench example, and copies them
 # stripped into the ignored folder gpu-bin/, with the library-path helper, for the device tool:
-#   run(command="bash scripts/gpu-run.sh", carry=["gpu-bin"])
+#   run(command="bash scripts/gpu-run.sh", carry=["gpu-pack"])
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .cuda/env.sh ] || bash scripts/install-cuda.sh
@@ -30,5 +30,8 @@ cp "${CARGO_TARGET_DIR:-target}/release/examples/bench" "$out/bench"
 strip "$out"/tests/* "$out/bench"
 # ../shared does not travel to the device: carry its library-path helper along.
 cp ../shared/device/cuda-libs.sh "$out/"
-du -sh "$out"
-ls -la "$out" "$out/tests"
+# The binaries embed candle's PTX (~200 MB together); xz -9 shrinks them under the device
+# tool's 64 MiB carry limit (~10 MB). Carry gpu-pack; the device scripts unpack it.
+mkdir -p gpu-pack
+tar -C "$out" -cf - . | xz -9 -T1 > gpu-pack/bin.tar.xz
+ls -la "$out/tests" gpu-pack

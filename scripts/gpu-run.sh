@@ -6,6 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/candle-flash-out}
 mkdir -p "$OUT"
+if [ ! -d gpu-bin ]; then mkdir -p gpu-bin && tar -C gpu-bin -xJf gpu-pack/bin.tar.xz; fi
 # shellcheck disable=SC1091
 source gpu-bin/cuda-libs.sh >/dev/null
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

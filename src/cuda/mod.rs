@@ -296,7 +296,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         let q_strides = strides(q_l, shape.is_varlen);
         let k_strides = strides(k_l, shape.is_varlen);
         let do_strides = strides(do_l, shape.is_varlen);
-        let mut p = ffi::CfBwdParams {
+        let p = ffi::CfBwdParams {
             fwd: f,
             dout: ptr::<T>(dout, do_l, &stream)? as *const c_void,
             do_batch_stride: do_strides.0,
