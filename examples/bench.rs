@@ -220,6 +220,13 @@ fn main() -> Result<()> {
                                             Ok(())
                                         })?
                                     }
+                                    "fwd_bwd" if flash => time(&device, args.iters, || {
+                                        // Forward, then the backward with the output gradient
+                                        // given directly (as torch.autograd.grad does).
+                                        let (out, lse) = attn(&q, &k, &v)?;
+                                        flash_attn_backward(&q, &k, &v, &out, &dout, &lse, &opts)?;
+                                        Ok(())
+                                    })?,
                                     "fwd_bwd" => time(&device, args.iters, || {
                                         let (qv, kv, vv) =
                                             (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
