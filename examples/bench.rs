@@ -83,6 +83,10 @@ struct Args {
     /// Timed iterations (the median is reported)
     #[arg(long, default_value_t = 3)]
     iters: usize,
+    /// CUDA: keep the driver's default memory-pool behaviour (release at every sync) instead of
+    /// letting it cache freed memory as PyTorch's allocator does
+    #[arg(long)]
+    no_pool_cache: bool,
     /// Skip naive runs whose score matrices would exceed this many GiB
     #[arg(long, default_value_t = 6.0)]
     naive_max_gib: f64,
@@ -144,7 +148,8 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let device = match args.device.as_str() {
         "cpu" => Device::Cpu,
-        "cuda" => Device::new_cuda(0)?,
+        "cuda" if args.no_pool_cache => Device::new_cuda(0)?,
+        "cuda" => candle_flash::new_cuda_device(0)?,
         d => bail!("unknown device {d}"),
     };
     let dtype = match args.dtype.as_str() {

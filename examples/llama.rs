@@ -86,7 +86,9 @@ impl<'a> TextStream<'a> {
 fn device(name: &str) -> Result<Device> {
     match name {
         "cpu" => Ok(Device::Cpu),
-        "cuda" => Device::new_cuda(0).context("no CUDA device (build with `--features cuda` and run on a GPU)"),
+        "cuda" => {
+            candle_flash::new_cuda_device(0).context("no CUDA device (build with `--features cuda` and run on a GPU)")
+        }
         other => bail!("unknown device {other:?} (cpu or cuda)"),
     }
 }

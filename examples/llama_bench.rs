@@ -120,7 +120,7 @@ fn main() -> Result<()> {
     }
     let device = match args.device.as_str() {
         "cpu" => Device::Cpu,
-        "cuda" => Device::new_cuda(0)?,
+        "cuda" => candle_flash::new_cuda_device(0)?,
         d => bail!("unknown device {d}"),
     };
     let dtype = match args.dtype.as_str() {

@@ -38,6 +38,15 @@ use candle_core::{Result, Tensor};
 use op::{FlashAttnOp, LseSlot};
 use std::sync::Arc;
 
+/// `Device::new_cuda(ordinal)` with the device's memory pool set to cache freed memory (see
+/// [`cuda::enable_allocation_caching`]); without the `cuda` feature, candle's error.
+pub fn new_cuda_device(ordinal: usize) -> Result<candle_core::Device> {
+    let device = candle_core::Device::new_cuda(ordinal)?;
+    #[cfg(feature = "cuda")]
+    cuda::enable_allocation_caching(device.as_cuda_device()?)?;
+    Ok(device)
+}
+
 /// Attention with every option in `opts`: the function all the `flash_attn*` variants call.
 pub fn flash_attn_with_options(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<Tensor> {
     Ok(flash_attn_with_lse(q, k, v, opts)?.0)

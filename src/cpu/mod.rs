@@ -197,7 +197,7 @@ fn exp_poly(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting rounds to an integer
-    let xc = x.max(-87.0).min(88.0);
+    let xc = x.clamp(-87.0, 88.0);
     let shifted = xc * LOG2E + ROUND;
     let n = shifted - ROUND;
     let r = xc - n * LN2_HI - n * LN2_LO;

@@ -331,3 +331,27 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     }
     Ok((T::wrap_cuda_slice(dq, dev.clone()), T::wrap_cuda_slice(dk, dev.clone()), T::wrap_cuda_slice(dv, dev)))
 }
+
+/// Lets the device's default memory pool keep freed memory instead of returning it to the
+/// driver at every synchronisation. candle allocates every output with `cuMemAllocAsync` from
+/// that pool, whose release threshold is 0 by default, so each call otherwise pays for mapping
+/// fresh memory (PyTorch's caching allocator avoids the same cost). Process-wide for the device;
+/// the examples call it, library users may.
+pub fn enable_allocation_caching(device: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let cu_device = device.cuda_stream().context().cu_device();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: plain driver calls on a valid device handle with out-pointers to locals.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, cu_device).result().map_err(|e| cuda_err("default mem pool", e))?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut c_void,
+        )
+        .result()
+        .map_err(|e| cuda_err("mem pool release threshold", e))?;
+    }
+    Ok(())
+}
