@@ -147,34 +147,49 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
             constexpr int AU = D >= 192 ? 2 : (D >= 128 ? 1 : KS);  // sm_80's allocator: bound the hoisted loads
 #else
-            constexpr int AU = KS;
+            constexpr int AU = Kt::kAUnroll90;
 #endif
             gemm_abt<AMT, NTA, KS, C, C, T, AU>(s, cQ, ra0, sK, key0, lane);
             gemm_abt<AMT, NTA, KS, C, C, T, AU>(dpa, cdO, ra0, sV, key0, lane);
+            // The element loop exists twice: kFast (every element visible, plain scale: one
+            // FFMA + EX2 + FADD + FMUL per element, no index math) and the general one.
+            auto elementwise = [&](auto fast_tag) {
+                constexpr bool kFast = decltype(fast_tag)::value;
 #pragma unroll
-            for (int mt = 0; mt < AMT; ++mt) {
+                for (int mt = 0; mt < AMT; ++mt) {
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int rl = ra0 + 16 * mt + g + 8 * r;
-                    const int i = m0 + rl;
-                    const float lse2 = lse_to_log2(sL[st * BM + rl]);
-                    const float dsv = sD[st * BM + rl];
+                    for (int r = 0; r < 2; ++r) {
+                        const int rl = ra0 + 16 * mt + g + 8 * r;
+                        const int i = m0 + rl;
+                        const float lse2 = lse_to_log2(sL[st * BM + rl]);
+                        const float dsv = sD[st * BM + rl];
 #pragma unroll
-                    for (int nt = 0; nt < NTA; ++nt) {
-                        float pv[2], dsr[2];
+                        for (int nt = 0; nt < NTA; ++nt) {
+                            float pv[2], dsr[2];
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int j = n0 + key0 + 8 * nt + 2 * q4 + e;
-                            const bool vis = full || (i < si.sq && mk.visible(i, j));
-                            const PdS x = p_ds(li, s[mt][nt][2 * r + e], dpa[mt][nt][2 * r + e], lse2, dsv, i, j, mk.off, vis);
-                            pv[e] = x.p;
-                            dsr[e] = x.ds;
+                            for (int e = 0; e < 2; ++e) {
+                                if constexpr (kFast) {
+                                    pv[e] = ex2(s[mt][nt][2 * r + e] * li.c - lse2);
+                                    dsr[e] = pv[e] * (dpa[mt][nt][2 * r + e] - dsv);
+                                } else {
+                                    const int j = n0 + key0 + 8 * nt + 2 * q4 + e;
+                                    const bool vis = full || (i < si.sq && mk.visible(i, j));
+                                    const PdS x = p_ds(li, s[mt][nt][2 * r + e], dpa[mt][nt][2 * r + e], lse2, dsv, i, j, mk.off, vis);
+                                    pv[e] = x.p;
+                                    dsr[e] = x.ds;
+                                }
+                            }
+                            const int off = swz<CP>(rl, (key0 >> 3) + nt) * 8 + 2 * q4;
+                            *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(pv[0], pv[1]);
+                            *reinterpret_cast<uint32_t*>(sdS + off) = pack2<T>(dsr[0], dsr[1]);
                         }
-                        const int off = swz<CP>(rl, (key0 >> 3) + nt) * 8 + 2 * q4;
-                        *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(pv[0], pv[1]);
-                        *reinterpret_cast<uint32_t*>(sdS + off) = pack2<T>(dsr[0], dsr[1]);
                     }
                 }
+            };
+            if (full && !li.general) {
+                elementwise(std::true_type{});
+            } else {
+                elementwise(std::false_type{});
             }
         }
         __syncthreads();  // P, dS visible
@@ -193,6 +208,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
         if (ws.dq_accum != nullptr) {
             const int64_t rstride = (int64_t)f.h * f.d;
             float* dqg = ws.dq_accum + (si.q_row0 + m0) * rstride + (int64_t)hq * f.d;
+            const bool dq_vec2 = (reinterpret_cast<uintptr_t>(ws.dq_accum) & 7) == 0;
 #pragma unroll
             for (int gi = 0; gi < Kt::kCPairs / CG; ++gi) {
                 float acc[CMT][2 * CG][4];
@@ -208,11 +224,24 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
 #pragma unroll
                     for (int t = 0; t < 2 * CG; ++t)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int rl = rc0 + 16 * mt + g + 8 * (e >> 1);
+                        for (int r = 0; r < 2; ++r) {
+                            const int rl = rc0 + 16 * mt + g + 8 * r;
                             const int pair = CD * (gi * CG + (t >> 1)) + wc_d;
-                            const int col = 16 * pair + 8 * (t & 1) + 2 * q4 + (e & 1);
-                            if (m0 + rl < si.sq && col < f.d) atomicAdd(dqg + rl * rstride + col, acc[mt][t][e]);
+                            const int col = 16 * pair + 8 * (t & 1) + 2 * q4;  // even; d % 8 == 0
+                            if (m0 + rl < si.sq && col < f.d) {
+                                float* dst = dqg + rl * rstride + col;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                                // one 8-byte vector reduction per column pair (half the L2 ops);
+                                // every offset is even, so only the workspace base decides
+                                if (dq_vec2) {
+                                    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc[mt][t][2 * r], acc[mt][t][2 * r + 1]));
+                                } else
+#endif
+                                {
+                                    atomicAdd(dst, acc[mt][t][2 * r]);
+                                    atomicAdd(dst + 1, acc[mt][t][2 * r + 1]);
+                                }
+                            }
                         }
             }
         }
@@ -362,16 +391,27 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dq_tc_kernel(const CfBwd
         gemm_abt<1, NT, KS, C, C, T>(s, sQ, row_w, cK, 0, lane);
         gemm_abt<1, NT, KS, C, C, T>(dpa, sdO, row_w, cV, 0, lane);
         const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
+        if (full && !li.general) {  // every element visible, plain scale: no index math
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e >> 1;
-                const int i = m0 + row_w + g + 8 * r;
-                const int j = n0 + 8 * nt + 2 * q4 + (e & 1);
-                const bool vis = full || (i < si.sq && mk.visible(i, j));
-                s[0][nt][e] = p_ds(li, s[0][nt][e], dpa[0][nt][e], lse2[r], dsv[r], i, j, mk.off, vis).ds;
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e >> 1;
+                    const float pv = ex2(s[0][nt][e] * li.c - lse2[r]);
+                    s[0][nt][e] = pv * (dpa[0][nt][e] - dsv[r]);
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e >> 1;
+                    const int i = m0 + row_w + g + 8 * r;
+                    const int j = n0 + 8 * nt + 2 * q4 + (e & 1);
+                    const bool vis = full || (i < si.sq && mk.visible(i, j));
+                    s[0][nt][e] = p_ds(li, s[0][nt][e], dpa[0][nt][e], lse2[r], dsv[r], i, j, mk.off, vis).ds;
+                }
+        }
         uint32_t a[1][PS][4];
         c_to_a<1, PS, T>(a, s);
         gemm_rs_b<1, DT, PS, C, 2, T>(acc, a, cK, 0, 0, lane);

@@ -47,18 +47,21 @@ template <typename T_, int kHeadDim_>
 struct BwdTraits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = 64;
+    static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // d = 64: 128 x 128 tiles (fewer steps)
     static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
     static constexpr int kNWarps = 8;
     static constexpr int kNThreads = kNWarps * 32;
     static constexpr int kStages = kHeadDim <= 128 ? 2 : 1;  // Q/dO double buffering
     static constexpr int kAWarpsN = kBlockN / 32, kAWarpsM = kNWarps / kAWarpsN;
     static constexpr int kAMT = kBlockM / (16 * kAWarpsM);
-    static constexpr int kAHalves = (kAMT == 2 && kHeadDim >= 96) ? 2 : 1;  // phase A in 2 key halves
+    static constexpr int kAHalves = ((kAMT == 2 && kHeadDim == 96) || kAMT == 4) ? 2 : 1;  // phase A in 2 key halves
     static constexpr int kBWarpsN = 4, kBWarpsD = 2;
     static constexpr int kBMT = kBlockN / (16 * kBWarpsN);
     static constexpr int kBNT = kHeadDim / 8 / kBWarpsD;
-    static constexpr int kBUnroll = ((kBMT == 2 && kHeadDim >= 96) || kHeadDim >= 192) ? 1 : kBlockM / 16;  // no spills
+    static constexpr int kBUnroll = (kHeadDim >= 192 || (kBMT == 2 && kHeadDim == 96)) ? 1
+                                   : (kBMT == 2 && kHeadDim == 128) ? 2 : (kBlockM == 128 ? 4 : kBlockM / 16);  // no spills
+    // sm_90 unroll of phase A's k loop (full, except d = 128 with one pass over 32 keys)
+    static constexpr int kAUnroll90 = (kHeadDim == 128 && kAHalves == 1) ? 4 : kHeadDim / 16;
     static constexpr int kCWarpsD = (kBlockN == 128 && kHeadDim % 64 == 0) ? 4 : 2;
     static constexpr int kCWarpsM = kNWarps / kCWarpsD;
     static constexpr int kCMT = kBlockM / (16 * kCWarpsM);
