@@ -11,33 +11,14 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_flash::{flash_attn_backward, flash_attn_with_lse, reference, FlashAttnOptions};
 use clap::Parser;
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Instant;
 
-/// Counts live heap bytes and their peak, so that the CPU rows can report peak memory.
-struct CountingAlloc;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator unchanged; only adds bookkeeping.
-unsafe impl GlobalAlloc for CountingAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            let live = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
-            PEAK.fetch_max(live, Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout);
-        LIVE.fetch_sub(layout.size(), Relaxed);
-    }
-}
+#[path = "common/peak_alloc.rs"]
+#[allow(dead_code)] // not every example uses every helper
+mod peak_alloc;
 
 #[global_allocator]
-static GLOBAL: CountingAlloc = CountingAlloc;
+static GLOBAL: peak_alloc::CountingAlloc = peak_alloc::CountingAlloc;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -125,8 +106,7 @@ fn used_device_mb(device: &Device) -> Option<f64> {
 fn time<F: FnMut() -> Result<()>>(device: &Device, iters: usize, mut f: F) -> Result<(f64, Option<f64>)> {
     f()?;
     sync(device)?;
-    let base_live = LIVE.load(Relaxed);
-    PEAK.store(base_live, Relaxed);
+    let base_live = peak_alloc::reset_peak();
     let dev_before = used_device_mb(device);
     let mut times = vec![];
     let mut dev_peak: Option<f64> = None;
@@ -140,7 +120,7 @@ fn time<F: FnMut() -> Result<()>>(device: &Device, iters: usize, mut f: F) -> Re
         }
     }
     times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let peak = if device.is_cpu() { Some((PEAK.load(Relaxed) - base_live) as f64 / 1e6) } else { dev_peak };
+    let peak = if device.is_cpu() { Some(peak_alloc::peak_since(base_live) as f64 / 1e6) } else { dev_peak };
     Ok((times[times.len() / 2], peak))
 }
 

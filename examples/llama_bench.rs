@@ -14,34 +14,14 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_flash::llama::{load, AttnImpl, Cache, Llama, LogitsProcessor, Sampling};
 use clap::Parser;
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Instant;
 
-/// Counts live heap bytes and their peak.
-struct CountingAlloc;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards to the system allocator unchanged; only adds bookkeeping.
-unsafe impl GlobalAlloc for CountingAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            let live = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
-            PEAK.fetch_max(live, Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout);
-        LIVE.fetch_sub(layout.size(), Relaxed);
-    }
-}
+#[path = "common/peak_alloc.rs"]
+mod peak_alloc;
 
 #[global_allocator]
-static GLOBAL: CountingAlloc = CountingAlloc;
+static GLOBAL: peak_alloc::CountingAlloc = peak_alloc::CountingAlloc;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -67,13 +47,12 @@ struct Args {
 /// Runs `f` and returns its result, its seconds and its peak heap growth in MB (CPU only).
 fn measure<T>(device: &Device, f: impl FnOnce() -> Result<T>) -> Result<(T, f64, Option<f64>)> {
     device.synchronize()?;
-    let base = LIVE.load(Relaxed);
-    PEAK.store(base, Relaxed);
+    let base = peak_alloc::reset_peak();
     let t = Instant::now();
     let out = f()?;
     device.synchronize()?;
     let secs = t.elapsed().as_secs_f64();
-    let peak = device.is_cpu().then(|| PEAK.load(Relaxed).saturating_sub(base) as f64 / 1e6);
+    let peak = device.is_cpu().then(|| peak_alloc::peak_since(base) as f64 / 1e6);
     Ok((out, secs, peak))
 }
 
@@ -143,7 +122,7 @@ fn main() -> Result<()> {
         "model {} ({dtype:?} on {}), weights and buffers live: {:.0} MB; {} threads",
         args.model.display(),
         args.device,
-        LIVE.load(Relaxed) as f64 / 1e6,
+        peak_alloc::live() as f64 / 1e6,
         rayon::current_num_threads(),
     );
 
