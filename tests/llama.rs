@@ -512,3 +512,31 @@ fn bad_inputs_are_errors() -> Result<()> {
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
+
+/// The tiny model generates the same greedy tokens on CUDA (flash and naive) as on the CPU;
+/// skipped with a printed reason when no GPU is present.
+#[test]
+fn cuda_greedy_tokens_equal_cpu() -> Result<()> {
+    let gpu = match candle_core::Device::new_cuda(0) {
+        Ok(d) if cfg!(feature = "cuda") => d,
+        Ok(_) | Err(_) => {
+            println!("skipping CUDA llama test: no GPU (or built without the `cuda` feature)");
+            return Ok(());
+        }
+    };
+    let dir = scratch("cuda-greedy");
+    let weights = tiny_weights(2, false);
+    write_gguf(&dir.join("tiny.gguf"), &weights, true);
+    let path = dir.join("tiny.gguf");
+    let run = |device: &Device, attn: AttnImpl| -> Result<Vec<u32>> {
+        let m = load(&path, DType::F32, device, attn, &mut |_, _| {})?;
+        let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
+        Ok(m.model.generate(&PROMPT[..5], 40, &mut sampler, &[], |_| Ok(()))?.tokens)
+    };
+    let cpu = run(&DEV, AttnImpl::Flash)?;
+    for attn in [AttnImpl::Flash, AttnImpl::Naive] {
+        assert_eq!(run(&gpu, attn)?, cpu, "{attn:?} on CUDA vs flash on CPU");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
