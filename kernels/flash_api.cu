@@ -3,6 +3,8 @@
 #include "flash_api.h"
 #include "kernel_traits.cuh"
 #include "launch.cuh"
+#include <algorithm>
+#include <vector>
 
 namespace cf {
 namespace {
@@ -39,8 +41,57 @@ int check_fwd(const CfFwdParams* p) {
     return CF_OK;
 }
 
+// Split-KV (flash-decoding) plan for few query rows and long keys: nsplit > 1 when the
+// one-pass grid would leave most of the GPU idle. pack = query heads per CTA (GQA group; 1 with
+// ALiBi, whose slope is per head).
+bool plan_split(const CfFwdParams& p, int& nsplit, int& pack, bool& deep) {
+    const int rd = round_head_dim(p.d);
+    if (p.dtype == CF_F32 || (rd != 64 && rd != 128) || p.seqlen_q > 16 || p.seqlen_k < 256) return false;
+    const int group = p.h / p.hkv;
+    pack = p.alibi_slopes ? 1 : group;
+    const int64_t mblocks = (int64_t)(pack * p.seqlen_q + 63) / 64;
+    if (mblocks * (p.h / pack) > 65535) return false;
+    const int64_t base = mblocks * (p.h / pack) * p.b;
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        sms = 132;
+    }
+    const int64_t slots = (int64_t)sms * 2;  // the split kernel runs 2 CTAs per SM (d = 128)
+    if (base >= slots) return false;
+    // at most one CTA per SM when the grid is small (measured: more, smaller splits are slower;
+    // then the kernel uses a deeper K/V ring), at least 2 splits otherwise
+    const int nkb = (p.seqlen_k + 63) / 64;
+    const int64_t cap = std::max<int64_t>(2, sms / base);
+    const int max_split = (int)std::min<int64_t>({(int64_t)128, (int64_t)(nkb + 1) / 2, cap});
+    double best = 0.0;
+    std::vector<double> eff(max_split + 1, 0.0);
+    for (int n = 1; n <= max_split; ++n) {
+        const int64_t ctas = base * n;
+        eff[n] = (double)ctas / (double)(((ctas + slots - 1) / slots) * slots);
+        best = std::max(best, eff[n]);
+    }
+    nsplit = 1;
+    for (int n = 1; n <= max_split; ++n)
+        if (eff[n] >= 0.95 * best) { nsplit = n; break; }
+    deep = base * nsplit <= sms;
+    return nsplit > 1;
+}
+
+template <typename T>
+cudaError_t fwd_split(const CfFwdParams& p, cudaStream_t s, int nsplit, int pack, bool deep) {
+    return round_head_dim(p.d) == 64 ? run_fwd_split<T, 64>(p, s, nsplit, pack, deep)
+                                     : run_fwd_split<T, 128>(p, s, nsplit, pack, deep);
+}
+
 template <typename T>
 cudaError_t fwd_tc(const CfFwdParams& p, cudaStream_t s) {
+    int nsplit = 1, pack = 1;
+    bool deep = false;
+    if (plan_split(p, nsplit, pack, deep)) {
+        const cudaError_t e = fwd_split<T>(p, s, nsplit, pack, deep);
+        if (e != cudaErrorMemoryAllocation) return e;  // else: no scratch, one-pass kernel
+    }
     switch (round_head_dim(p.d)) {
         case 32: return run_fwd_tc<T, 32>(p, s);
         case 64: return run_fwd_tc<T, 64>(p, s);

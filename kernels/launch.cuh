@@ -9,6 +9,11 @@ namespace cf {
 template <typename T, int D>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);
 cudaError_t run_fwd_f32(const CfFwdParams& p, cudaStream_t stream);
+// Decode shapes (flash_fwd_split.cu, D in {64, 128}): KV split into nsplit chunks, `pack` query
+// heads of one KV group per CTA, deep = at most one CTA per SM (deeper K/V ring);
+// cudaErrorMemoryAllocation = no scratch (caller falls back).
+template <typename T, int D>
+cudaError_t run_fwd_split(const CfFwdParams& p, cudaStream_t stream, int nsplit, int pack, bool deep);
 
 // Writes dsum (D = rowsum(dO*O)) into ws.dsum.
 cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);

@@ -1,0 +1,319 @@
+// Forward for decode shapes (few query rows, long KV), f16/bf16, head-dim tiles 64 and 128
+// (flash-decoding). The key range is cut into `nsplit` chunks of whole key blocks; each CTA
+// computes one chunk for the query rows of `pack` query heads sharing one KV head (GQA rows
+// packed: row r of a group = head h0 + r / sq, query r % sq), so each K/V tile is read once per
+// group and chunk. Partials (normalised O in f32 and the natural-log lse per row) go to scratch
+// allocated stream-ordered (cudaMallocAsync); split_combine_kernel merges them with
+// lse-weighted sums and writes o (input dtype) and lse. Only warps that own valid rows do math.
+#include "kernel_traits.cuh"
+#include "launch.cuh"
+
+namespace cf {
+
+template <typename T_, int kHeadDim_, int kStages_>
+struct SplitTraits {
+    using Elem = T_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4, kNThreads = 128;  // = run_fwd_split's BM, BN
+    // (K, V) block pairs in the ring: kStages - 1 in flight while one is used (2 when the grid
+    // fills every SM with 2 CTAs; 4 when there is at most one CTA per SM, to keep more bytes in flight)
+    static constexpr int kStages = kStages_;
+    static constexpr int kSmemBytes = (kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2;
+    static_assert(kSmemBytes <= 160 * 1024, "must fit sm_80's 163 KB");
+    static_assert(kBlockM == 16 * kNWarps, "one m16 tile per warp");
+    static_assert(kBlockN % 16 == 0 && kStages >= 2, "P*V k-steps of 16 keys; a ring");
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "split path: head-dim tiles 64 / 128");
+};
+
+struct SplitArgs {
+    float* opart;  // [nsplit][b][h][seqlen_q][dpad]
+    float* lpart;  // [nsplit][b][h][seqlen_q]
+    int nsplit, bps, pack, mblocks;
+};
+
+namespace {
+
+template <int NT, int DT>
+__device__ __forceinline__ void split_softmax_step(float (&s)[NT][4], float (&rmax)[2], float (&rsum)[2],
+                                                   float (&acc)[DT][4], float c) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+        mx = quad_max(mx);
+        const float m_new = fmaxf(rmax[r], mx);
+        const float ms = (m_new == -INFINITY) ? 0.f : m_new * c;
+        const float corr = ex2(rmax[r] * c - ms);
+        rmax[r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float pv = ex2(fmaf(s[nt][2 * r + e], c, -ms));
+                s[nt][2 * r + e] = pv;
+                sum += pv;
+            }
+        }
+        rsum[r] = rsum[r] * corr + sum;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+            acc[dt][2 * r] *= corr;
+            acc[dt][2 * r + 1] *= corr;
+        }
+    }
+}
+
+}  // namespace
+
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwdParams p, const SplitArgs sa) {
+    using T = typename Kt::Elem;
+    constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
+    constexpr int C = D / 8, NT = BN / 8, DT = D / 8, KS = D / 16, PS = BN / 16;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sQ = reinterpret_cast<T*>(smem);
+    T* sK = sQ + BM * D;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, q4 = lane & 3;
+    const int split = blockIdx.x, gi = blockIdx.y / sa.mblocks, mb = blockIdx.y % sa.mblocks, b = blockIdx.z;
+    const SeqInfo si(p, b);
+    const int sq = si.sq, R = sa.pack * sq;
+    const int m0 = mb * BM;
+    if (m0 >= R) return;
+    const int nrows = min(BM, R - m0);
+    const int h0 = gi * sa.pack;
+    const int hk = h0 / (p.h / p.hkv);
+    const int dch = p.d >> 3;
+    // query-index range of this CTA's rows (whole sequence when they span two heads)
+    int i_lo, i_hi;
+    if (m0 / sq == (m0 + nrows - 1) / sq) {
+        i_lo = m0 % sq;
+        i_hi = (m0 + nrows - 1) % sq;
+    } else {
+        i_lo = 0;
+        i_hi = sq - 1;
+    }
+
+    const T* kg = static_cast<const T*>(p.k) + si.k_off(b, p.k_batch_stride, p.k_row_stride) + (int64_t)hk * p.k_head_stride;
+    const T* vg = static_cast<const T*>(p.v) + si.k_off(b, p.v_batch_stride, p.v_row_stride) + (int64_t)hk * p.v_head_stride;
+    const int64_t SQ = p.seqlen_q;
+    const int64_t part_b = ((int64_t)split * p.b + b) * p.h;  // + head, then * SQ + i
+
+    const MaskInfo mk(sq, si.sk, p.window_left, p.window_right);
+    int n_lo, n_hi;
+    mk.key_range(i_lo, i_hi, n_lo, n_hi);
+    const int nb_lo = max(n_lo / BN, split * sa.bps);
+    const int nb_hi = min((n_hi + BN - 1) / BN, (split + 1) * sa.bps);
+    if (n_hi <= n_lo || nb_hi <= nb_lo) {
+        for (int r = tid; r < nrows; r += NTH) {
+            const int rr = m0 + r;
+            sa.lpart[(part_b + h0 + rr / sq) * SQ + rr % sq] = -INFINITY;
+        }
+        return;
+    }
+    const LogitInfo li(p, b, h0);  // ALiBi only with pack == 1
+    const float cmul = li.general ? kLog2e : li.c;
+
+    {  // packed Q rows
+        const T* qb = static_cast<const T*>(p.q) + si.q_off(b, p.q_batch_stride, p.q_row_stride);
+        for (int idx = tid; idx < BM * C; idx += NTH) {
+            const int r = idx / C, c = idx % C;
+            const bool ok = r < nrows && c < dch;
+            const int rr = m0 + r;
+            const T* src = qb + (int64_t)(h0 + rr / sq) * p.q_head_stride + (int64_t)(rr % sq) * p.q_row_stride + c * 8;
+            cp_async_16(smem_addr(sQ + swz<C>(r, c) * 8), ok ? static_cast<const void*>(src) : p.q, ok);
+        }
+    }
+    // K/V ring of kStages (K, V) block pairs; block it (from the last one down) sits in stage
+    // it % kStages. Every stage commits one cp.async group (possibly empty) so the counting is uniform.
+    constexpr int S = Kt::kStages;
+    const int nblk = nb_hi - nb_lo;
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+        if (st < nblk) {
+            const int n0 = (nb_hi - 1 - st) * BN;
+            load_tile<BN, C, NTH>(sK + st * 2 * BN * D, kg + (int64_t)n0 * p.k_row_stride, p.k_row_stride, si.sk - n0, dch, tid, p.k);
+            load_tile<BN, C, NTH>(sK + (st * 2 + 1) * BN * D, vg + (int64_t)n0 * p.v_row_stride, p.v_row_stride, si.sk - n0, dch, tid, p.v);
+        }
+        cp_async_commit();
+    }
+
+    float acc[1][DT][4];
+    float rmax[2] = {-INFINITY, -INFINITY}, rsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) acc[0][dt][0] = acc[0][dt][1] = acc[0][dt][2] = acc[0][dt][3] = 0.f;
+    const int row_w = warp * 16;
+    const bool active = row_w < nrows;  // warp-uniform
+    int irow[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) irow[r] = (m0 + row_w + g + 8 * r) % sq;
+
+    for (int it = 0; it < nblk; ++it) {
+        cp_async_wait<S - 2>();
+        __syncthreads();  // block it landed; every warp is done with block it - 1 (stage (it + S - 1) % S)
+        {
+            const int nx = it + S - 1;
+            if (nx < nblk) {
+                const int st = nx % S, n0 = (nb_hi - 1 - nx) * BN;
+                load_tile<BN, C, NTH>(sK + st * 2 * BN * D, kg + (int64_t)n0 * p.k_row_stride, p.k_row_stride, si.sk - n0, dch, tid, p.k);
+                load_tile<BN, C, NTH>(sK + (st * 2 + 1) * BN * D, vg + (int64_t)n0 * p.v_row_stride, p.v_row_stride, si.sk - n0, dch, tid, p.v);
+            }
+            cp_async_commit();
+        }
+        if (active) {
+            const int n0 = (nb_hi - 1 - it) * BN;
+            const T* sKc = sK + (it % S) * 2 * BN * D;
+            const T* sVc = sKc + BN * D;
+            float s[1][NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) s[0][nt][0] = s[0][nt][1] = s[0][nt][2] = s[0][nt][3] = 0.f;
+            gemm_abt<1, NT, KS, C, C, T, (D >= 128 ? KS / 2 : KS)>(s, sQ, row_w, sKc, 0, lane);
+            const bool full = mk.block_full(i_lo, i_hi - i_lo + 1, n0, BN);
+            if (li.general || !full) {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = irow[e >> 1];
+                        const int j = n0 + nt * 8 + 2 * q4 + (e & 1);
+                        float x = s[0][nt][e];
+                        if (li.general) {
+                            float df;
+                            x = li.logit(x, i, j, mk.off, &df);
+                        }
+                        if (!full && !mk.visible(i, j)) x = -INFINITY;
+                        s[0][nt][e] = x;
+                    }
+            }
+            split_softmax_step<NT, DT>(s[0], rmax, rsum, acc[0], cmul);
+            uint32_t pa[1][PS][4];
+            c_to_a<1, PS, T>(pa, s);
+            gemm_rs_b<1, DT, PS, C, 2, T>(acc, pa, sVc, 0, 0, lane);
+        }
+    }
+    cp_async_wait<0>();
+    if (!active) return;
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(rsum[r]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int rl = row_w + g + 8 * r;
+        if (rl < nrows) {
+            const int rr = m0 + rl;
+            const int64_t idx = (part_b + h0 + rr / sq) * SQ + rr % sq;
+            if (q4 == 0) sa.lpart[idx] = l > 0.f ? rmax[r] * cmul * kLn2 + logf(l) : -INFINITY;
+            float* op = sa.opart + idx * D + 2 * q4;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<float2*>(op + dt * 8) = make_float2(acc[0][dt][2 * r] * inv, acc[0][dt][2 * r + 1] * inv);
+        }
+    }
+}
+
+// One warp per (b, h, i) row: lse = log sum_s exp(lse_s); o = sum_s exp(lse_s - lse) o_s.
+template <typename T, int D>
+__global__ void __launch_bounds__(128) split_combine_kernel(const CfFwdParams p, const SplitArgs sa) {
+    const int lane = threadIdx.x & 31;
+    const int64_t SQ = p.seqlen_q;
+    const int64_t row = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (row >= (int64_t)p.b * p.h * SQ) return;
+    const int i = (int)(row % SQ);
+    const int h = (int)((row / SQ) % p.h);
+    const int b = (int)(row / (SQ * p.h));
+    const SeqInfo si(p, b);
+    if (i >= si.sq) return;
+    const int64_t sstride = (int64_t)p.b * p.h * SQ;  // between splits
+    const int64_t base = ((int64_t)b * p.h + h) * SQ + i;
+    float m = -INFINITY;
+    for (int s = lane; s < sa.nsplit; s += 32) m = fmaxf(m, sa.lpart[base + s * sstride]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float lse = -INFINITY;
+    if (m != -INFINITY) {
+        float sum = 0.f;
+        for (int s = lane; s < sa.nsplit; s += 32) {
+            const float ls = sa.lpart[base + s * sstride];
+            sum += ls == -INFINITY ? 0.f : expf(ls - m);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        lse = m + logf(sum);
+    }
+    T* og = static_cast<T*>(p.o) + si.q_off(b, p.o_batch_stride, p.o_row_stride) + (int64_t)i * p.o_row_stride +
+            (int64_t)h * p.o_head_stride;
+    for (int c0 = lane * 4; c0 < p.d; c0 += 128) {
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        if (lse != -INFINITY) {
+            for (int s = 0; s < sa.nsplit; ++s) {
+                const float ls = sa.lpart[base + s * sstride];
+                if (ls == -INFINITY) continue;
+                const float w = expf(ls - lse);
+                const float4 v = *reinterpret_cast<const float4*>(sa.opart + (base + s * sstride) * D + c0);
+                a0 = fmaf(w, v.x, a0);
+                a1 = fmaf(w, v.y, a1);
+                a2 = fmaf(w, v.z, a2);
+                a3 = fmaf(w, v.w, a3);
+            }
+        }
+        *reinterpret_cast<uint2*>(og + c0) = make_uint2(pack2<T>(a0, a1), pack2<T>(a2, a3));
+    }
+    if (lane == 0)
+        p.lse[(int64_t)b * p.lse_batch_stride + (int64_t)h * p.lse_head_stride + (si.q_varlen ? si.q_row0 : 0) + i] = lse;
+}
+
+template <typename Kt>
+cudaError_t launch_split(const CfFwdParams& p, const SplitArgs& sa, cudaStream_t stream) {
+    auto kern = split_fwd_kernel<Kt>;
+    const int smem = Kt::kSmemBytes;
+    cudaError_t e = cudaSuccess;
+    if (smem > 48 * 1024) e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    const dim3 grid(sa.nsplit, sa.mblocks * (p.h / sa.pack), p.b);
+    kern<<<grid, Kt::kNThreads, smem, stream>>>(p, sa);
+    return cudaGetLastError();
+}
+
+// Returns cudaErrorMemoryAllocation (error state cleared) when the scratch cannot be had, so the
+// caller can fall back to the one-pass kernel. deep: at most one CTA per SM (use the 4-stage ring).
+template <typename T, int D>
+cudaError_t run_fwd_split(const CfFwdParams& p, cudaStream_t stream, int nsplit, int pack, bool deep) {
+    constexpr int BM = 64, BN = 64;
+    SplitArgs sa;
+    const int nkb = (p.seqlen_k + BN - 1) / BN;
+    sa.bps = (nkb + nsplit - 1) / nsplit;
+    nsplit = (nkb + sa.bps - 1) / sa.bps;  // no chunk left empty
+    sa.nsplit = nsplit;
+    sa.pack = pack;
+    sa.mblocks = (pack * p.seqlen_q + BM - 1) / BM;
+    const size_t rows = (size_t)nsplit * p.b * p.h * p.seqlen_q;
+    const size_t obytes = (rows * D * sizeof(float) + 255) & ~size_t(255);
+    void* ws = nullptr;
+    cudaError_t e = cudaMallocAsync(&ws, obytes + rows * sizeof(float), stream);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return cudaErrorMemoryAllocation;
+    }
+    sa.opart = static_cast<float*>(ws);
+    sa.lpart = reinterpret_cast<float*>(static_cast<char*>(ws) + obytes);
+    e = deep ? launch_split<SplitTraits<T, D, 4>>(p, sa, stream) : launch_split<SplitTraits<T, D, 2>>(p, sa, stream);
+    if (e == cudaSuccess) {
+        const int64_t nrow = (int64_t)p.b * p.h * p.seqlen_q;
+        split_combine_kernel<T, D><<<(unsigned)((nrow + 3) / 4), 128, 0, stream>>>(p, sa);
+        e = cudaGetLastError();
+    }
+    const cudaError_t ef = cudaFreeAsync(ws, stream);
+    return e != cudaSuccess ? e : ef;
+}
+
+#define CF_INST_SPLIT(T, D) template cudaError_t run_fwd_split<T, D>(const CfFwdParams&, cudaStream_t, int, int, bool);
+CF_INST_SPLIT(__half, 64)
+CF_INST_SPLIT(__half, 128)
+CF_INST_SPLIT(__nv_bfloat16, 64)
+CF_INST_SPLIT(__nv_bfloat16, 128)
+
+}  // namespace cf
