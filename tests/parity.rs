@@ -127,3 +127,17 @@ fn deterministic_backward_is_bitwise_stable() {
         }
     }
 }
+
+/// Decode shapes: a few query rows against long caches (the GPU's split-KV path), GQA, with
+/// masks, ALiBi, softcap and a varlen batch that has an empty cache.
+#[test]
+fn decode_shapes() {
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        cases.push(Case::new(dtype, (1, 700), (8, 2), 128).causal());
+        cases.push(Case::new(dtype, (4, 1500), (8, 1), 64).causal().alibi(2));
+        cases.push(Case::new(dtype, (3, 900), (8, 2), 128).window(Some(300), Some(0)).softcap(20.0));
+        cases.push(Case::new(dtype, (0, 0), (8, 2), 128).varlen(&[(1, 300), (1, 0), (1, 513), (2, 260)]).causal());
+    }
+    sweep(&cases, true);
+}
