@@ -56,24 +56,10 @@ pub fn randn(rng: &mut StdRng, dims: &[usize], std: f32) -> Result<Tensor> {
 
 /// Largest |a - b| over all elements, +inf if `a` holds a NaN anywhere.
 pub fn max_err(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a
-        .to_device(&Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
-    let b = b
-        .to_device(&Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap();
+    let values = |t: &Tensor| -> Vec<f64> {
+        t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let (a, b) = (values(a), values(b));
     assert_eq!(a.len(), b.len());
     a.iter().zip(&b).fold(0.0, |m, (x, y)| {
         if x.is_nan() || y.is_nan() {
