@@ -1,0 +1,116 @@
+// Hopper (sm_90a) warpgroup MMA building blocks: the shared-memory layout wgmma reads, its
+// matrix descriptors, the fence / commit / wait protocol, and loaders into that layout.
+//
+// Layout ("panels"): a [R][C] tile of 16-bit elements (C a multiple of 64) is stored as C/64
+// panels, each a row-major [R][64] array with 128-byte rows, the tile base 1024-byte aligned.
+// The 16-byte chunk j (8 elements) of row r sits at chunk j ^ (r & 7) of its row: exactly the
+// hardware's 128-byte swizzle (byte address bits [4,7) ^= bits [7,10)), so one layout serves
+//   K-major operands  (A = [M][K], B = [N][K]: rows are M/N, K runs along the row), and
+//   MN-major operands (stored [K][M] / [K][N]: rows are K, M/N runs along the row).
+// Descriptors (PTX ISA "matrix descriptor"; CUTLASS's GmmaDescriptor documents the fields):
+//   K-major:  start = panel (k/64) + 32 bytes per k16 step inside the row; SBO = 1024 (next 8
+//             rows); LBO unused for swizzled K-major layouts.
+//   MN-major: start = base + 16 rows per k16 step; SBO = 1024 (next 8 K rows); LBO = panel
+//             stride (next 64 M/N columns).
+//
+// Accumulators of m64nNk16: warp w of the warpgroup owns rows 16w..16w+15; register 4j+e of a
+// lane is the mma.sync C fragment element e of n8 tile j (row g / g+8, columns 8j + 2q + {0,1}).
+// A from registers: the mma.sync m16k16 A fragment of the warp's 16 rows.
+#pragma once
+#include "tile.cuh"
+#include "wgmma_ops.cuh"
+
+namespace cf {
+
+constexpr int kPanel = 64;             // elements per panel row (128 bytes)
+constexpr int kPanelRowBytes = 128;
+
+// Byte offset of element (r, c) of an R-row panel tile.
+__device__ __forceinline__ uint32_t panel_offset(int R, int r, int c) {
+    return (uint32_t)((c >> 6) * R * kPanelRowBytes + r * kPanelRowBytes +
+                      ((((c & 63) >> 3) ^ (r & 7)) << 4) + ((c & 7) << 1));
+}
+
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);  // 1 = 128-byte swizzle
+}
+// K-major operand: a panel tile with R rows (M or N), k16 step ks.
+__device__ __forceinline__ uint64_t desc_k_major(uint32_t tile, int R, int ks) {
+    return gmma_desc(tile + (ks >> 2) * R * kPanelRowBytes + (ks & 3) * 32, 16, 1024);
+}
+// MN-major operand: a panel tile with R rows (K), k16 step ks; M/N panels R*128 bytes apart.
+__device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int R, int ks) {
+    return gmma_desc(tile + ks * 16 * kPanelRowBytes, R * kPanelRowBytes, 1024);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy writes to shared memory (st.shared, cp.async) become visible to wgmma (async
+// proxy) only after this fence (then a barrier between the writing and the reading threads).
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accesses of accumulator registers across wgmma issue / wait.
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void reg_fence(uint32_t (&a)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// d (+)= A * B for one k16 step (N/2 accumulators per thread). TA / TB: operand is MN-major.
+template <int N, typename T, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
+#define CF_WG_SS(n)                                                                          \
+    if constexpr (N == n) {                                                                  \
+        if constexpr (std::is_same<T, __half>::value) wgmma_ss_m64n##n##_f16<TA, TB>(d, da, db, scale_d); \
+        else wgmma_ss_m64n##n##_bf16<TA, TB>(d, da, db, scale_d);                            \
+    }
+    CF_WG_SS(32) CF_WG_SS(64) CF_WG_SS(96) CF_WG_SS(128) CF_WG_SS(192) CF_WG_SS(256)
+#undef CF_WG_SS
+}
+template <int N, typename T, int TB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+#define CF_WG_RS(n)                                                                          \
+    if constexpr (N == n) {                                                                  \
+        if constexpr (std::is_same<T, __half>::value) wgmma_rs_m64n##n##_f16<TB>(d, a, db, scale_d); \
+        else wgmma_rs_m64n##n##_bf16<TB>(d, a, db, scale_d);                                 \
+    }
+    CF_WG_RS(32) CF_WG_RS(64) CF_WG_RS(96) CF_WG_RS(128) CF_WG_RS(192) CF_WG_RS(256)
+#undef CF_WG_RS
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// cp.async of rows [0, ROWS) x chunks [0, C) of a row-major global tile into a panel tile.
+// Rows >= valid_rows and chunks >= valid_chunks are zero-filled; `fallback` is any valid
+// global address for the masked copies. 8 threads per row (one panel row of 8 chunks each).
+template <int ROWS, int C, int NTHREADS, typename T>
+__device__ __forceinline__ void load_panels(T* s, const T* g, int64_t row_stride, int valid_rows,
+                                            int valid_chunks, int tid, const void* fallback) {
+    static_assert(C % 8 == 0, "panel tiles hold whole 64-element panels");
+    constexpr int RP = NTHREADS / 8;  // rows per pass
+    static_assert(RP % 8 == 0 && ROWS % RP == 0, "row step must keep the swizzle");
+    const int r0 = tid >> 3, j = tid & 7;
+    const uint32_t dst0 = smem_addr(s) + r0 * kPanelRowBytes + ((j ^ (r0 & 7)) << 4);
+    const T* src = g + r0 * row_stride + j * 8;
+#pragma unroll
+    for (int ps = 0; ps < ROWS / RP; ++ps) {
+        const int r = r0 + ps * RP;
+#pragma unroll
+        for (int p = 0; p < C / 8; ++p) {
+            const bool ok = r < valid_rows && p * 8 + j < valid_chunks;
+            cp_async_16(dst0 + (p * ROWS + ps * RP) * kPanelRowBytes,
+                        ok ? static_cast<const void*>(src + (int64_t)ps * RP * row_stride + p * 64) : fallback, ok);
+        }
+    }
+}
+
+}  // namespace cf
