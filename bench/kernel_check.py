@@ -30,9 +30,10 @@ except ImportError:  # building only (no torch on the build machine)
     torch = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KDIR = os.path.join(ROOT, "kernels")
+# CF_KDIR / CF_BUILD_DIR / CF_LIB: check a working copy of the kernels (or a prebuilt library)
+KDIR = os.environ.get("CF_KDIR", os.path.join(ROOT, "kernels"))
 BUILD = os.environ.get("CF_BUILD_DIR", os.path.join(ROOT, "bench", "out"))
-LIB = os.path.join(BUILD, "libcandle_flash_check.so")
+LIB = os.environ.get("CF_LIB", os.path.join(BUILD, "libcandle_flash_check.so"))
 OUT = os.environ.get("OUT")  # device-machine result folder, if any
 
 CF_F32, CF_F16, CF_BF16 = 0, 1, 2
@@ -498,7 +499,119 @@ def matrix(quick):
         C("f16-gqa-headloop-det-causal", "f16", b=3, h=8, hkv=2, sq=300, sk=2900, d=64, wl=-1, wr=0, det=True),
         C("bf16-gqa-split2-window", "bf16", b=1, h=8, hkv=2, sq=200, sk=4200, d=128, wl=3000, wr=16),
     ]
+    # decode shapes (split-KV path: sq <= 16, sk >= 256, d tile 64/128, f16/bf16)
+    G = "dec-"
+    cases += [
+        C(G + "bf16-q1-k4096-gqa", "bf16", b=1, h=32, hkv=8, sq=1, sk=4096, d=128, bwd=False),
+        C(G + "f16-q1-k32768-gqa-b2", "f16", b=2, h=32, hkv=8, sq=1, sk=32768, d=128, bwd=False),
+        C(G + "bf16-q4-k4096-causal", "bf16", b=2, h=32, hkv=8, sq=4, sk=4096, d=128, wl=-1, wr=0, bwd=False),
+        C(G + "bf16-q4-k3000-causal-d64", "bf16", b=2, h=8, hkv=2, sq=4, sk=3000, d=64, wl=-1, wr=0, bwd=False),
+        C(G + "f16-q1-k5000-window", "f16", b=1, h=16, hkv=4, sq=1, sk=5000, d=128, wl=1000, wr=0, bwd=False),
+        C(G + "f16-q4-k5000-window-both", "f16", b=1, h=16, hkv=4, sq=4, sk=5000, d=128, wl=700, wr=2, bwd=False),
+        C(G + "bf16-q3-k2000-alibi-causal", "bf16", b=2, h=8, hkv=2, sq=3, sk=2000, d=64, alibi="bh", wl=-1, wr=0, bwd=False),
+        C(G + "f16-q1-k3000-alibi-h", "f16", b=1, h=8, hkv=2, sq=1, sk=3000, d=128, alibi="h", bwd=False),
+        C(G + "bf16-q1-k4096-softcap", "bf16", b=1, h=32, hkv=8, sq=1, sk=4096, d=128, softcap=3.0, qmul=3, bwd=False),
+        C(G + "f16-q4-k2500-softcap-causal", "f16", b=1, h=8, hkv=2, sq=4, sk=2500, d=64, softcap=5.0, qmul=3, wl=-1, wr=0, bwd=False),
+        C(G + "bf16-varlen-q1", "bf16", h=32, hkv=8, d=128, varlen=[(1, 4096), (1, 17), (0, 100), (1, 3000), (1, 0)], bwd=False),
+        C(G + "f16-varlen-q4-causal", "f16", h=8, hkv=2, d=128, varlen=[(4, 1000), (1, 1), (3, 2500), (0, 0)], wl=-1, wr=0, bwd=False),
+        C(G + "bf16-bhsd-q1", "bf16", b=2, h=8, hkv=2, sq=1, sk=2048, d=128, layout="bhsd", bwd=False),
+        C(G + "bf16-mqa-q16-causal-d64", "bf16", b=1, h=32, hkv=1, sq=16, sk=700, d=64, wl=-1, wr=0, bwd=False),
+        C(G + "f16-mqa-q5-window-d128", "f16", b=1, h=16, hkv=1, sq=5, sk=1500, d=128, wl=500, wr=2, bwd=False),
+        C(G + "bf16-q1-k1000-d40-mqa", "bf16", b=1, h=4, hkv=1, sq=1, sk=1000, d=40, bwd=False),
+        C(G + "f16-q2-k1500-d72", "f16", b=2, h=4, hkv=2, sq=2, sk=1500, d=72, bwd=False),
+        C(G + "bf16-q1-k600-bwd", "bf16", b=1, h=8, hkv=2, sq=1, sk=600, d=128),
+        C(G + "f32-q1-k4096-gqa", "f32", b=1, h=8, hkv=2, sq=1, sk=4096, d=128, bwd=False),
+    ]
     return cases
+
+
+def bench_decode(dev):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    lines = ["| dt | B | Sk | ours us | ours TB/s | FA2 us | FA2 TB/s | ours/FA2 time | eager ours / FA2 us |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    H, HKV, D = 32, 8, 128
+
+    def graph_time(fn, n=20):
+        fn()
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            for _ in range(n):
+                fn()
+        gr.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(7):
+            a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            gr.replay()
+            b_.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b_) * 1e-3 / n)
+        ts.sort()
+        return ts[len(ts) // 2]
+
+    def eager_time(fn, reps=30):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b_.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b_) * 1e-3)
+        ts.sort()
+        return ts[len(ts) // 2]
+
+    for dt in ("bf16", "f16"):
+        for B in (1, 16):
+            for SK in (4096, 32768):
+                c = Case("bench", dt, b=B, h=H, hkv=HKV, sq=1, sk=SK, d=D)
+                g = torch.Generator(device=dev).manual_seed(0)
+                q, k, v, _, _ = make_inputs(c, dev, g)
+                o = torch.empty_like(q)
+                lse = torch.empty(B, H, 1, dtype=torch.float32, device=dev)
+                fp = fwd_params(c, q, k, v, o, lse, None, None, None)
+
+                def ours():
+                    st = lib.cf_fwd(ctypes.byref(fp), torch.cuda.current_stream().cuda_stream)
+                    if st != 0:
+                        raise RuntimeError(f"cf_fwd {st}")
+                qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+
+                def fa2():
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+                try:
+                    t_o = graph_time(ours)
+                except Exception as e:  # noqa: BLE001
+                    print("graph ours failed:", e)
+                    t_o = float("nan")
+                try:
+                    t_f = graph_time(fa2)
+                except Exception as e:  # noqa: BLE001
+                    print("graph fa2 failed:", e)
+                    t_f = float("nan")
+                te_o, te_f = eager_time(ours), eager_time(fa2)
+                # sanity: same result as SDPA
+                ref = fa2().transpose(1, 2)
+                ours()
+                torch.cuda.synchronize()
+                diff = (o.float() - ref.float()).abs().max().item()
+                by = 2 * B * SK * HKV * D * 2
+                lines.append(f"| {dt} | {B} | {SK} | {t_o*1e6:.1f} | {by/t_o/1e12:.2f} | {t_f*1e6:.1f} | "
+                             f"{by/t_f/1e12:.2f} | {t_o/t_f:.2f} | {te_o*1e6:.1f} / {te_f*1e6:.1f} (maxdiff {diff:.1e}) |")
+    return lines
 
 
 # ----------------------------------------------------------------------------- timing
@@ -572,6 +685,7 @@ def main():
     ap.add_argument("--force-build", action="store_true")
     ap.add_argument("--sm80", action="store_true", help="also build sm_80 code")
     ap.add_argument("--filter", default="")
+    ap.add_argument("--decode", action="store_true", help="decode timing vs SDPA flash")
     args = ap.parse_args()
     gencode = ["-gencode=arch=compute_90a,code=sm_90a"]
     if args.sm80:
@@ -616,6 +730,14 @@ def main():
             f.write("\n".join(table) + "\n")
     if args.bench:
         for line in bench(dev):
+            print(line, flush=True)
+    if args.decode:
+        dl = bench_decode(dev)
+        if OUT:
+            with open(os.path.join(OUT, "decode_table.txt"), "w") as f:
+                f.write("\n".join(dl) + "\n")
+        print("\n".join(table[-19:]))
+        for line in dl:
             print(line, flush=True)
     print(f"time {time.time() - t0:.0f}s")
     print(f"{n_pass} passed, {n_fail} failed")

@@ -4,9 +4,51 @@
 #include "kernel_traits.cuh"
 #include "launch.cuh"
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <vector>
 
 namespace cf {
+
+__global__ void sm90a_probe_kernel(int* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    *out = 1;
+#else
+    *out = 0;
+#endif
+}
+
+bool sm90a_available() {
+    static std::atomic<int> cache[64];  // per device: 0 = not probed, 1 = no, 2 = yes
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    const int known = cache[dev].load();
+    if (known != 0) return known == 2;
+    bool ok = false;
+    const char* off = std::getenv("CANDLE_FLASH_DISABLE_SM90A");
+    int major = 0, minor = 0;
+    if (!(off && off[0] && off[0] != '0') &&
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+        major == 9 && minor == 0) {
+        // sm_90a SASS runs only on sm_90; what the device actually runs (SASS or JIT-compiled
+        // compute_90 PTX, which has no wgmma) is known only by asking a kernel.
+        int* flag = nullptr;
+        int host = 0;
+        if (cudaMalloc(&flag, sizeof(int)) == cudaSuccess) {
+            sm90a_probe_kernel<<<1, 1>>>(flag);
+            ok = cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && host == 1;
+            (void)cudaFree(flag);
+        }
+    }
+    (void)cudaGetLastError();
+    cache[dev].store(ok ? 2 : 1);
+    return ok;
+}
+
 namespace {
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }

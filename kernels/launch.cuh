@@ -6,6 +6,11 @@
 
 namespace cf {
 
+// True when the current device is an sm_90 GPU and this library carries sm_90a code (the wgmma
+// kernels). Probed once per device with a one-thread kernel; CANDLE_FLASH_DISABLE_SM90A=1 turns
+// the sm_90a kernels off (to run and compare the sm_80 path on a Hopper GPU).
+bool sm90a_available();
+
 template <typename T, int D>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);
 cudaError_t run_fwd_f32(const CfFwdParams& p, cudaStream_t stream);

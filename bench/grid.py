@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Timing grid: several builds of the kernels vs SDPA flash (FA2). usage: grid.py name=libdir ..."""
+import ctypes, os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_check.py
+import kernel_check as kc
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.nn.functional as F
+
+libs = {}
+for a in sys.argv[1:]:
+    n, d = a.split("=")
+    kc.LIB = os.path.join(d, "libcandle_flash_check.so")
+    kc.load_lib()
+    libs[n] = kc.lib
+names = list(libs)
+dev = torch.device("cuda")
+REPS = int(os.environ.get("REPS", "10"))
+
+
+def timeit(fn, reps=REPS):
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b_.record(); torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b_) * 1e-3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+points = []
+for dt in ("bf16", "f16"):
+    for d in (64, 128):
+        for causal in (False, True):
+            Ns = (512, 1024, 2048, 4096, 8192, 16384) if dt == "bf16" else (2048, 16384)
+            for N in Ns:
+                points.append((dt, d, causal, N))
+if os.environ.get("POINTS"):
+    sel = [tuple(x.split(",")) for x in os.environ["POINTS"].split(";")]
+    points = [pt for pt in points if (pt[0], str(pt[1]), str(int(pt[2])), str(pt[3])) in sel]
+hdr = f"{'dt':4} {'D':>3} {'c':>1} {'N':>5} | fwd: {names[0]:>6} fa2 | bwd TF/s: " + " ".join(f"{n:>6}" for n in names) + " fa2 | f+b ratio " + " ".join(names)
+print(hdr, flush=True)
+for dt, d, causal, N in points:
+    B, H = 16384 // N, 2048 // d
+    c = kc.Case("bench", dt, b=B, h=H, sq=N, d=d, wl=-1, wr=(0 if causal else -1))
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, do, _ = kc.make_inputs(c, dev, g)
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, N, dtype=torch.float32, device=dev)
+    fp = kc.fwd_params(c, q, k, v, o, lse, None, None, None)
+    stream = torch.cuda.current_stream().cuda_stream
+    fl = 4 * B * H * N * N * d * (0.5 if causal else 1.0)
+    t_f = timeit(lambda: libs[names[0]].cf_fwd(ctypes.byref(fp), stream))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bp = kc.CfBwdParams()
+    bp.fwd = fp
+    bp.dout = do.data_ptr()
+    bp.do_batch_stride, bp.do_row_stride, bp.do_head_stride = kc.strides3(do, False)
+    bp.dq, bp.dk, bp.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    bp.dq_batch_stride, bp.dq_row_stride, bp.dq_head_stride = kc.strides3(dq, False)
+    bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride = kc.strides3(dk, False)
+    bp.dv_batch_stride, bp.dv_row_stride, bp.dv_head_stride = kc.strides3(dv, False)
+    bp.total_q, bp.total_k = B * N, B * N
+    tb = {}
+    for n in names:
+        ws = torch.empty(libs[n].cf_bwd_workspace_size(ctypes.byref(bp)) // 4 + 64, dtype=torch.float32, device=dev)
+        tb[n] = timeit(lambda: libs[n].cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream))
+        del ws
+    qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    dot = do.transpose(1, 2).contiguous()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        t_sf = timeit(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+        ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        t_sb = timeit(lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True))
+    T = lambda t, m=1.0: m * fl / t / 1e12
+    print(f"{dt:4} {d:3} {int(causal)} {N:5} | {T(t_f):6.0f} {T(t_sf):3.0f} | " + " ".join(f"{T(tb[n], 2.5):6.0f}" for n in names)
+          + f" {T(t_sb, 2.5):3.0f} | " + " ".join(f"{(t_sf + t_sb) / (t_f + tb[n]):.2f}" for n in names), flush=True)
+    del q, k, v, do, o, lse, dq, dk, dv, qt, kt, vt, dot, ot
