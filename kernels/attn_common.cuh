@@ -113,6 +113,25 @@ struct LogitInfo {
     }
 };
 
+// Backward: P and dS of one score element; masked -> 0. lse2 = lse * log2 e (+inf for rows seeing nothing).
+struct PdS {
+    float p, ds;
+};
+__device__ __forceinline__ PdS p_ds(const LogitInfo& li, float qk, float dp, float lse2, float dsum,
+                                    int i, int j, int off, bool visible) {
+    float x2, df = 1.f;
+    if (li.general) {
+        x2 = li.logit(qk, i, j, off, &df) * kLog2e;
+    } else {
+        x2 = qk * li.c;
+    }
+    const float pv = visible ? ex2(x2 - lse2) : 0.f;
+    return {pv, pv * (dp - dsum) * df};
+}
+__device__ __forceinline__ float lse_to_log2(float lse) {
+    return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
 // Backward scratch memory (all f32). Offsets are rounded up to 256 bytes.
 //   dsum     [h][total_q]                 D_i = rowsum(dO * O)
 //   dq_accum [total_q][h][d]              only for the tensor-core path with atomics

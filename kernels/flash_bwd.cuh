@@ -10,27 +10,9 @@
 #pragma once
 #include "kernel_traits.cuh"
 #include "launch.cuh"
+#include "flash_bwd_sm90.cuh"
 
 namespace cf {
-
-// P and dS of one score element; masked -> 0. lse2 = lse * log2 e (+inf for rows seeing nothing).
-struct PdS {
-    float p, ds;
-};
-__device__ __forceinline__ PdS p_ds(const LogitInfo& li, float qk, float dp, float lse2, float dsum,
-                                    int i, int j, int off, bool visible) {
-    float x2, df = 1.f;
-    if (li.general) {
-        x2 = li.logit(qk, i, j, off, &df) * kLog2e;
-    } else {
-        x2 = qk * li.c;
-    }
-    const float pv = visible ? ex2(x2 - lse2) : 0.f;
-    return {pv, pv * (dp - dsum) * df};
-}
-__device__ __forceinline__ float lse_to_log2(float lse) {
-    return lse == -INFINITY ? INFINITY : lse * kLog2e;
-}
 
 // ------------------------------------------------------------------ dK / dV (+ atomic dQ)
 template <typename Kt>
@@ -491,16 +473,24 @@ template <typename T, int D>
 cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream) {
     const CfFwdParams& f = p.fwd;
     cudaError_t e;
-    {
-        using Kt = BwdTraits<T, D>;
-        auto kern = bwd_dkdv_tc_kernel<Kt>;
-        if ((e = set_smem(kern, Kt::kSmemBytes)) != cudaSuccess) return e;
+    // dK/dV (+ atomic dQ): one CTA per kBlockN keys of a KV head (and GQA split)
+    auto launch_dkdv = [&](auto kern, auto traits) -> cudaError_t {
+        using Kt = decltype(traits);
+        cudaError_t err = set_smem(kern, Kt::kSmemBytes);
+        if (err != cudaSuccess) return err;
         const dim3 grid((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
-        if (grid.x > 0) {
-            kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws);
-            if ((e = cudaGetLastError()) != cudaSuccess) return e;
+        if (grid.x == 0) return cudaSuccess;
+        kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws);
+        return cudaGetLastError();
+    };
+    bool done = false;
+    if constexpr (D == 64 || D == 128) {
+        if (sm90a_available()) {
+            if ((e = launch_dkdv(bwd_dkdv_sm90_kernel<BwdSm90Traits<T, D>>, BwdSm90Traits<T, D>{})) != cudaSuccess) return e;
+            done = true;
         }
     }
+    if (!done && (e = launch_dkdv(bwd_dkdv_tc_kernel<BwdTraits<T, D>>, BwdTraits<T, D>{})) != cudaSuccess) return e;
     if (ws.dq_accum == nullptr) {
         using Kt = BwdDqTraits<T, D>;
         auto kern = bwd_dq_tc_kernel<Kt>;

@@ -98,6 +98,30 @@ struct BwdDqTraits {
     static_assert(kSmemBytes <= 160 * 1024, "must fit sm_80's 163 KB");
 };
 
+// sm_90a dK/dV kernel (wgmma, flash_bwd_sm90.cuh): CTA = 2 warpgroups over kBlockN keys of one KV
+// head (64 keys each), looping over kBlockM query rows per step. Per step each warpgroup computes
+// S^T = K Q^T and dP^T = V dO^T for its keys (m64 x n kBlockM), then dV += P^T dO and dK += dS^T Q
+// with P^T / dS^T straight from registers; atomic mode: dS^T -> shared, dQ = dS K (m64 x n64 per
+// warpgroup). Shared (panel layout, wgmma.cuh): K, V [kBlockN][D]; Q, dO [2][kBlockM][D];
+// dS^T [kBlockN][kBlockM]; lse, dsum [2][kBlockM] (f32). dK/dV staged through Q/dO at the end.
+template <typename T_, int kHeadDim_>
+struct BwdSm90Traits {
+    using Elem = T_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockN = 128;
+    static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
+    static constexpr int kNThreads = 256;
+    static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 4 * kBlockM * kHeadDim * 2 +
+                                      kBlockN * kBlockM * 2 + 4 * kBlockM * 4;
+
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma backward: head-dim tiles 64 and 128");
+    static_assert(kBlockN == 2 * 64, "one m64 slice of keys per warpgroup");
+    // dQ = dS K is m64 x n64 per warpgroup: split over query rows (d = 64) or columns (d = 128)
+    static_assert((kHeadDim == 64 && kBlockM == 128) || (kHeadDim == 128 && kBlockM == 64), "dQ split");
+    static_assert(2 * kBlockM * kHeadDim >= kBlockN * kHeadDim, "dK/dV staging fits in Q / dO");
+    static_assert(kSmemBytes <= 227 * 1024, "sm_90 shared memory");
+};
+
 // ------------------------------------------------------------------ f32 (SIMT)
 struct F32FwdTraits {  // 16 query rows x 32 keys, 8 threads per row
     static constexpr int kBlockM = 16, kBlockN = 32, kNThreads = 128;

@@ -61,9 +61,16 @@ __device__ __forceinline__ void reg_fence(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 template <int N>
-__device__ __forceinline__ void reg_fence(uint32_t (&a)[N]) {
+__device__ __forceinline__ void reg_fence(uint32_t (&a)[N]) {  // register A fragments
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+template <int M, int N>
+__device__ __forceinline__ void reg_fence(uint32_t (&a)[M][N]) {
+#pragma unroll
+    for (int i = 0; i < M; ++i)
+#pragma unroll
+        for (int j = 0; j < N; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
 // d (+)= A * B for one k16 step (N/2 accumulators per thread). TA / TB: operand is MN-major.

@@ -1,0 +1,285 @@
+// Backward dK/dV (+ atomic dQ) on Hopper warpgroup MMA (sm_90a). Same algorithm, semantics and
+// workspace as bwd_dkdv_tc_kernel (flash_bwd.cuh); what changes is who does the products:
+//   per query block, warpgroup w (keys 64w..64w+63 of the CTA's kBlockN):
+//     S^T  = K Q^T,  dP^T = V dO^T         wgmma, A and B from shared (both K-major)
+//     P^T  = 2^(S^T c - lse2),  dS^T = P^T (dP^T - dsum)     registers (columns = queries)
+//     dV  += P^T dO, dK += dS^T Q          wgmma, A = P^T / dS^T from registers, B MN-major
+//     atomic mode: dS^T -> shared; dQ_accum += dS K (wgmma, both MN-major), f32 atomics
+// Computing the transposed scores keeps P^T and dS^T in the accumulator layout that the dV / dK
+// products take as register A operands: no shared-memory round trip for P at all, and dS goes
+// through shared memory only for dQ.
+#pragma once
+#include "kernel_traits.cuh"
+#include "wgmma.cuh"
+
+namespace cf {
+
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const CfBwdParams p, const BwdWs ws) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using T = typename Kt::Elem;
+    constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
+    constexpr int C = D / 8;     // chunks per Q/K/V/dO row
+    constexpr int KS = D / 16;   // k16 steps of S^T and dP^T
+    constexpr int MS = BM / 16;  // k16 steps of dV / dK (query rows)
+    constexpr int NS = BN / 16;  // k16 steps of dQ (keys)
+    constexpr int NA = BM / 2;   // accumulators of an m64 x BM product
+    constexpr int ND = D / 2;    // accumulators of an m64 x D product
+    constexpr int NQ = 32;       // accumulators of the m64 x n64 dQ slice
+
+    extern __shared__ __align__(1024) unsigned char smem_sm90[];
+    if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
+    T* sK = reinterpret_cast<T*>(smem_sm90);
+    T* sV = sK + BN * D;
+    T* sQ = sV + BN * D;          // [2][BM*D]
+    T* sdO = sQ + 2 * BM * D;     // [2][BM*D]
+    T* sdS = sdO + 2 * BM * D;    // [BN][BM] (dS^T)
+    float* sL = reinterpret_cast<float*>(sdS + BN * BM);  // [2][BM]
+    float* sD = sL + 2 * BM;                              // [2][BM]
+
+    const CfFwdParams& f = p.fwd;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
+    const int g = lane >> 2, q4 = lane & 3;
+    const int n_block = blockIdx.x, b = blockIdx.z;
+    const int hkv_i = blockIdx.y / ws.nsplit, split = blockIdx.y % ws.nsplit;
+    const SeqInfo si(f, b);
+    const int n0 = n_block * BN;
+    if (n0 >= si.sk) return;
+    const int dch = f.d >> 3;
+    const int group = f.h / f.hkv;
+    const int h_begin = hkv_i * group + split * ws.hps;
+    const int h_end = min(h_begin + ws.hps, (hkv_i + 1) * group);
+
+    const MaskInfo mk(si.sq, si.sk, f.window_left, f.window_right);
+    int m_lo, m_hi;
+    mk.query_range(n0, min(n0 + BN, si.sk) - 1, m_lo, m_hi);
+    const int mb_lo = m_lo / BM;
+    const int nm = m_hi > m_lo ? (m_hi + BM - 1) / BM - mb_lo : 0;
+    const int total_it = nm * max(h_end - h_begin, 0);
+
+    const T* kg = static_cast<const T*>(f.k) + si.k_off(b, f.k_batch_stride, f.k_row_stride) + (int64_t)hkv_i * f.k_head_stride;
+    const T* vg = static_cast<const T*>(f.v) + si.k_off(b, f.v_batch_stride, f.v_row_stride) + (int64_t)hkv_i * f.v_head_stride;
+    const int64_t q_boff = si.q_off(b, f.q_batch_stride, f.q_row_stride);
+    const int64_t do_boff = si.q_off(b, p.do_batch_stride, p.do_row_stride);
+    const int64_t lse_boff = (int64_t)b * f.lse_batch_stride + (si.q_varlen ? si.q_row0 : 0);
+
+    load_panels<BN, C, NTH>(sK, kg + (int64_t)n0 * f.k_row_stride, f.k_row_stride, si.sk - n0, dch, tid, f.k);
+    load_panels<BN, C, NTH>(sV, vg + (int64_t)n0 * f.v_row_stride, f.v_row_stride, si.sk - n0, dch, tid, f.v);
+
+    auto issue_q = [&](int it, int stage) {
+        const int hq = h_begin + it / nm;
+        const int m0 = (mb_lo + it % nm) * BM;
+        const T* qg = static_cast<const T*>(f.q) + q_boff + (int64_t)hq * f.q_head_stride + (int64_t)m0 * f.q_row_stride;
+        const T* dog = static_cast<const T*>(p.dout) + do_boff + (int64_t)hq * p.do_head_stride + (int64_t)m0 * p.do_row_stride;
+        load_panels<BM, C, NTH>(sQ + stage * BM * D, qg, f.q_row_stride, si.sq - m0, dch, tid, f.q);
+        load_panels<BM, C, NTH>(sdO + stage * BM * D, dog, p.do_row_stride, si.sq - m0, dch, tid, p.dout);
+        if (tid < BM) {
+            const bool ok = m0 + tid < si.sq;
+            const float* lp = f.lse + lse_boff + (int64_t)hq * f.lse_head_stride + m0 + tid;
+            const float* dp = ws.dsum + (int64_t)hq * ws.total_q + si.q_row0 + m0 + tid;
+            cp_async_4(smem_addr(sL + stage * BM + tid), ok ? (const void*)lp : (const void*)f.lse, ok);
+            cp_async_4(smem_addr(sD + stage * BM + tid), ok ? (const void*)dp : (const void*)ws.dsum, ok);
+        }
+    };
+    if (total_it > 0) issue_q(0, 0);
+    cp_async_commit();
+
+    float dk[ND], dv[ND];
+#pragma unroll
+    for (int i = 0; i < ND; ++i) dk[i] = dv[i] = 0.f;
+
+    const uint32_t tK = smem_addr(sK), tV = smem_addr(sV), tdS = smem_addr(sdS);
+    const uint32_t tKw = tK + 64 * wg * kPanelRowBytes;  // this warpgroup's 64 keys (K-major A)
+    const uint32_t tVw = tV + 64 * wg * kPanelRowBytes;
+    const int key_l0 = 64 * wg + 16 * wq + g;  // local key of accumulator rows (e < 2); +8 for e >= 2
+    const bool dq_vec2 = (reinterpret_cast<uintptr_t>(ws.dq_accum) & 7) == 0;
+
+    for (int it = 0; it < total_it; ++it) {
+        const int hq = h_begin + it / nm;
+        const int m0 = (mb_lo + it % nm) * BM;
+        const int st = it & 1;
+        cp_async_wait<0>();
+        fence_async_smem();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
+        __syncthreads();     // this step's tiles landed; the previous step is done everywhere
+        if (it + 1 < total_it) {
+            issue_q(it + 1, st ^ 1);
+            cp_async_commit();
+        }
+        const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
+        const LogitInfo li(f, b, hq);
+
+        // ---- S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys x BM queries)
+        float sT[NA], dpT[NA];
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+            wgmma_ss<BM, T, 0, 0>(sT, desc_k_major(tKw, BN, ks), desc_k_major(tQ, BM, ks), ks > 0);
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+            wgmma_ss<BM, T, 0, 0>(dpT, desc_k_major(tVw, BN, ks), desc_k_major(tdO, BM, ks), ks > 0);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(sT);
+        reg_fence(dpT);
+
+        // ---- P^T, dS^T in registers. Element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1).
+        //      Twice: the fast loop (every element visible, plain scale: no index math; a full
+        //      block has no row without keys, so lse is finite) and the general one.
+        const float* cL = sL + st * BM;
+        const float* cD = sD + st * BM;
+        const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
+        if (full && !li.general) {
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j) {
+                const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * q4);
+                const float2 ds2 = *reinterpret_cast<const float2*>(cD + 8 * j + 2 * q4);
+                const float lse2[2] = {l2.x * kLog2e, l2.y * kLog2e}, dsv[2] = {ds2.x, ds2.y};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float pv = ex2(fmaf(sT[4 * j + e], li.c, -lse2[e & 1]));
+                    sT[4 * j + e] = pv;
+                    dpT[4 * j + e] = pv * (dpT[4 * j + e] - dsv[e & 1]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int ql = 8 * j + 2 * q4 + (e & 1);
+                    const int i = m0 + ql, jk = n0 + key_l0 + 8 * (e >> 1);
+                    const bool vis = i < si.sq && mk.visible(i, jk);
+                    const PdS x = p_ds(li, sT[4 * j + e], dpT[4 * j + e], lse_to_log2(cL[ql]), cD[ql], i, jk, mk.off, vis);
+                    sT[4 * j + e] = x.p;
+                    dpT[4 * j + e] = x.ds;
+                }
+            }
+        }
+
+        // ---- dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
+        uint32_t pa[MS][4], dsa[MS][4];
+#pragma unroll
+        for (int kq = 0; kq < MS; ++kq) {
+            const int j0 = 8 * kq, j1 = 8 * kq + 4;  // accumulator index of n8 tiles 2kq, 2kq+1
+            pa[kq][0] = pack2<T>(sT[j0], sT[j0 + 1]);
+            pa[kq][1] = pack2<T>(sT[j0 + 2], sT[j0 + 3]);
+            pa[kq][2] = pack2<T>(sT[j1], sT[j1 + 1]);
+            pa[kq][3] = pack2<T>(sT[j1 + 2], sT[j1 + 3]);
+            dsa[kq][0] = pack2<T>(dpT[j0], dpT[j0 + 1]);
+            dsa[kq][1] = pack2<T>(dpT[j0 + 2], dpT[j0 + 3]);
+            dsa[kq][2] = pack2<T>(dpT[j1], dpT[j1 + 1]);
+            dsa[kq][3] = pack2<T>(dpT[j1 + 2], dpT[j1 + 3]);
+        }
+        wg_fence();
+#pragma unroll
+        for (int kq = 0; kq < MS; ++kq) wgmma_rs<D, T, 1>(dv, pa[kq], desc_mn_major(tdO, BM, kq), 1);
+#pragma unroll
+        for (int kq = 0; kq < MS; ++kq) wgmma_rs<D, T, 1>(dk, dsa[kq], desc_mn_major(tQ, BM, kq), 1);
+        wg_commit();
+
+        if (ws.dq_accum != nullptr) {
+            // ---- dS^T -> shared (overlaps the dV / dK products), then dQ = dS K
+#pragma unroll
+            for (int kq = 0; kq < MS; ++kq)
+#pragma unroll
+                for (int h2 = 0; h2 < 2; ++h2)      // n8 tile 2kq + h2
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {   // key row +8r
+                        const int kl = key_l0 + 8 * r, ql = 16 * kq + 8 * h2 + 2 * q4;
+                        *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sdS) + panel_offset(BN, kl, ql)) =
+                            dsa[kq][2 * h2 + r];
+                    }
+            fence_async_smem();
+            __syncthreads();  // both warpgroups' dS^T rows are in place
+            // d = 64: warpgroup w takes query rows 64w.. (panel w of dS^T), all 64 columns;
+            // d = 128: all 64 query rows, columns 64w.. (panel w of K)
+            const uint32_t tA = D == 64 ? tdS + wg * BN * kPanelRowBytes : tdS;
+            const uint32_t tB = D == 64 ? tK : tK + wg * BN * kPanelRowBytes;
+            float dq[NQ];
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < NS; ++kk)
+                wgmma_ss<64, T, 1, 1>(dq, desc_mn_major(tA, BN, kk), desc_mn_major(tB, BN, kk), kk > 0);
+            wg_commit();
+            wg_wait<0>();
+            reg_fence(dq);
+            reg_fence(dv);
+            reg_fence(dk);
+            reg_fence(pa);
+            reg_fence(dsa);
+            const int64_t rstride = (int64_t)f.h * f.d;
+            float* dqg = ws.dq_accum + (si.q_row0 + m0) * rstride + (int64_t)hq * f.d;
+            const int row0 = (D == 64 ? 64 * wg : 0) + 16 * wq + g, col0 = (D == 64 ? 0 : 64 * wg) + 2 * q4;
+#pragma unroll
+            for (int j = 0; j < NQ / 4; ++j)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int rl = row0 + 8 * r, col = col0 + 8 * j;  // even; d % 8 == 0
+                    if (m0 + rl < si.sq && col < f.d) {
+                        float* dst = dqg + rl * rstride + col;
+                        if (dq_vec2) {  // one 8-byte reduction per column pair
+                            atomicAdd(reinterpret_cast<float2*>(dst), make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
+                        } else {
+                            atomicAdd(dst, dq[4 * j + 2 * r]);
+                            atomicAdd(dst + 1, dq[4 * j + 2 * r + 1]);
+                        }
+                    }
+                }
+        } else {
+            wg_wait<0>();
+            reg_fence(dv);
+            reg_fence(dk);
+            reg_fence(pa);
+            reg_fence(dsa);
+        }
+    }
+
+    // ---- write dK (scaled) and dV. Element 4j+e: key key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1).
+    const float scale = f.softmax_scale;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) dk[i] *= scale;
+
+    cp_async_wait<0>();
+    if (ws.nsplit == 1) {
+        __syncthreads();  // all shared reads done: stage dK / dV in the Q / dO buffers
+        unsigned char* sOk = reinterpret_cast<unsigned char*>(sQ);
+        unsigned char* sOv = reinterpret_cast<unsigned char*>(sdO);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const uint32_t off = panel_offset(BN, key_l0 + 8 * r, 8 * j + 2 * q4);
+                *reinterpret_cast<uint32_t*>(sOk + off) = pack2<T>(dk[4 * j + 2 * r], dk[4 * j + 2 * r + 1]);
+                *reinterpret_cast<uint32_t*>(sOv + off) = pack2<T>(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+            }
+        __syncthreads();
+        T* dkg = static_cast<T*>(p.dk) + si.k_off(b, p.dk_batch_stride, p.dk_row_stride) + (int64_t)hkv_i * p.dk_head_stride;
+        T* dvg = static_cast<T*>(p.dv) + si.k_off(b, p.dv_batch_stride, p.dv_row_stride) + (int64_t)hkv_i * p.dv_head_stride;
+        for (int idx = tid; idx < BN * C; idx += NTH) {
+            const int r = idx / C, c = idx % C;
+            if (n0 + r < si.sk && c < dch) {
+                const uint32_t off = panel_offset(BN, r, 8 * c);
+                *reinterpret_cast<uint4*>(dkg + (int64_t)(n0 + r) * p.dk_row_stride + c * 8) = *reinterpret_cast<const uint4*>(sOk + off);
+                *reinterpret_cast<uint4*>(dvg + (int64_t)(n0 + r) * p.dv_row_stride + c * 8) = *reinterpret_cast<const uint4*>(sOv + off);
+            }
+        }
+    } else {
+        const int64_t rs = (int64_t)f.hkv * f.d;
+        float* wk = ws.dkv + ((int64_t)split * ws.total_k + si.k_row0 + n0) * rs + (int64_t)hkv_i * f.d;
+        float* wv = wk + (int64_t)ws.nsplit * ws.total_k * rs;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int rl = key_l0 + 8 * r, col = 8 * j + 2 * q4;
+                if (n0 + rl < si.sk && col < f.d) {
+                    *reinterpret_cast<float2*>(wk + rl * rs + col) = make_float2(dk[4 * j + 2 * r], dk[4 * j + 2 * r + 1]);
+                    *reinterpret_cast<float2*>(wv + rl * rs + col) = make_float2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+                }
+            }
+    }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+}  // namespace cf
