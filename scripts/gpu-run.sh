@@ -23,6 +23,13 @@ for t in gpu-bin/tests/*; do
   summary+=("$(printf '%-10s rc=%-3s %s' "$name" "$rc" "$result")")
 done
 
+# The sm_80 (mma.sync) kernels, which Hopper otherwise skips for the sm_90a (wgmma) ones: the
+# parity matrix once more with those turned off.
+echo "=== parity (CANDLE_FLASH_DISABLE_SM90A=1)" >> "$log"
+CANDLE_FLASH_DISABLE_SM90A=1 gpu-bin/tests/parity --test-threads=1 >> "$log" 2>&1
+rc=$?
+summary+=("$(printf '%-10s rc=%-3s %s' parity-sm80 "$rc" "$(grep -E "^test result" "$log" | tail -n 1)")")
+
 # One small case under compute-sanitizer (memcheck): forward and backward, varlen with an empty
 # sequence, GQA, window and ALiBi on CUDA.
 san="$OUT/sanitizer.log"
