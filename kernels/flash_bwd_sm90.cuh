@@ -10,6 +10,7 @@
 // through shared memory only for dQ.
 #pragma once
 #include "kernel_traits.cuh"
+#include "bwd_common.cuh"
 #include "wgmma.cuh"
 
 namespace cf {
@@ -41,46 +42,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
     const int g = lane >> 2, q4 = lane & 3;
-    const int n_block = blockIdx.x, b = blockIdx.z;
-    const int hkv_i = blockIdx.y / ws.nsplit, split = blockIdx.y % ws.nsplit;
-    const SeqInfo si(f, b);
-    const int n0 = n_block * BN;
-    if (n0 >= si.sk) return;
-    const int dch = f.d >> 3;
-    const int group = f.h / f.hkv;
-    const int h_begin = hkv_i * group + split * ws.hps;
-    const int h_end = min(h_begin + ws.hps, (hkv_i + 1) * group);
+    const DkdvWork<T, BN, BM> w(p, ws);
+    if (w.empty()) return;
+    const SeqInfo& si = w.si;
+    const MaskInfo& mk = w.mk;
+    const int b = w.b, hkv_i = w.hkv_i, split = w.split, n0 = w.n0, dch = w.dch, total_it = w.total_it;
 
-    const MaskInfo mk(si.sq, si.sk, f.window_left, f.window_right);
-    int m_lo, m_hi;
-    mk.query_range(n0, min(n0 + BN, si.sk) - 1, m_lo, m_hi);
-    const int mb_lo = m_lo / BM;
-    const int nm = m_hi > m_lo ? (m_hi + BM - 1) / BM - mb_lo : 0;
-    const int total_it = nm * max(h_end - h_begin, 0);
-
-    const T* kg = static_cast<const T*>(f.k) + si.k_off(b, f.k_batch_stride, f.k_row_stride) + (int64_t)hkv_i * f.k_head_stride;
-    const T* vg = static_cast<const T*>(f.v) + si.k_off(b, f.v_batch_stride, f.v_row_stride) + (int64_t)hkv_i * f.v_head_stride;
-    const int64_t q_boff = si.q_off(b, f.q_batch_stride, f.q_row_stride);
-    const int64_t do_boff = si.q_off(b, p.do_batch_stride, p.do_row_stride);
-    const int64_t lse_boff = (int64_t)b * f.lse_batch_stride + (si.q_varlen ? si.q_row0 : 0);
-
-    load_panels<BN, C, NTH>(sK, kg + (int64_t)n0 * f.k_row_stride, f.k_row_stride, si.sk - n0, dch, tid, f.k);
-    load_panels<BN, C, NTH>(sV, vg + (int64_t)n0 * f.v_row_stride, f.v_row_stride, si.sk - n0, dch, tid, f.v);
+    load_panels<BN, C, NTH>(sK, w.kg + (int64_t)n0 * f.k_row_stride, f.k_row_stride, si.sk - n0, dch, tid, f.k);
+    load_panels<BN, C, NTH>(sV, w.vg + (int64_t)n0 * f.v_row_stride, f.v_row_stride, si.sk - n0, dch, tid, f.v);
 
     auto issue_q = [&](int it, int stage) {
-        const int hq = h_begin + it / nm;
-        const int m0 = (mb_lo + it % nm) * BM;
-        const T* qg = static_cast<const T*>(f.q) + q_boff + (int64_t)hq * f.q_head_stride + (int64_t)m0 * f.q_row_stride;
-        const T* dog = static_cast<const T*>(p.dout) + do_boff + (int64_t)hq * p.do_head_stride + (int64_t)m0 * p.do_row_stride;
-        load_panels<BM, C, NTH>(sQ + stage * BM * D, qg, f.q_row_stride, si.sq - m0, dch, tid, f.q);
-        load_panels<BM, C, NTH>(sdO + stage * BM * D, dog, p.do_row_stride, si.sq - m0, dch, tid, p.dout);
-        if (tid < BM) {
-            const bool ok = m0 + tid < si.sq;
-            const float* lp = f.lse + lse_boff + (int64_t)hq * f.lse_head_stride + m0 + tid;
-            const float* dp = ws.dsum + (int64_t)hq * ws.total_q + si.q_row0 + m0 + tid;
-            cp_async_4(smem_addr(sL + stage * BM + tid), ok ? (const void*)lp : (const void*)f.lse, ok);
-            cp_async_4(smem_addr(sD + stage * BM + tid), ok ? (const void*)dp : (const void*)ws.dsum, ok);
-        }
+        w.issue_step(p, ws, it, sQ + stage * BM * D, sdO + stage * BM * D, sL + stage * BM, sD + stage * BM, tid,
+                     [&](T* dst, const T* src, int64_t stride, int rows, const void* fallback) {
+                         load_panels<BM, C, NTH>(dst, src, stride, rows, dch, tid, fallback);
+                     });
     };
     if (total_it > 0) issue_q(0, 0);
     cp_async_commit();
@@ -96,8 +71,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
     const bool dq_vec2 = (reinterpret_cast<uintptr_t>(ws.dq_accum) & 7) == 0;
 
     for (int it = 0; it < total_it; ++it) {
-        const int hq = h_begin + it / nm;
-        const int m0 = (mb_lo + it % nm) * BM;
+        const int hq = w.head(it), m0 = w.row0(it);
         const int st = it & 1;
         cp_async_wait<0>();
         fence_async_smem();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
