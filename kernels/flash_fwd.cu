@@ -314,6 +314,9 @@ __global__ void __launch_bounds__(F32FwdTraits::kNThreads) fwd_f32_kernel(const 
 // ------------------------------------------------------------------ launchers
 template <typename T, int D>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream) {
+    if constexpr (D == 64 || D == 128) {
+        if (sm90a_available()) return run_fwd_sm90<T, D>(p, stream);  // wgmma kernel on Hopper
+    }
     using Kt = FwdTraits<T, D>;
     auto kern = fwd_tc_kernel<Kt>;
     const int smem = Kt::kSmemBytes;

@@ -32,6 +32,44 @@ struct FwdTraits {
     static_assert(kSmemBytes <= 160 * 1024, "must fit sm_80's 163 KB");
 };
 
+// ------------------------------------------------------------------ forward (sm_90a wgmma)
+// CTA = kNWarpGroups warpgroups, each owning 64 query rows (one m64 wgmma tile), looping over
+// kBlockN keys per step. Shared memory (panel layout of wgmma.cuh, 1024-byte aligned tiles):
+// Q [kBlockM][D] + K [kStages][kBlockN][D] + V [kStages][kBlockN][D], + 1 KB of alignment slack.
+// Three K/V stages: the loads of a key block are issued two blocks before it is used.
+// Only head-dim tiles 64 and 128 (the wgmma kernel is dispatched for those on sm_90a).
+template <typename T_, int kHeadDim_, int kBlockN_, int kNWarpGroups_, int kMinBlocks_>
+struct FwdSm90Traits {
+    using Elem = T_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kNWarpGroups = kNWarpGroups_;
+    static constexpr int kNThreads = 128 * kNWarpGroups;
+    static constexpr int kBlockM = 64 * kNWarpGroups;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kStages = 3;
+    static constexpr int kMinBlocks = kMinBlocks_;  // CTAs per SM the register budget is set for
+    static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+    static constexpr int kKVStageBytes = kBlockN * kHeadDim * 2;
+    static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVStageBytes + 1024;
+
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma forward: head-dim tiles 64 and 128");
+    static_assert(kStages == 3, "the pipeline issues loads two key blocks ahead");
+    static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N (S = Q K^T) and load_panels row passes");
+    static_assert(kBlockM % (kNThreads / 8) == 0 && kBlockN % (kNThreads / 8) == 0, "load_panels row passes");
+    static_assert(kQBytes % 1024 == 0 && kKVStageBytes % 1024 == 0, "tiles stay 1024-byte aligned");
+    static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per CTA");
+    static_assert(kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024, "kMinBlocks CTAs fit an SM's shared memory");
+};
+// The configurations run_fwd_sm90 dispatches to (H100 measurements, bf16, B*N = 16384):
+//   D = 64:  128 x 64 blocks, 124 registers -> two CTAs per SM, whose softmax / load phases
+//            overlap (faster than 128 x 128 with one CTA per SM at every N measured).
+//   D = 128: 128 x 128 blocks, one CTA per SM; for causal-like masks with seqlen_q <= 2048,
+//            one warpgroup (64 x 64 blocks, two CTAs per SM) hides the short CTAs' prologue.
+template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 64, 2, 2>;
+template <typename T> using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, 1>;
+template <typename T> using FwdSm90TraitsD128Short = FwdSm90Traits<T, 128, 64, 1, 2>;
+constexpr int kFwdSm90ShortCausalMaxSeq = 2048;
+
 // ------------------------------------------------------------------ backward (tensor cores)
 // dK/dV kernel: CTA = 8 warps over kBlockN keys of one KV head, looping over kBlockM query rows
 // per step (and over the query heads of its split). Three warp layouts:

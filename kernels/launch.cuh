@@ -13,6 +13,9 @@ bool sm90a_available();
 
 template <typename T, int D>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);
+// sm_90a wgmma forward (flash_fwd_sm90.cu), D in {64, 128}; call only when sm90a_available().
+template <typename T, int D>
+cudaError_t run_fwd_sm90(const CfFwdParams& p, cudaStream_t stream);
 cudaError_t run_fwd_f32(const CfFwdParams& p, cudaStream_t stream);
 // Decode shapes (flash_fwd_split.cu, D in {64, 128}): KV split into nsplit chunks, `pack` query
 // heads of one KV group per CTA, deep = at most one CTA per SM (deeper K/V ring);
