@@ -102,6 +102,26 @@ fn used_device_mb(device: &Device) -> Option<f64> {
     None
 }
 
+/// Milliseconds of one call of `f`. On CUDA: between two events recorded on candle's stream
+/// around the call (what bench/sdpa.py does for PyTorch, so both sides count the same thing:
+/// the GPU time from the start event, host launch gaps included, without the wake-up of a
+/// host synchronisation). On the CPU: wall clock.
+fn time_once<F: FnMut() -> Result<()>>(device: &Device, f: &mut F) -> Result<f64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+        let stream = dev.cuda_stream();
+        let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        f()?;
+        let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        return Ok(start.elapsed_ms(&end)? as f64);
+    }
+    let t = Instant::now();
+    f()?;
+    sync(device)?;
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
 /// Median time of `f` over `iters` runs after one warm-up, and the peak memory of one run.
 fn time<F: FnMut() -> Result<()>>(device: &Device, iters: usize, mut f: F) -> Result<(f64, Option<f64>)> {
     f()?;
@@ -111,10 +131,7 @@ fn time<F: FnMut() -> Result<()>>(device: &Device, iters: usize, mut f: F) -> Re
     let mut times = vec![];
     let mut dev_peak: Option<f64> = None;
     for _ in 0..iters.max(1) {
-        let t = Instant::now();
-        f()?;
-        sync(device)?;
-        times.push(t.elapsed().as_secs_f64() * 1e3);
+        times.push(time_once(device, &mut f)?);
         if let (Some(b), Some(a)) = (dev_before, used_device_mb(device)) {
             dev_peak = Some(dev_peak.unwrap_or(0.0).max(a - b));
         }

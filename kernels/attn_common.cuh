@@ -56,6 +56,14 @@ struct MaskInfo {
         const int rel = j - i - off;
         return (wl < 0 || rel >= -wl) && (wr < 0 || rel <= wr);
     }
+    // visible() for one query row as limits: key j is visible to query i iff lo <= j <= hi
+    // (lo > hi: none). Lets a masking loop do two integer compares per element.
+    __device__ __forceinline__ void row_limits(int i, int& lo, int& hi) const {
+        const long long l = wl < 0 ? 0LL : (long long)i + off - wl;
+        const long long h = wr < 0 ? (long long)sk - 1 : (long long)i + off + wr;
+        lo = (int)(l < 0 ? 0 : (l > sk ? (long long)sk : l));
+        hi = (int)(h >= sk ? (long long)sk - 1 : (h < -1 ? -1LL : h));
+    }
     // Keys [lo, hi) seen by at least one query of rows [r0, r1] (inclusive, r0 <= r1).
     __device__ __forceinline__ void key_range(int r0, int r1, int& lo, int& hi) const {
         const long long l = wl < 0 ? 0LL : (long long)r0 + off - wl;

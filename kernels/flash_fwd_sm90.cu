@@ -153,23 +153,36 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks) fwd_sm90_kernel
         wg_commit();
     };
     // Logit transform (softcap / ALiBi) and masking; skipped for blocks this warp sees whole.
+    // Plain logits (causal / window / key-length masks): per row the visible keys are one
+    // interval, so each element costs two compares against a compile-time column offset.
     auto mask = [&](float (&s)[BN / 2], int n0) {
         const bool full = mk.block_full(wrow0, 16, n0, BN);
-        if (li.general || !full) {
+        if (li.general) {
 #pragma unroll
             for (int t = 0; t < NT; ++t)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = wrow0 + g + 8 * (e >> 1);
                     const int j = n0 + t * 8 + 2 * q4 + (e & 1);
-                    float x = s[4 * t + e];
-                    if (li.general) {
-                        float df;
-                        x = li.logit(x, i, j, mk.off, &df);
-                    }
-                    if (!full && !mk.visible(i, j)) x = -INFINITY;
-                    s[4 * t + e] = x;
+                    float df;
+                    const float x = li.logit(s[4 * t + e], i, j, mk.off, &df);
+                    s[4 * t + e] = (full || mk.visible(i, j)) ? x : -INFINITY;
                 }
+        } else if (!full) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                int lo, hi;
+                mk.row_limits(wrow0 + g + 8 * r, lo, hi);
+                lo -= n0 + 2 * q4;  // column of element (t, e) relative to this lane: 8t + e
+                hi -= n0 + 2 * q4;
+#pragma unroll
+                for (int t = 0; t < NT; ++t)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int c = 8 * t + e;
+                        if (c < lo || c > hi) s[4 * t + 2 * r + e] = -INFINITY;
+                    }
+            }
         }
     };
     auto to_p = [&](const float (&s)[BN / 2]) {

@@ -1,0 +1,29 @@
+#!/usr/bin/env python3
+"""One forward call of ours (kernel_check's library) and one of SDPA's flash backend on a grid
+point, for profilers: ncu -k regex:fwd_sm90 python3 bench/one_fwd.py --n 512 --d 64 --causal"""
+import argparse, ctypes, os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_check as kc  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--n", type=int, default=512)
+ap.add_argument("--d", type=int, default=64)
+ap.add_argument("--causal", action="store_true")
+ap.add_argument("--dtype", default="bf16")
+a = ap.parse_args()
+kc.load_lib()
+dev = torch.device("cuda")
+B, H = 16384 // a.n, 2048 // a.d
+c = kc.Case("one", a.dtype, b=B, h=H, sq=a.n, d=a.d, wl=-1, wr=(0 if a.causal else -1))
+q, k, v, _, _ = kc.make_inputs(c, dev, torch.Generator(device=dev).manual_seed(0))
+o = torch.empty_like(q)
+lse = torch.empty(B, H, a.n, dtype=torch.float32, device=dev)
+fp = kc.fwd_params(c, q, k, v, o, lse, None, None, None)
+assert kc.lib.cf_fwd(ctypes.byref(fp), torch.cuda.current_stream().cuda_stream) == 0
+qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    F.scaled_dot_product_attention(qt, kt, vt, is_causal=a.causal)
+torch.cuda.synchronize()
