@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Timing grid: several builds of the kernels vs SDPA flash (FA2). usage: grid.py name=libdir ..."""
+"""Timing grid: several builds of the kernels vs SDPA flash (FA2), forward and backward.
+usage: grid.py name=libdir ...  (POINTS='bf16,64,1,512;...' selects points)"""
 import ctypes, os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_check.py
 import kernel_check as kc
@@ -41,7 +42,7 @@ for dt in ("bf16", "f16"):
 if os.environ.get("POINTS"):
     sel = [tuple(x.split(",")) for x in os.environ["POINTS"].split(";")]
     points = [pt for pt in points if (pt[0], str(pt[1]), str(int(pt[2])), str(pt[3])) in sel]
-hdr = f"{'dt':4} {'D':>3} {'c':>1} {'N':>5} | fwd: {names[0]:>6} fa2 | bwd TF/s: " + " ".join(f"{n:>6}" for n in names) + " fa2 | f+b ratio " + " ".join(names)
+hdr = f"{'dt':4} {'D':>3} {'c':>1} {'N':>5} | fwd TF/s: " + " ".join(f"{n:>6}" for n in names) + " fa2 | bwd TF/s: " + " ".join(f"{n:>6}" for n in names) + " fa2 | f+b ratio " + " ".join(names)
 print(hdr, flush=True)
 for dt, d, causal, N in points:
     B, H = 16384 // N, 2048 // d
@@ -53,7 +54,7 @@ for dt, d, causal, N in points:
     fp = kc.fwd_params(c, q, k, v, o, lse, None, None, None)
     stream = torch.cuda.current_stream().cuda_stream
     fl = 4 * B * H * N * N * d * (0.5 if causal else 1.0)
-    t_f = timeit(lambda: libs[names[0]].cf_fwd(ctypes.byref(fp), stream))
+    tf = {n: timeit(lambda: libs[n].cf_fwd(ctypes.byref(fp), stream)) for n in names}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     bp = kc.CfBwdParams()
     bp.fwd = fp
@@ -76,6 +77,6 @@ for dt, d, causal, N in points:
         ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         t_sb = timeit(lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True))
     T = lambda t, m=1.0: m * fl / t / 1e12
-    print(f"{dt:4} {d:3} {int(causal)} {N:5} | {T(t_f):6.0f} {T(t_sf):3.0f} | " + " ".join(f"{T(tb[n], 2.5):6.0f}" for n in names)
-          + f" {T(t_sb, 2.5):3.0f} | " + " ".join(f"{(t_sf + t_sb) / (t_f + tb[n]):.2f}" for n in names), flush=True)
+    print(f"{dt:4} {d:3} {int(causal)} {N:5} | " + " ".join(f"{T(tf[n]):6.0f}" for n in names) + f" {T(t_sf):3.0f} | " + " ".join(f"{T(tb[n], 2.5):6.0f}" for n in names)
+          + f" {T(t_sb, 2.5):3.0f} | " + " ".join(f"{(t_sf + t_sb) / (tf[n] + tb[n]):.2f}" for n in names), flush=True)
     del q, k, v, do, o, lse, dq, dk, dv, qt, kt, vt, dot, ot
