@@ -42,17 +42,23 @@ struct DkdvWork {
     __device__ __forceinline__ int head(int it) const { return h_begin + it / nm; }
     __device__ __forceinline__ int row0(int it) const { return (mb_lo + it % nm) * BM; }
 
-    // cp.async copies of step it: Q and dO rows through load(dst, src, row_stride, valid_rows,
-    // fallback) (the kernel's tile layout), lse and dsum (f32, zero past the sequence).
-    template <typename Load>
+    // cp.async copies of the CTA's K and V rows. Loader: the kernel's shared layout (TileLoader /
+    // PanelLoader: Loader::load<ROWS>(dst, src, row_stride, valid_rows, valid_chunks, tid, fallback)).
+    template <typename Loader>
+    __device__ __forceinline__ void load_kv(const CfFwdParams& f, T* sK, T* sV, int tid) const {
+        Loader::template load<BN>(sK, kg + (int64_t)n0 * f.k_row_stride, f.k_row_stride, si.sk - n0, dch, tid, f.k);
+        Loader::template load<BN>(sV, vg + (int64_t)n0 * f.v_row_stride, f.v_row_stride, si.sk - n0, dch, tid, f.v);
+    }
+    // cp.async copies of step it: Q and dO rows, lse and dsum (f32, zero past the sequence).
+    template <typename Loader>
     __device__ __forceinline__ void issue_step(const CfBwdParams& p, const BwdWs& ws, int it, T* sQ, T* sdO,
-                                               float* sL, float* sD, int tid, Load load) const {
+                                               float* sL, float* sD, int tid) const {
         const CfFwdParams& f = p.fwd;
         const int hq = head(it), m0 = row0(it);
-        load(sQ, static_cast<const T*>(f.q) + q_boff + (int64_t)hq * f.q_head_stride + (int64_t)m0 * f.q_row_stride,
-             f.q_row_stride, si.sq - m0, f.q);
-        load(sdO, static_cast<const T*>(p.dout) + do_boff + (int64_t)hq * p.do_head_stride + (int64_t)m0 * p.do_row_stride,
-             p.do_row_stride, si.sq - m0, p.dout);
+        Loader::template load<BM>(sQ, static_cast<const T*>(f.q) + q_boff + (int64_t)hq * f.q_head_stride + (int64_t)m0 * f.q_row_stride,
+                                  f.q_row_stride, si.sq - m0, dch, tid, f.q);
+        Loader::template load<BM>(sdO, static_cast<const T*>(p.dout) + do_boff + (int64_t)hq * p.do_head_stride + (int64_t)m0 * p.do_row_stride,
+                                  p.do_row_stride, si.sq - m0, dch, tid, p.dout);
         if (tid < BM) {
             const bool ok = m0 + tid < si.sq;
             const float* lp = f.lse + lse_boff + (int64_t)hq * f.lse_head_stride + m0 + tid;

@@ -47,15 +47,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
     const int b = w.b, hkv_i = w.hkv_i, split = w.split, n0 = w.n0, dch = w.dch, total_it = w.total_it;
-
-    load_tile<BN, C, NTH>(sK, w.kg + (int64_t)n0 * f.k_row_stride, f.k_row_stride, si.sk - n0, dch, tid, f.k);
-    load_tile<BN, C, NTH>(sV, w.vg + (int64_t)n0 * f.v_row_stride, f.v_row_stride, si.sk - n0, dch, tid, f.v);
-
+    using Loader = TileLoader<C, NTH>;
+    w.template load_kv<Loader>(f, sK, sV, tid);
     auto issue_q = [&](int it, int stage) {
-        w.issue_step(p, ws, it, sQ + stage * BM * D, sdO + stage * BM * D, sL + stage * BM, sD + stage * BM, tid,
-                     [&](T* dst, const T* src, int64_t stride, int rows, const void* fallback) {
-                         load_tile<BM, C, NTH>(dst, src, stride, rows, dch, tid, fallback);
-                     });
+        w.template issue_step<Loader>(p, ws, it, sQ + stage * BM * D, sdO + stage * BM * D, sL + stage * BM, sD + stage * BM, tid);
     };
     if (total_it > 0) issue_q(0, 0);
     cp_async_commit();

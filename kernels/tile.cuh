@@ -90,6 +90,16 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, 
     }
 }
 
+// load_tile as a type (for code shared between kernels of different shared layouts).
+template <int C, int NTHREADS>
+struct TileLoader {
+    template <int ROWS, typename T>
+    __device__ __forceinline__ static void load(T* s, const T* g, int64_t row_stride, int valid_rows,
+                                                int valid_chunks, int tid, const void* fallback) {
+        load_tile<ROWS, C, NTHREADS>(s, g, row_stride, valid_rows, valid_chunks, tid, fallback);
+    }
+};
+
 // ---------------------------------------------------------------- ldmatrix / mma
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"

@@ -120,4 +120,14 @@ __device__ __forceinline__ void load_panels(T* s, const T* g, int64_t row_stride
     }
 }
 
+// load_panels as a type (see TileLoader in tile.cuh).
+template <int C, int NTHREADS>
+struct PanelLoader {
+    template <int ROWS, typename T>
+    __device__ __forceinline__ static void load(T* s, const T* g, int64_t row_stride, int valid_rows,
+                                                int valid_chunks, int tid, const void* fallback) {
+        load_panels<ROWS, C, NTHREADS>(s, g, row_stride, valid_rows, valid_chunks, tid, fallback);
+    }
+};
+
 }  // namespace cf
