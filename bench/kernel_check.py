@@ -499,6 +499,25 @@ def matrix(quick):
         C("f16-gqa-headloop-det-causal", "f16", b=3, h=8, hkv=2, sq=300, sk=2900, d=64, wl=-1, wr=0, det=True),
         C("bf16-gqa-split2-window", "bf16", b=1, h=8, hkv=2, sq=200, sk=4200, d=128, wl=3000, wr=16),
     ]
+    # forward shapes with more tiles than the sm90 kernel's persistent grid (132 CTAs on an H100):
+    # CTAs loop over tile pairs, the producer runs into the next tile
+    cases += [
+        C("p-bf16-d128", "bf16", b=2, h=40, sq=1000, d=128, bwd=False),
+        C("p-bf16-d128-causal-odd-m", "bf16", b=2, h=40, sq=1100, d=128, wl=-1, wr=0, bwd=False),
+        C("p-f16-d128-causal-q-lt-k", "f16", b=2, h=40, sq=900, sk=1300, d=128, wl=-1, wr=0, bwd=False),
+        C("p-f16-d64-causal-gqa", "f16", b=2, h=32, hkv=8, sq=1100, d=64, wl=-1, wr=0, bwd=False),
+        C("p-bf16-d64-causal-long", "bf16", b=1, h=24, sq=2500, d=64, wl=-1, wr=0, bwd=False),
+        C("p-bf16-d64-long", "bf16", b=1, h=24, sq=2500, sk=2200, d=64, bwd=False),
+        C("p-bf16-d128-varlen-causal", "bf16", h=32, hkv=8, d=128,
+          varlen=[(300, 300), (0, 10), (1000, 1200), (129, 64), (777, 777), (5, 0), (64, 64)], wl=-1, wr=0, bwd=False),
+        C("p-f16-d64-varlen", "f16", h=32, d=64, varlen=[(500, 700), (1, 1), (1100, 900), (0, 0), (250, 250)], bwd=False),
+        C("p-bf16-d128-window", "bf16", b=2, h=40, sq=1100, d=128, wl=100, wr=20, bwd=False),
+        C("p-bf16-d64-softcap-alibi-causal", "bf16", b=2, h=40, sq=1100, d=64, wl=-1, wr=0, softcap=3.0, alibi="bh", qmul=3, bwd=False),
+        C("p-f16-d64-fullmask-rows", "f16", b=2, h=40, sq=640, sk=100, d=64, wl=3, wr=0, bwd=False),
+        C("p-bf16-d128-fullmask-rows", "bf16", b=2, h=40, sq=640, sk=100, d=128, wl=3, wr=0, bwd=False),
+        C("p-bf16-d128-packed-causal", "bf16", b=2, h=40, hkv=8, sq=1000, d=128, layout="packed", wl=-1, wr=0, bwd=False),
+        C("p-f16-d64-bhsd", "f16", b=2, h=40, sq=1000, sk=700, d=64, layout="bhsd", bwd=False),
+    ]
     # decode shapes (split-KV path: sq <= 16, sk >= 256, d tile 64/128, f16/bf16)
     G = "dec-"
     cases += [

@@ -33,42 +33,64 @@ struct FwdTraits {
 };
 
 // ------------------------------------------------------------------ forward (sm_90a wgmma)
-// CTA = kNWarpGroups warpgroups, each owning 64 query rows (one m64 wgmma tile), looping over
-// kBlockN keys per step. Shared memory (panel layout of wgmma.cuh, 1024-byte aligned tiles):
-// Q [kBlockM][D] + K [kStages][kBlockN][D] + V [kStages][kBlockN][D], + 1 KB of alignment slack.
-// Three K/V stages: the loads of a key block are issued two blocks before it is used.
-// Only head-dim tiles 64 and 128 (the wgmma kernel is dispatched for those on sm_90a).
-template <typename T_, int kHeadDim_, int kBlockN_, int kNWarpGroups_, int kMinBlocks_>
+// Warp-specialised CTA: kNWarpGroups consumer warpgroups, each owning 64 query rows (one m64
+// wgmma tile) and looping over kBlockN keys per step, plus one producer warpgroup that issues
+// the cp.async loads of Q and of the K / V ring (kStages stages, mbarrier-guarded).
+// Registers: the launch gives every thread kLaunchRegs; the producer then lowers itself to
+// kProducerRegs (setmaxnreg) and the consumers take what it freed (kConsumerRegs).
+// kPingPong: the consumer warpgroups take turns issuing their GEMMs (named barriers), so one's
+// softmax overlaps the others' tensor-core work.
+// kPersistent: one wave of CTAs looping over (query block, head, batch) tiles, so the next
+// tile's loads overlap the current tile's last GEMMs and epilogue (otherwise one CTA per tile).
+// kSeparateO: the output is staged in its own buffer (the next tile's Q can be loaded
+// meanwhile) instead of in the consumers' rows of Q.
+// Shared memory (panel layout of wgmma.cuh, 1024-byte aligned tiles): Q [kBlockM][D]
+// (+ O [kBlockM][D]) + K [kStages][kBlockN][D] + V [kStages][kBlockN][D] + mbarriers, + 1 KB of
+// alignment slack. Only head-dim tiles 64 and 128 (the wgmma kernel is dispatched for those).
+template <typename T_, int kHeadDim_, int kBlockN_, int kNWarpGroups_, int kStages_, bool kPingPong_,
+          bool kPersistent_, bool kSeparateO_>
 struct FwdSm90Traits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kNWarpGroups = kNWarpGroups_;
-    static constexpr int kNThreads = 128 * kNWarpGroups;
+    static constexpr int kNWarpGroups = kNWarpGroups_;  // consumers
+    static constexpr int kNConsumerThreads = 128 * kNWarpGroups;
+    static constexpr int kNThreads = kNConsumerThreads + 128;  // + the producer warpgroup
     static constexpr int kBlockM = 64 * kNWarpGroups;
     static constexpr int kBlockN = kBlockN_;
-    static constexpr int kStages = 3;
-    static constexpr int kMinBlocks = kMinBlocks_;  // CTAs per SM the register budget is set for
+    static constexpr int kStages = kStages_;
+    static constexpr int kMinBlocks = 1;  // one CTA per SM (registers: all of the SM's)
+    static constexpr bool kPingPong = kPingPong_ && kNWarpGroups > 1;
+    static constexpr bool kPersistent = kPersistent_;
+    static constexpr bool kSeparateO = kSeparateO_;
+    static constexpr int kLaunchRegs = (65536 / kNThreads) & ~7;
+    // The producer only computes addresses (fewer than 40 spills); consumers get the rest.
+    static constexpr int kProducerRegs = 40;
+    static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
+    static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;
     static constexpr int kKVStageBytes = kBlockN * kHeadDim * 2;
-    static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVStageBytes + 1024;
+    static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);  // Q full / empty; K, V full / empty per stage
+    static constexpr int kSmemBytes = (kSeparateO ? 2 : 1) * kQBytes + 2 * kStages * kKVStageBytes + kBarrierBytes + 1024;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma forward: head-dim tiles 64 and 128");
-    static_assert(kStages == 3, "the pipeline issues loads two key blocks ahead");
-    static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N (S = Q K^T) and load_panels row passes");
-    static_assert(kBlockM % (kNThreads / 8) == 0 && kBlockN % (kNThreads / 8) == 0, "load_panels row passes");
+    static_assert(kStages >= 2, "K/V ring");
+    static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N (S = Q K^T)");
+    static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "load_panels row passes (128 producer threads)");
     static_assert(kQBytes % 1024 == 0 && kKVStageBytes % 1024 == 0, "tiles stay 1024-byte aligned");
     static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per CTA");
-    static_assert(kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024, "kMinBlocks CTAs fit an SM's shared memory");
+    static_assert(kConsumerRegs > kLaunchRegs, "setmaxnreg: consumers gain what the producer gives up");
+    static_assert(kNWarpGroups <= 4, "named barriers 1..kNWarpGroups; ping-pong barriers count 256 threads");
 };
 // The configurations run_fwd_sm90 dispatches to (H100 measurements, bf16, B*N = 16384):
-//   D = 64:  128 x 64 blocks, 124 registers -> two CTAs per SM, whose softmax / load phases
-//            overlap (faster than 128 x 128 with one CTA per SM at every N measured).
-//   D = 128: 128 x 128 blocks, one CTA per SM; for causal-like masks with seqlen_q <= 2048,
-//            one warpgroup (64 x 64 blocks, two CTAs per SM) hides the short CTAs' prologue.
-template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 64, 2, 2>;
-template <typename T> using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, 1>;
-template <typename T> using FwdSm90TraitsD128Short = FwdSm90Traits<T, 128, 64, 1, 2>;
-constexpr int kFwdSm90ShortCausalMaxSeq = 2048;
+//   D = 64, seqlen_q <= 2048: 128 x 128 tiles, persistent (tiles are short: hiding their
+//            prologue / epilogue matters most); 4 stages, output in its own buffer.
+//   D = 64, longer:  192 x 96 tiles (3 consumer warpgroups; 128 x 128 and persistent launches
+//            measured 2-10% slower there; 192 x 128 spills at 152 registers).
+//   D = 128: 128 x 128 tiles, persistent; 3 stages (output staged in Q: no room for a buffer).
+template <typename T> using FwdSm90TraitsD64Short = FwdSm90Traits<T, 64, 128, 2, 4, true, true, true>;
+template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 96, 3, 4, true, false, false>;
+template <typename T> using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, 3, true, true, false>;
+constexpr int kFwdSm90D64ShortMaxSeq = 2048;
 
 // ------------------------------------------------------------------ backward (tensor cores)
 // dK/dV kernel: CTA = 8 warps over kBlockN keys of one KV head, looping over kBlockM query rows

@@ -94,6 +94,42 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
     CF_WG_RS(32) CF_WG_RS(64) CF_WG_RS(96) CF_WG_RS(128) CF_WG_RS(192) CF_WG_RS(256)
 #undef CF_WG_RS
 }
+
+// ---- warp specialisation: mbarriers (shared memory, 8 bytes each), register reallocation and
+// named barriers. A producer signals "stage full" with cp.async-tracking arrivals; consumers
+// signal "stage empty" with plain arrivals; both sides wait on the phase parity.
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// One arrival once all cp.async issued so far by this thread have landed (.noinc: the arrival
+// is one of the `count` given at init, not an extra pending one).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Blocks until the phase with the given parity has completed (a fresh barrier counts its
+// preceding phase, parity 1, as completed: a producer's first wait on "empty" passes).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT;\n"
+        "}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // cp.async of rows [0, ROWS) x chunks [0, C) of a row-major global tile into a panel tile.

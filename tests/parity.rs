@@ -141,3 +141,16 @@ fn decode_shapes() {
     }
     sweep(&cases, true);
 }
+
+/// More query tiles than an H100 has SMs (the sm_90a forward then runs persistent CTAs that loop
+/// over tiles, loading the next tile while finishing this one), causal, GQA and varlen.
+#[test]
+fn many_tiles() {
+    let mut cases = vec![];
+    for dtype in [DType::F16, DType::BF16] {
+        cases.push(Case::new(dtype, (600, 600), (32, 8), 128).causal());
+        cases.push(Case::new(dtype, (700, 500), (24, 24), 64));
+        cases.push(Case::new(dtype, (0, 0), (16, 4), 64).varlen(&[(700, 700), (0, 5), (513, 300), (1, 900)]).causal());
+    }
+    sweep(&cases, true);
+}
