@@ -20,16 +20,7 @@ REPS = int(os.environ.get("REPS", "10"))
 
 
 def timeit(fn, reps=REPS):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b_.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b_) * 1e-3)
-    ts.sort()
-    return ts[len(ts) // 2]
+    return kc.median_cuda_time(fn, reps, warmup=2)
 
 
 points = []

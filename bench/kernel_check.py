@@ -41,6 +41,23 @@ DT = ({"f32": (torch.float32, CF_F32), "f16": (torch.float16, CF_F16), "bf16": (
       if torch is not None else {})
 
 
+def median_cuda_time(fn, reps=20, warmup=3):
+    """Median seconds of fn() between two CUDA events on the current stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b_.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b_) * 1e-3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
 # ----------------------------------------------------------------------------- build
 def build(gencode, force=False):
     srcs = sorted(f for f in os.listdir(KDIR) if f.endswith(".cu"))
@@ -577,21 +594,6 @@ def bench_decode(dev):
         ts.sort()
         return ts[len(ts) // 2]
 
-    def eager_time(fn, reps=30):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b_.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b_) * 1e-3)
-        ts.sort()
-        return ts[len(ts) // 2]
-
     for dt in ("bf16", "f16"):
         for B in (1, 16):
             for SK in (4096, 32768):
@@ -621,7 +623,7 @@ def bench_decode(dev):
                 except Exception as e:  # noqa: BLE001
                     print("graph fa2 failed:", e)
                     t_f = float("nan")
-                te_o, te_f = eager_time(ours), eager_time(fa2)
+                te_o, te_f = median_cuda_time(ours, 30), median_cuda_time(fa2, 30)
                 # sanity: same result as SDPA
                 ref = fa2().transpose(1, 2)
                 ours()
@@ -639,20 +641,7 @@ def bench(dev):
     import torch.nn.functional as F
     lines = []
 
-    def timeit(fn, reps=20):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b_.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b_) * 1e-3)
-        ts.sort()
-        return ts[len(ts) // 2]
+    timeit = median_cuda_time
 
     for d in (64, 128):
         for causal in (False, True):
