@@ -49,6 +49,12 @@ bool sm90a_available() {
     return ok;
 }
 
+cudaError_t current_sm_count(int& sms) {
+    int dev = 0;
+    const cudaError_t e = cudaGetDevice(&dev);
+    return e != cudaSuccess ? e : cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+}
+
 namespace {
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
@@ -94,8 +100,8 @@ bool plan_split(const CfFwdParams& p, int& nsplit, int& pack, bool& deep) {
     const int64_t mblocks = (int64_t)(pack * p.seqlen_q + 63) / 64;
     if (mblocks * (p.h / pack) > 65535) return false;
     const int64_t base = mblocks * (p.h / pack) * p.b;
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    int sms = 0;
+    if (current_sm_count(sms) != cudaSuccess) {
         (void)cudaGetLastError();
         sms = 132;
     }

@@ -130,19 +130,25 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks) fwd_sm90_kernel
     // barrier phases stay in step: ring slot of the CTA's kv-th key block = kv % S, phase
     // (kv / S) & 1; Q phase = (number of tiles computed so far) & 1.
     struct Tile {
-        int h, b, m0, m_last, nb_hi, nblocks;
+        SeqInfo si;
+        MaskInfo mk;
+        int b, h, m0, m_last, nb_hi, nblocks;  // key blocks nb_hi - 1 - j for j = 0 .. nblocks - 1
+        __device__ __forceinline__ Tile(const CfFwdParams& p, int b_)
+            : si(p, b_), mk(si.sq, si.sk, p.window_left, p.window_right), b(b_) {}
     };
-    auto decode = [&](int tile, const SeqInfo& si, const MaskInfo& mk, Tile& t) {
+    // Tile number -> sequence, head, query block and key blocks (one decoding for both roles).
+    auto tile_at = [&](int tile) {
         const int r = tile % num_m, hb = tile / num_m;
         const int mi = !pair ? r : (r & 1) ? num_m - 1 - (r >> 1) : (r >> 1);  // 0: heaviest
+        Tile t(p, hb / p.h);
         t.h = hb % p.h;
-        t.b = hb / p.h;
         t.m0 = (heavy_last ? num_m - 1 - mi : mi) * BM;
-        t.m_last = min(t.m0 + BM, si.sq) - 1;
+        t.m_last = min(t.m0 + BM, t.si.sq) - 1;
         int n_lo, n_hi;
-        mk.key_range(t.m0, t.m_last, n_lo, n_hi);
+        t.mk.key_range(t.m0, t.m_last, n_lo, n_hi);
         t.nb_hi = (n_hi + BN - 1) / BN;
-        t.nblocks = n_hi > n_lo ? t.nb_hi - n_lo / BN : 0;  // key block nb_hi - 1 - j for j = 0..
+        t.nblocks = n_hi > n_lo ? t.nb_hi - n_lo / BN : 0;
+        return t;
     };
 
     if (wg == NWG) {
@@ -153,11 +159,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks) fwd_sm90_kernel
         for (int it = 0; it < niters; ++it) {
             const int tile = tile_of(it);
             if (tile >= ntiles) continue;
-            const int b = (tile / num_m) / p.h;
-            const SeqInfo si(p, b);
-            const MaskInfo mk(si.sq, si.sk, p.window_left, p.window_right);
-            Tile t;
-            decode(tile, si, mk, t);
+            const Tile t = tile_at(tile);
+            const SeqInfo& si = t.si;
+            const int b = t.b;
             if (t.m0 >= si.sq || t.nblocks == 0) continue;
             const int hk = t.h / (p.h / p.hkv);
             const T* qg = static_cast<const T*>(p.q) + si.q_off(b, p.q_batch_stride, p.q_row_stride) + (int64_t)t.h * p.q_head_stride;
@@ -226,13 +230,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks) fwd_sm90_kernel
     for (int it = 0; it < niters; ++it) {
         const int tile = tile_of(it);
         if (tile >= ntiles) continue;
-        const int b = (tile / num_m) / p.h;
-        const SeqInfo si(p, b);
-        const MaskInfo mk(si.sq, si.sk, p.window_left, p.window_right);
-        Tile t;
-        decode(tile, si, mk, t);
+        const Tile t = tile_at(tile);
+        const SeqInfo& si = t.si;
+        const MaskInfo& mk = t.mk;
         if (t.m0 >= si.sq) continue;
-        const int h = t.h, m0 = t.m0, nb_hi = t.nb_hi, nblocks = t.nblocks;
+        const int b = t.b, h = t.h, m0 = t.m0, nb_hi = t.nb_hi, nblocks = t.nblocks;
         T* og = static_cast<T*>(p.o) + si.q_off(b, p.o_batch_stride, p.o_row_stride) + (int64_t)h * p.o_head_stride;
         float* lseg = p.lse + (int64_t)b * p.lse_batch_stride + (int64_t)h * p.lse_head_stride + (si.q_varlen ? si.q_row0 : 0);
         if (nblocks == 0) {  // no query row of the block sees a key
@@ -418,9 +420,8 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, cudaStream_t stream) {
     if (ntiles > INT32_MAX) return cudaErrorInvalidConfiguration;  // tile indices are int
     int64_t grid = ntiles;
     if (Kt::kPersistent) {  // one wave of CTAs, each looping over tiles
-        int dev = 0, sms = 0;
-        if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
-        if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
+        int sms = 0;
+        if ((e = current_sm_count(sms)) != cudaSuccess) return e;
         grid = std::min<int64_t>(ntiles, (int64_t)sms * Kt::kMinBlocks);
     }
     kern<<<(unsigned)grid, Kt::kNThreads, smem, stream>>>(p);

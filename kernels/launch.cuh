@@ -10,6 +10,8 @@ namespace cf {
 // kernels). Probed once per device with a one-thread kernel; CANDLE_FLASH_DISABLE_SM90A=1 turns
 // the sm_90a kernels off (to run and compare the sm_80 path on a Hopper GPU).
 bool sm90a_available();
+// Streaming multiprocessors of the current device.
+cudaError_t current_sm_count(int& sms);
 
 template <typename T, int D>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);

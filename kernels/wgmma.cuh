@@ -22,7 +22,6 @@
 
 namespace cf {
 
-constexpr int kPanel = 64;             // elements per panel row (128 bytes)
 constexpr int kPanelRowBytes = 128;
 
 // Byte offset of element (r, c) of an R-row panel tile.
