@@ -8,11 +8,13 @@
 //! memory on CUDA (a lower bound: candle's allocator frees eagerly).
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use candle_flash::{flash_attn_backward, flash_attn_with_lse, reference, FlashAttnOptions};
 use clap::Parser;
 use std::time::Instant;
 
+#[path = "common/cli.rs"]
+mod cli;
 #[path = "common/peak_alloc.rs"]
 #[allow(dead_code)] // not every example uses every helper
 mod peak_alloc;
@@ -144,17 +146,10 @@ fn time<F: FnMut() -> Result<()>>(device: &Device, iters: usize, mut f: F) -> Re
 fn main() -> Result<()> {
     let args = Args::parse();
     let device = match args.device.as_str() {
-        "cpu" => Device::Cpu,
         "cuda" if args.no_pool_cache => Device::new_cuda(0)?,
-        "cuda" => candle_flash::new_cuda_device(0)?,
-        d => bail!("unknown device {d}"),
+        d => cli::device(d)?,
     };
-    let dtype = match args.dtype.as_str() {
-        "f32" => DType::F32,
-        "f16" => DType::F16,
-        "bf16" => DType::BF16,
-        d => bail!("unknown dtype {d}"),
-    };
+    let dtype = cli::dtype(&args.dtype)?;
     let causals: Vec<bool> = match args.causal.as_str() {
         "both" => vec![false, true],
         c => vec![c.parse()?],

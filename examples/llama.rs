@@ -13,6 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tokenizers::Tokenizer;
 
+#[path = "common/cli.rs"]
+mod cli;
+
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 #[derive(Parser, Debug)]
@@ -83,26 +86,13 @@ impl<'a> TextStream<'a> {
     }
 }
 
-fn device(name: &str) -> Result<Device> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => {
-            candle_flash::new_cuda_device(0).context("no CUDA device (build with `--features cuda` and run on a GPU)")
-        }
-        other => bail!("unknown device {other:?} (cpu or cuda)"),
-    }
-}
-
 fn dtype(name: &str, device: &Device) -> Result<DType> {
-    Ok(match name {
+    match name {
         // candle's CPU matmuls are fastest in f32; GPUs want bf16.
-        "auto" if device.is_cpu() => DType::F32,
-        "auto" => DType::BF16,
-        "f32" => DType::F32,
-        "f16" => DType::F16,
-        "bf16" => DType::BF16,
-        other => bail!("unknown dtype {other:?} (auto, f32, f16 or bf16)"),
-    })
+        "auto" if device.is_cpu() => Ok(DType::F32),
+        "auto" => Ok(DType::BF16),
+        other => cli::dtype(other),
+    }
 }
 
 fn main() -> Result<()> {
@@ -119,7 +109,7 @@ fn main() -> Result<()> {
         std::process::exit(2);
     }
     let attn: AttnImpl = args.attn.parse()?;
-    let device = device(&args.device)?;
+    let device = cli::device(&args.device)?;
     let dtype = dtype(&args.dtype, &device)?;
 
     let t0 = Instant::now();

@@ -11,12 +11,14 @@
 //! rows is the attention's own working memory.
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use candle_flash::llama::{load, AttnImpl, Cache, Llama, LogitsProcessor, Sampling};
 use clap::Parser;
 use std::path::PathBuf;
 use std::time::Instant;
 
+#[path = "common/cli.rs"]
+mod cli;
 #[path = "common/peak_alloc.rs"]
 mod peak_alloc;
 
@@ -97,17 +99,8 @@ fn main() -> Result<()> {
     if !args.model.exists() {
         bail!("model not found: {} (fetch the default one with `bash scripts/fetch-model.sh`)", args.model.display())
     }
-    let device = match args.device.as_str() {
-        "cpu" => Device::Cpu,
-        "cuda" => candle_flash::new_cuda_device(0)?,
-        d => bail!("unknown device {d}"),
-    };
-    let dtype = match args.dtype.as_str() {
-        "f32" => DType::F32,
-        "f16" => DType::F16,
-        "bf16" => DType::BF16,
-        d => bail!("unknown dtype {d}"),
-    };
+    let device = cli::device(&args.device)?;
+    let dtype = cli::dtype(&args.dtype)?;
     let impls: Vec<AttnImpl> = args.attn.split(',').map(|s| s.trim().parse()).collect::<candle_core::Result<_>>()?;
     let lengths: Vec<usize> =
         args.prompts.split(',').map(|s| s.trim().parse().context("--prompts")).collect::<Result<_>>()?;
