@@ -67,6 +67,13 @@ typedef struct {
     float softmax_scale;
     float softcap;  // 0 = off
     int32_t dtype;  // CfDType of q, k, v, o (and dout, dq, dk, dv)
+    // Rows of the q-side / k-side tensors (b*seqlen batched; the packed totals varlen). Known
+    // from the shapes alone, so workspaces are sized without reading device memory, and the
+    // kernels clamp what they read from cu_seqlens to them: offsets are clamped to [0, total],
+    // a decreasing pair is an empty sequence, and a length above seqlen_q / seqlen_k (the
+    // maxima) is cut to it. Bad offsets thus give unspecified values in the affected rows, never
+    // an access outside the tensors (the Rust side checks them on request: a host copy).
+    int64_t total_q, total_k;
 } CfFwdParams;
 
 typedef struct {
@@ -81,13 +88,18 @@ typedef struct {
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
     // Nonzero: the same inputs give the same bits every run (no order-dependent atomics).
     int32_t deterministic;
-    // Total rows of q / k over the whole batch (b*seqlen for batched, cu_seqlens[b] for varlen):
-    // lets the workspace be sized without reading device memory.
-    int32_t total_q, total_k;
 } CfBwdParams;
 
-// Forward: writes o and lse.
-int cf_fwd(const CfFwdParams* p, cudaStream_t stream);
+// Scratch memory: the caller allocates it (from candle's allocator, on the same stream) and
+// passes it in; no entry point allocates, frees or synchronises. Sizes are pure functions of
+// the parameters and the current device (its SM count), so the size call and the launch agree.
+
+// Forward: bytes of scratch memory cf_fwd needs for these parameters (0 for most shapes; the
+// split-KV decode path keeps its partial outputs there).
+size_t cf_fwd_workspace_size(const CfFwdParams* p);
+// Forward: writes o and lse. `workspace` holds cf_fwd_workspace_size(p) bytes (NULL when 0),
+// contents undefined on entry.
+int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream);
 
 // Backward: bytes of scratch memory cf_bwd needs for these parameters (may be 0).
 size_t cf_bwd_workspace_size(const CfBwdParams* p);
