@@ -76,6 +76,10 @@ int check_fwd(const CfFwdParams* p) {
         return CF_ERR_BAD_ARGUMENT;
     if (p->h > 65535 || p->b > 65535) return CF_ERR_BAD_ARGUMENT;  // grid y / z limits
     if ((p->cu_seqlens_q == nullptr) != (p->cu_seqlens_k == nullptr)) return CF_ERR_BAD_ARGUMENT;
+    if (p->total_q < 0 || p->total_k < 0) return CF_ERR_BAD_ARGUMENT;
+    if (p->cu_seqlens_q == nullptr &&
+        (p->total_q != (int64_t)p->b * p->seqlen_q || p->total_k != (int64_t)p->b * p->seqlen_k))
+        return CF_ERR_BAD_ARGUMENT;
     if (p->b > 0 && (p->q == nullptr || p->k == nullptr || p->v == nullptr || p->o == nullptr || p->lse == nullptr))
         return CF_ERR_BAD_ARGUMENT;
     if (p->dtype != CF_F32) {
@@ -91,14 +95,17 @@ int check_fwd(const CfFwdParams* p) {
 
 // Split-KV (flash-decoding) plan for few query rows and long keys: nsplit > 1 when the
 // one-pass grid would leave most of the GPU idle. pack = query heads per CTA (GQA group; 1 with
-// ALiBi, whose slope is per head).
-bool plan_split(const CfFwdParams& p, int& nsplit, int& pack, bool& deep) {
+// ALiBi, whose slope is per head). A pure function of the parameters and the device's SM count,
+// so cf_fwd_workspace_size and cf_fwd agree.
+SplitPlan plan_split(const CfFwdParams& p) {
+    SplitPlan sp{};
+    sp.nsplit = 1;
     const int rd = round_head_dim(p.d);
-    if (p.dtype == CF_F32 || (rd != 64 && rd != 128) || p.seqlen_q > 16 || p.seqlen_k < 256) return false;
+    if (p.dtype == CF_F32 || (rd != 64 && rd != 128) || p.seqlen_q > 16 || p.seqlen_k < 256) return sp;
     const int group = p.h / p.hkv;
-    pack = p.alibi_slopes ? 1 : group;
-    const int64_t mblocks = (int64_t)(pack * p.seqlen_q + 63) / 64;
-    if (mblocks * (p.h / pack) > 65535) return false;
+    const int pack = p.alibi_slopes ? 1 : group;
+    const int64_t mblocks = (int64_t)(pack * p.seqlen_q + kSplitBlockM - 1) / kSplitBlockM;
+    if (mblocks * (p.h / pack) > 65535) return sp;
     const int64_t base = mblocks * (p.h / pack) * p.b;
     int sms = 0;
     if (current_sm_count(sms) != cudaSuccess) {
@@ -106,10 +113,10 @@ bool plan_split(const CfFwdParams& p, int& nsplit, int& pack, bool& deep) {
         sms = 132;
     }
     const int64_t slots = (int64_t)sms * 2;  // the split kernel runs 2 CTAs per SM (d = 128)
-    if (base >= slots) return false;
+    if (base >= slots) return sp;
     // at most one CTA per SM when the grid is small (measured: more, smaller splits are slower;
     // then the kernel uses a deeper K/V ring), at least 2 splits otherwise
-    const int nkb = (p.seqlen_k + 63) / 64;
+    const int nkb = (p.seqlen_k + kSplitBlockN - 1) / kSplitBlockN;
     const int64_t cap = std::max<int64_t>(2, sms / base);
     const int max_split = (int)std::min<int64_t>({(int64_t)128, (int64_t)(nkb + 1) / 2, cap});
     double best = 0.0;
@@ -119,27 +126,30 @@ bool plan_split(const CfFwdParams& p, int& nsplit, int& pack, bool& deep) {
         eff[n] = (double)ctas / (double)(((ctas + slots - 1) / slots) * slots);
         best = std::max(best, eff[n]);
     }
-    nsplit = 1;
+    int nsplit = 1;
     for (int n = 1; n <= max_split; ++n)
         if (eff[n] >= 0.95 * best) { nsplit = n; break; }
-    deep = base * nsplit <= sms;
-    return nsplit > 1;
+    if (nsplit <= 1) return sp;
+    sp.deep = base * nsplit <= sms;
+    sp.bps = (nkb + nsplit - 1) / nsplit;
+    sp.nsplit = (nkb + sp.bps - 1) / sp.bps;  // no chunk left empty
+    sp.pack = pack;
+    sp.mblocks = (int)mblocks;
+    const size_t rows = (size_t)sp.nsplit * p.b * p.h * p.seqlen_q;
+    sp.opart_bytes = (rows * rd * sizeof(float) + 255) & ~size_t(255);
+    sp.bytes = sp.opart_bytes + rows * sizeof(float);
+    return sp;
 }
 
 template <typename T>
-cudaError_t fwd_split(const CfFwdParams& p, cudaStream_t s, int nsplit, int pack, bool deep) {
-    return round_head_dim(p.d) == 64 ? run_fwd_split<T, 64>(p, s, nsplit, pack, deep)
-                                     : run_fwd_split<T, 128>(p, s, nsplit, pack, deep);
+cudaError_t fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* ws, cudaStream_t s) {
+    return round_head_dim(p.d) == 64 ? run_fwd_split<T, 64>(p, sp, ws, s) : run_fwd_split<T, 128>(p, sp, ws, s);
 }
 
 template <typename T>
-cudaError_t fwd_tc(const CfFwdParams& p, cudaStream_t s) {
-    int nsplit = 1, pack = 1;
-    bool deep = false;
-    if (plan_split(p, nsplit, pack, deep)) {
-        const cudaError_t e = fwd_split<T>(p, s, nsplit, pack, deep);
-        if (e != cudaErrorMemoryAllocation) return e;  // else: no scratch, one-pass kernel
-    }
+cudaError_t fwd_tc(const CfFwdParams& p, void* ws, cudaStream_t s) {
+    const SplitPlan sp = plan_split(p);
+    if (sp.nsplit > 1) return fwd_split<T>(p, sp, ws, s);
     switch (round_head_dim(p.d)) {
         case 32: return run_fwd_tc<T, 32>(p, s);
         case 64: return run_fwd_tc<T, 64>(p, s);
@@ -176,8 +186,8 @@ size_t round256(size_t x) { return (x + 255) & ~size_t(255); }
 BwdPlan plan_bwd(const CfBwdParams& p) {
     const CfFwdParams& f = p.fwd;
     BwdPlan pl{};
-    pl.total_q = f.cu_seqlens_q ? (int64_t)p.total_q : (int64_t)f.b * f.seqlen_q;
-    pl.total_k = f.cu_seqlens_k ? (int64_t)p.total_k : (int64_t)f.b * f.seqlen_k;
+    pl.total_q = f.total_q;
+    pl.total_k = f.total_k;
     const bool tc = f.dtype != CF_F32;
     pl.atomic_dq = tc && p.deterministic == 0;
     // GQA/MQA on tensor cores: split the query heads of a KV head over several CTAs when the
@@ -212,7 +222,6 @@ int check_bwd(const CfBwdParams* p) {
     const CfFwdParams& f = p->fwd;
     if (f.b > 0 && (p->dout == nullptr || p->dq == nullptr || p->dk == nullptr || p->dv == nullptr))
         return CF_ERR_BAD_ARGUMENT;
-    if (f.cu_seqlens_q && (p->total_q < 0 || p->total_k < 0)) return CF_ERR_BAD_ARGUMENT;
     if (f.dtype != CF_F32) {
         const bool vq = f.cu_seqlens_q != nullptr, vk = f.cu_seqlens_k != nullptr;
         if (!tensor_aligned(p->dout, p->do_batch_stride, p->do_row_stride, p->do_head_stride, vq) ||
@@ -229,7 +238,13 @@ int check_bwd(const CfBwdParams* p) {
 
 extern "C" {
 
-int cf_fwd(const CfFwdParams* p, cudaStream_t stream) {
+size_t cf_fwd_workspace_size(const CfFwdParams* p) {
+    using namespace cf;
+    if (check_fwd(p) != CF_OK || p->b == 0 || p->seqlen_q == 0) return 0;
+    return plan_split(*p).bytes;
+}
+
+int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream) {
     using namespace cf;
     const int st = check_fwd(p);
     if (st != CF_OK) return st;
@@ -237,8 +252,8 @@ int cf_fwd(const CfFwdParams* p, cudaStream_t stream) {
     cudaError_t e;
     switch (p->dtype) {
         case CF_F32: e = run_fwd_f32(*p, stream); break;
-        case CF_F16: e = fwd_tc<__half>(*p, stream); break;
-        default: e = fwd_tc<__nv_bfloat16>(*p, stream); break;
+        case CF_F16: e = fwd_tc<__half>(*p, workspace, stream); break;
+        default: e = fwd_tc<__nv_bfloat16>(*p, workspace, stream); break;
     }
     return (int)e;
 }

@@ -3,7 +3,7 @@
 // computes one chunk for the query rows of `pack` query heads sharing one KV head (GQA rows
 // packed: row r of a group = head h0 + r / sq, query r % sq), so each K/V tile is read once per
 // group and chunk. Partials (normalised O in f32 and the natural-log lse per row) go to scratch
-// allocated stream-ordered (cudaMallocAsync); split_combine_kernel merges them with
+// in the caller's workspace (SplitPlan); split_combine_kernel merges them with
 // lse-weighted sums and writes o (input dtype) and lse. Only warps that own valid rows do math.
 #include "kernel_traits.cuh"
 #include "launch.cuh"
@@ -278,39 +278,24 @@ cudaError_t launch_split(const CfFwdParams& p, const SplitArgs& sa, cudaStream_t
     return cudaGetLastError();
 }
 
-// Returns cudaErrorMemoryAllocation (error state cleared) when the scratch cannot be had, so the
-// caller can fall back to the one-pass kernel. deep: at most one CTA per SM (use the 4-stage ring).
 template <typename T, int D>
-cudaError_t run_fwd_split(const CfFwdParams& p, cudaStream_t stream, int nsplit, int pack, bool deep) {
-    constexpr int BM = 64, BN = 64;
+cudaError_t run_fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* workspace, cudaStream_t stream) {
+    if (workspace == nullptr) return cudaErrorInvalidValue;
     SplitArgs sa;
-    const int nkb = (p.seqlen_k + BN - 1) / BN;
-    sa.bps = (nkb + nsplit - 1) / nsplit;
-    nsplit = (nkb + sa.bps - 1) / sa.bps;  // no chunk left empty
-    sa.nsplit = nsplit;
-    sa.pack = pack;
-    sa.mblocks = (pack * p.seqlen_q + BM - 1) / BM;
-    const size_t rows = (size_t)nsplit * p.b * p.h * p.seqlen_q;
-    const size_t obytes = (rows * D * sizeof(float) + 255) & ~size_t(255);
-    void* ws = nullptr;
-    cudaError_t e = cudaMallocAsync(&ws, obytes + rows * sizeof(float), stream);
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        return cudaErrorMemoryAllocation;
-    }
-    sa.opart = static_cast<float*>(ws);
-    sa.lpart = reinterpret_cast<float*>(static_cast<char*>(ws) + obytes);
-    e = deep ? launch_split<SplitTraits<T, D, 4>>(p, sa, stream) : launch_split<SplitTraits<T, D, 2>>(p, sa, stream);
-    if (e == cudaSuccess) {
-        const int64_t nrow = (int64_t)p.b * p.h * p.seqlen_q;
-        split_combine_kernel<T, D><<<(unsigned)((nrow + 3) / 4), 128, 0, stream>>>(p, sa);
-        e = cudaGetLastError();
-    }
-    const cudaError_t ef = cudaFreeAsync(ws, stream);
-    return e != cudaSuccess ? e : ef;
+    sa.nsplit = sp.nsplit;
+    sa.bps = sp.bps;
+    sa.pack = sp.pack;
+    sa.mblocks = sp.mblocks;
+    sa.opart = static_cast<float*>(workspace);
+    sa.lpart = reinterpret_cast<float*>(static_cast<char*>(workspace) + sp.opart_bytes);
+    cudaError_t e = sp.deep ? launch_split<SplitTraits<T, D, 4>>(p, sa, stream) : launch_split<SplitTraits<T, D, 2>>(p, sa, stream);
+    if (e != cudaSuccess) return e;
+    const int64_t nrow = (int64_t)p.b * p.h * p.seqlen_q;
+    split_combine_kernel<T, D><<<(unsigned)((nrow + 3) / 4), 128, 0, stream>>>(p, sa);
+    return cudaGetLastError();
 }
 
-#define CF_INST_SPLIT(T, D) template cudaError_t run_fwd_split<T, D>(const CfFwdParams&, cudaStream_t, int, int, bool);
+#define CF_INST_SPLIT(T, D) template cudaError_t run_fwd_split<T, D>(const CfFwdParams&, const SplitPlan&, void*, cudaStream_t);
 CF_INST_SPLIT(__half, 64)
 CF_INST_SPLIT(__half, 128)
 CF_INST_SPLIT(__nv_bfloat16, 64)

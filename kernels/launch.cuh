@@ -19,11 +19,19 @@ cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);
 template <typename T, int D>
 cudaError_t run_fwd_sm90(const CfFwdParams& p, cudaStream_t stream);
 cudaError_t run_fwd_f32(const CfFwdParams& p, cudaStream_t stream);
-// Decode shapes (flash_fwd_split.cu, D in {64, 128}): KV split into nsplit chunks, `pack` query
-// heads of one KV group per CTA, deep = at most one CTA per SM (deeper K/V ring);
-// cudaErrorMemoryAllocation = no scratch (caller falls back).
+// Split-KV plan (flash-decoding): the key range cut into nsplit chunks of bps key blocks, `pack`
+// query heads of one KV group per CTA, mblocks query blocks per group, deep = at most one CTA
+// per SM (deeper K/V ring). Partials live in the caller's workspace: opart (f32, [nsplit][b][h]
+// [seqlen_q][head-dim tile]) then lpart (f32, [nsplit][b][h][seqlen_q]); bytes = 0 when nsplit == 1.
+constexpr int kSplitBlockM = 64, kSplitBlockN = 64;
+struct SplitPlan {
+    int nsplit, bps, pack, mblocks;
+    bool deep;
+    size_t opart_bytes, bytes;
+};
+// Decode shapes (flash_fwd_split.cu, D in {64, 128}).
 template <typename T, int D>
-cudaError_t run_fwd_split(const CfFwdParams& p, cudaStream_t stream, int nsplit, int pack, bool deep);
+cudaError_t run_fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* workspace, cudaStream_t stream);
 
 // Writes dsum (D = rowsum(dO*O)) into ws.dsum.
 cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
