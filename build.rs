@@ -1,4 +1,4 @@
-//! Build script: with feature `cuda`, compiles `kernels/*.cu` with nvcc into
+//! Build script: with feature `cuda`, compiles every `.cu` below `kernels/` with nvcc into
 //! `libcandleflash.a` (in OUT_DIR) and links it, plus `cudart` (dynamic) and `stdc++`.
 //! Without `cuda` it does nothing and needs nothing.
 //!
@@ -70,14 +70,9 @@ fn build_cuda() {
     let nvcc = find_nvcc(&roots);
     let ccbin = env_nonempty("NVCC_CCBIN");
 
-    // ---- sources: kernels/*.cu, sorted
-    let mut sources: Vec<PathBuf> = fs::read_dir(&kernels_dir)
-        .map(|rd| {
-            rd.filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "cu"))
-                .collect()
-        })
-        .unwrap_or_default();
+    // ---- sources: every .cu below kernels/ (common/, sm80/, sm90/, simt/, dispatch.cu), sorted
+    let mut sources: Vec<PathBuf> =
+        all_files.iter().filter(|p| p.extension().is_some_and(|e| e == "cu")).cloned().collect();
     sources.sort();
     if sources.is_empty() {
         println!(
@@ -143,7 +138,7 @@ fn build_cuda() {
     let mut failed = Vec::new();
     let mut objects = Vec::new();
     for (i, r) in &results {
-        let name = sources[*i].file_name().unwrap().to_string_lossy().into_owned();
+        let name = sources[*i].strip_prefix(&kernels_dir).unwrap_or(&sources[*i]).display().to_string();
         match r {
             CompileResult::UpToDate(obj) => objects.push(obj.clone()),
             CompileResult::Ok { obj, stderr } => {
@@ -296,7 +291,9 @@ enum CompileResult {
 }
 
 fn compile_one(nvcc: &Path, common: &[String], src: &Path, obj_dir: &Path, cwd: &Path) -> CompileResult {
-    let stem = src.file_stem().unwrap().to_string_lossy().into_owned();
+    // Object name from the path below kernels/ (sm80/fwd.cu -> sm80_fwd.o): stems repeat across folders.
+    let rel = src.strip_prefix(cwd.join("kernels")).unwrap_or(src);
+    let stem = rel.with_extension("").to_string_lossy().replace(['/', '\\'], "_");
     let obj = obj_dir.join(format!("{stem}.o"));
     let dep = obj_dir.join(format!("{stem}.d"));
     let cmd_file = obj_dir.join(format!("{stem}.cmd"));

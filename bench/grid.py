@@ -1,20 +1,34 @@
 #!/usr/bin/env python3
 """Timing grid: several builds of the kernels vs SDPA flash (FA2), forward and backward.
-usage: grid.py name=libdir ...  (POINTS='bf16,64,1,512;...' selects points)"""
-import ctypes, os, sys
+usage: grid.py name=libdir[=kernel_check.py] ...  (POINTS='bf16,64,1,512;...' selects points)
+A build of an older C interface is driven by that revision's kernel_check.py (third field), so a
+new build and the previous one are timed side by side in one run."""
+import ctypes, importlib.util, os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_check.py
 import kernel_check as kc
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 import torch.nn.functional as F
 
-libs = {}
+libs, mods = {}, {}
 for a in sys.argv[1:]:
-    n, d = a.split("=")
-    kc.LIB = os.path.join(d, "libcandle_flash_check.so")
-    kc.load_lib()
-    libs[n] = kc.lib
+    n, d, *mod = a.split("=")
+    m = kc
+    if mod:  # this build's own harness (its ctypes structs match its flash_api.h)
+        spec = importlib.util.spec_from_file_location(f"kc_{n}", mod[0])
+        m = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(m)
+    m.LIB = os.path.join(d, "libcandle_flash_check.so")
+    m.load_lib()
+    libs[n], mods[n] = m.lib, m
 names = list(libs)
+
+
+def fwd_call(n, fp, ws, stream):
+    """cf_fwd of build n (the workspace argument exists since the caller-provided scratch)."""
+    if hasattr(mods[n], "call_fwd"):
+        return libs[n].cf_fwd(ctypes.byref(fp), ws, stream)
+    return libs[n].cf_fwd(ctypes.byref(fp), stream)
 dev = torch.device("cuda")
 REPS = int(os.environ.get("REPS", "10"))
 
@@ -42,25 +56,29 @@ for dt, d, causal, N in points:
     q, k, v, do, _ = kc.make_inputs(c, dev, g)
     o = torch.empty_like(q)
     lse = torch.empty(B, H, N, dtype=torch.float32, device=dev)
-    fp = kc.fwd_params(c, q, k, v, o, lse, None, None, None)
     stream = torch.cuda.current_stream().cuda_stream
     fl = 4 * B * H * N * N * d * (0.5 if causal else 1.0)
-    tf = {n: timeit(lambda: libs[n].cf_fwd(ctypes.byref(fp), stream)) for n in names}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bp = kc.CfBwdParams()
-    bp.fwd = fp
-    bp.dout = do.data_ptr()
-    bp.do_batch_stride, bp.do_row_stride, bp.do_head_stride = kc.strides3(do, False)
-    bp.dq, bp.dk, bp.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
-    bp.dq_batch_stride, bp.dq_row_stride, bp.dq_head_stride = kc.strides3(dq, False)
-    bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride = kc.strides3(dk, False)
-    bp.dv_batch_stride, bp.dv_row_stride, bp.dv_head_stride = kc.strides3(dv, False)
-    bp.total_q, bp.total_k = B * N, B * N
-    tb = {}
+    tf, tb = {}, {}
     for n in names:
+        m = mods[n]
+        fp = m.fwd_params(c, q, k, v, o, lse, None, None, None)
+        fws = m.fwd_workspace(fp, dev) if hasattr(m, "fwd_workspace") else None
+        fwp = fws.data_ptr() if fws is not None else None
+        tf[n] = timeit(lambda: fwd_call(n, fp, fwp, stream))
+        bp = m.CfBwdParams()
+        bp.fwd = fp
+        bp.dout = do.data_ptr()
+        bp.do_batch_stride, bp.do_row_stride, bp.do_head_stride = kc.strides3(do, False)
+        bp.dq, bp.dk, bp.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+        bp.dq_batch_stride, bp.dq_row_stride, bp.dq_head_stride = kc.strides3(dq, False)
+        bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride = kc.strides3(dk, False)
+        bp.dv_batch_stride, bp.dv_row_stride, bp.dv_head_stride = kc.strides3(dv, False)
+        if hasattr(bp, "total_q"):
+            bp.total_q, bp.total_k = B * N, B * N
         ws = torch.empty(libs[n].cf_bwd_workspace_size(ctypes.byref(bp)) // 4 + 64, dtype=torch.float32, device=dev)
         tb[n] = timeit(lambda: libs[n].cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream))
-        del ws
+        del ws, fws
     qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     dot = do.transpose(1, 2).contiguous()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

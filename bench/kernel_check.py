@@ -59,21 +59,32 @@ def median_cuda_time(fn, reps=20, warmup=3):
 
 
 # ----------------------------------------------------------------------------- build
+def kernel_files(exts):
+    """Paths below KDIR (relative to it) with one of the extensions, sorted."""
+    out = []
+    for root, _, files in os.walk(KDIR):
+        out += [os.path.relpath(os.path.join(root, f), KDIR) for f in files if f.endswith(exts)]
+    return sorted(out)
+
+
 def build(gencode, force=False):
-    srcs = sorted(f for f in os.listdir(KDIR) if f.endswith(".cu"))
-    deps = [os.path.join(KDIR, f) for f in os.listdir(KDIR) if f.endswith((".cu", ".cuh", ".h"))]
+    srcs = kernel_files(".cu")
+    deps = [os.path.join(KDIR, f) for f in kernel_files((".cu", ".cuh", ".h"))]
     os.makedirs(BUILD, exist_ok=True)
     if not force and os.path.exists(LIB) and os.path.getmtime(LIB) > max(os.path.getmtime(d) for d in deps):
         return
     nvcc = os.environ.get("NVCC", "nvcc")
     flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", "-Xptxas", "-v"] + gencode
 
+    def stem(src):  # sm80/fwd.cu -> sm80_fwd (stems repeat across folders)
+        return src[:-3].replace(os.sep, "_")
+
     def one(src):
-        obj = os.path.join(BUILD, src[:-3] + ".o")
+        obj = os.path.join(BUILD, stem(src) + ".o")
         t0 = time.time()
-        r = subprocess.run([nvcc] + flags + ["-c", os.path.join(KDIR, src), "-o", obj],
+        r = subprocess.run([nvcc] + flags + ["-I" + KDIR, "-c", os.path.join(KDIR, src), "-o", obj],
                            capture_output=True, text=True)
-        with open(os.path.join(BUILD, src[:-3] + ".ptxas.log"), "w") as f:
+        with open(os.path.join(BUILD, stem(src) + ".ptxas.log"), "w") as f:
             f.write(r.stdout + r.stderr)
         return src, r.returncode, r.stderr, time.time() - t0
 
@@ -85,7 +96,7 @@ def build(gencode, force=False):
         if rc != 0:
             print(err[-6000:])
             sys.exit(f"build failed: {src}")
-    objs = [os.path.join(BUILD, s[:-3] + ".o") for s in srcs]
+    objs = [os.path.join(BUILD, stem(s) + ".o") for s in srcs]
     # nvcc links the CUDA runtime statically by default: the library needs no libcudart.so
     extra = ["-L" + os.path.join(os.environ["CUDA_ROOT"], "lib")] if os.environ.get("CUDA_ROOT") else []
     r = subprocess.run([nvcc, "-shared", "-o", LIB] + extra + objs, capture_output=True, text=True)
@@ -145,7 +156,7 @@ class CfFwdParams(ctypes.Structure):
                [("lse_batch_stride", i64), ("lse_head_stride", i64)] + \
                [(n, i32) for n in ("b", "h", "hkv", "d", "seqlen_q", "seqlen_k", "alibi_batch_stride",
                                    "window_left", "window_right")] + \
-               [("softmax_scale", f32), ("softcap", f32), ("dtype", i32)]
+               [("softmax_scale", f32), ("softcap", f32), ("dtype", i32), ("total_q", i64), ("total_k", i64)]
 
 
 class CfBwdParams(ctypes.Structure):
@@ -153,7 +164,7 @@ class CfBwdParams(ctypes.Structure):
                [(f"do_{s}_stride", i64) for s in ("batch", "row", "head")] + \
                [("dq", vp), ("dk", vp), ("dv", vp)] + \
                [(f"{t}_{s}_stride", i64) for t in ("dq", "dk", "dv") for s in ("batch", "row", "head")] + \
-               [("deterministic", i32), ("total_q", i32), ("total_k", i32)]
+               [("deterministic", i32)]
 
 
 lib = None
@@ -162,7 +173,9 @@ lib = None
 def load_lib():
     global lib
     lib = ctypes.CDLL(LIB)
-    lib.cf_fwd.argtypes = [ctypes.POINTER(CfFwdParams), vp]
+    lib.cf_fwd_workspace_size.argtypes = [ctypes.POINTER(CfFwdParams)]
+    lib.cf_fwd_workspace_size.restype = ctypes.c_size_t
+    lib.cf_fwd.argtypes = [ctypes.POINTER(CfFwdParams), vp, vp]
     lib.cf_fwd.restype = ctypes.c_int
     lib.cf_bwd_workspace_size.argtypes = [ctypes.POINTER(CfBwdParams)]
     lib.cf_bwd_workspace_size.restype = ctypes.c_size_t
@@ -327,7 +340,19 @@ def fwd_params(c, q, k, v, o, lse, slopes, cu_q, cu_k):
     p.window_left, p.window_right = c.wl, c.wr
     p.softmax_scale, p.softcap = c.scale, c.softcap
     p.dtype = DT[c.dtype][1]
+    p.total_q = q.shape[0] if varlen else c.b * c.sq
+    p.total_k = k.shape[0] if varlen else c.b * c.sk
     return p
+
+
+def fwd_workspace(fp, dev):
+    """The forward's scratch (cf_fwd_workspace_size bytes, NaN-filled), or None when it needs none."""
+    n = lib.cf_fwd_workspace_size(ctypes.byref(fp))
+    return torch.full((n // 4 + 1,), float("nan"), dtype=torch.float32, device=dev) if n else None
+
+
+def call_fwd(fp, ws, stream):
+    return lib.cf_fwd(ctypes.byref(fp), ws.data_ptr() if ws is not None else None, stream)
 
 
 def check(st, what):
@@ -355,7 +380,8 @@ def run_ours(c, q, k, v, do, slopes, det):
         o = torch.full((c.b, c.sq, c.h, c.d), float("nan"), dtype=dt, device=dev)
         lse = torch.full((c.b, c.h, c.sq), float("nan"), dtype=torch.float32, device=dev)
     fp = fwd_params(c, q, k, v, o, lse, slopes, cu_q, cu_k)
-    check(lib.cf_fwd(ctypes.byref(fp), stream), "cf_fwd")
+    fws = fwd_workspace(fp, dev)
+    check(call_fwd(fp, fws, stream), "cf_fwd")
     res = {"o": o, "lse": lse}
     if not c.bwd:
         torch.cuda.synchronize()
@@ -375,8 +401,6 @@ def run_ours(c, q, k, v, do, slopes, det):
         bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride = strides3(dk, varlen)
         bp.dv_batch_stride, bp.dv_row_stride, bp.dv_head_stride = strides3(dv, varlen)
         bp.deterministic = 1 if det else 0
-        bp.total_q = q.shape[0] if varlen else c.b * c.sq
-        bp.total_k = k.shape[0] if varlen else c.b * c.sk
         ws_size = lib.cf_bwd_workspace_size(ctypes.byref(bp))
         ws = torch.full((max(ws_size, 4) // 4 + 1,), float("nan"), dtype=torch.float32, device=dev)
         check(lib.cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream), "cf_bwd")
@@ -603,9 +627,10 @@ def bench_decode(dev):
                 o = torch.empty_like(q)
                 lse = torch.empty(B, H, 1, dtype=torch.float32, device=dev)
                 fp = fwd_params(c, q, k, v, o, lse, None, None, None)
+                fws = fwd_workspace(fp, dev)
 
                 def ours():
-                    st = lib.cf_fwd(ctypes.byref(fp), torch.cuda.current_stream().cuda_stream)
+                    st = call_fwd(fp, fws, torch.cuda.current_stream().cuda_stream)
                     if st != 0:
                         raise RuntimeError(f"cf_fwd {st}")
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
@@ -635,6 +660,61 @@ def bench_decode(dev):
     return lines
 
 
+# ----------------------------------------------------------------------------- bad device data
+def bad_seqlens(dev):
+    """cf_fwd / cf_bwd with deliberately bad device-side cu_seqlens (the host does not check them
+    by default): offsets past the packed total, decreasing, longer than max_seqlen, u32 max. Every
+    call must succeed without touching memory outside the tensors (run it under compute-sanitizer
+    memcheck); the values of the affected rows are unspecified. Returns the number of failures."""
+    stream = torch.cuda.current_stream().cuda_stream
+    tables = {  # (cu_seqlens, max_seqlen) for a packed total of 100 rows, B = 3
+        "past_total": ([0, 50, 300, 100], 64),
+        "decreasing": ([0, 80, 20, 100], 80),
+        "above_max": ([0, 90, 95, 100], 16),
+        "u32_max": ([0, 2 ** 32 - 1, 5, 100], 64),
+        "all_huge": ([2 ** 32 - 1] * 4, 64),
+    }
+    fails = 0
+    for dt in ("bf16", "f16", "f32"):
+        for d in (64, 128, 96):
+            for (name, (cu, mx)) in tables.items():
+                for sq_total, sk_total, mq, mk in ((100, 100, mx, mx), (6, 400, 2, 300)):  # prefill; decode (split-KV)
+                    c = Case(f"bad_{name}", dt, b=3, h=4, hkv=2, d=d, varlen=[(1, 1)] * 3, bwd=True)
+                    tdt = DT[dt][0]
+                    q = torch.randn(sq_total, c.h, d, dtype=tdt, device=dev)
+                    k = torch.randn(sk_total, c.hkv, d, dtype=tdt, device=dev)
+                    v = torch.randn_like(k)
+                    do = torch.randn_like(q)
+                    o = torch.full_like(q, float("nan"))
+                    lse = torch.full((c.h, sq_total), float("nan"), dtype=torch.float32, device=dev)
+                    scale_cu = lambda tot: [min(x, 2 ** 32 - 1) if x > 100 else x * tot // 100 for x in cu]
+                    cu_q = torch.tensor(scale_cu(sq_total), dtype=torch.int64, device=dev).to(torch.int32)
+                    cu_k = torch.tensor(scale_cu(sk_total), dtype=torch.int64, device=dev).to(torch.int32)
+                    c.varlen = [(mq, mk)]  # fwd_params takes the maxima from here
+                    fp = fwd_params(c, q, k, v, o, lse, None, cu_q, cu_k)
+                    fp.total_q, fp.total_k = sq_total, sk_total
+                    fws = fwd_workspace(fp, dev)
+                    st = call_fwd(fp, fws, stream)
+                    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+                    bp = CfBwdParams()
+                    bp.fwd = fp
+                    bp.dout = do.data_ptr()
+                    bp.do_batch_stride, bp.do_row_stride, bp.do_head_stride = strides3(do, True)
+                    bp.dq, bp.dk, bp.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+                    bp.dq_batch_stride, bp.dq_row_stride, bp.dq_head_stride = strides3(dq, True)
+                    bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride = strides3(dk, True)
+                    bp.dv_batch_stride, bp.dv_row_stride, bp.dv_head_stride = strides3(dv, True)
+                    ws = torch.full((lib.cf_bwd_workspace_size(ctypes.byref(bp)) // 4 + 1,), float("nan"),
+                                    dtype=torch.float32, device=dev)
+                    st_b = lib.cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream)
+                    err = torch.cuda.synchronize() or "ok"
+                    ok = st == 0 and st_b == 0
+                    fails += not ok
+                    print(f"{'PASS' if ok else 'FAIL'} bad_seqlens {dt} d={d} {name} q={sq_total} k={sk_total} "
+                          f"fwd={st} bwd={st_b} {err}", flush=True)
+    return fails
+
+
 # ----------------------------------------------------------------------------- timing
 def bench(dev):
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -653,7 +733,8 @@ def bench(dev):
             lse = torch.empty(B, H, N, dtype=torch.float32, device=dev)
             fp = fwd_params(c, q, k, v, o, lse, None, None, None)
             stream = torch.cuda.current_stream().cuda_stream
-            t_ours = timeit(lambda: lib.cf_fwd(ctypes.byref(fp), stream))
+            fws = fwd_workspace(fp, dev)
+            t_ours = timeit(lambda: call_fwd(fp, fws, stream))
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             bp = CfBwdParams()
             bp.fwd = fp
@@ -663,7 +744,6 @@ def bench(dev):
             bp.dq_batch_stride, bp.dq_row_stride, bp.dq_head_stride = strides3(dq, False)
             bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride = strides3(dk, False)
             bp.dv_batch_stride, bp.dv_row_stride, bp.dv_head_stride = strides3(dv, False)
-            bp.total_q, bp.total_k = B * N, B * N
             ws = torch.empty(lib.cf_bwd_workspace_size(ctypes.byref(bp)) // 4 + 64, dtype=torch.float32, device=dev)
             t_bwd = timeit(lambda: lib.cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream))
             bp.deterministic = 1
@@ -694,6 +774,8 @@ def main():
     ap.add_argument("--sm80", action="store_true", help="also build sm_80 code")
     ap.add_argument("--filter", default="")
     ap.add_argument("--decode", action="store_true", help="decode timing vs SDPA flash")
+    ap.add_argument("--bad-seqlens", action="store_true",
+                    help="only the bad device seqlens cases (run under compute-sanitizer), then one good case")
     args = ap.parse_args()
     gencode = ["-gencode=arch=compute_90a,code=sm_90a"]
     if args.sm80:
@@ -721,6 +803,10 @@ def main():
 
     cases = [c for c in matrix(args.quick) if args.filter in c.name]
     n_pass = n_fail = 0
+    if args.bad_seqlens:
+        n_fail += bad_seqlens(dev)
+        cases = [c for c in matrix(True) if "varlen" in c.name][:2]  # the device still works
+        print(f"bad seqlens: {n_fail} failed; then {len(cases)} good varlen cases", flush=True)
     t0 = time.time()
     table = []
     for c in cases:

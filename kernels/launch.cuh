@@ -1,8 +1,9 @@
-// Host-side launchers, one per (kernel family, dtype, head-dim tile); defined and explicitly
-// instantiated in flash_fwd.cu / flash_bwd_*.cu, dispatched from flash_api.cu.
+// Host-side launchers, one per (kernel family, dtype, tile configuration); defined and
+// explicitly instantiated next to their kernels (sm80/, sm90/, simt/). Which one runs is decided
+// in dispatch.cu only: a launcher launches what it is asked to, it makes no choice of its own.
 #pragma once
 #include <cuda_runtime.h>
-#include "attn_common.cuh"
+#include "common/bwd_work.cuh"
 
 namespace cf {
 
@@ -13,32 +14,36 @@ bool sm90a_available();
 // Streaming multiprocessors of the current device.
 cudaError_t current_sm_count(int& sms);
 
+// mma.sync forward (sm80/fwd.cu), every head-dim tile of config.cuh.
 template <typename T, int D>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);
-// sm_90a wgmma forward (flash_fwd_sm90.cu), D in {64, 128}; call only when sm90a_available().
-template <typename T, int D>
-cudaError_t run_fwd_sm90(const CfFwdParams& p, cudaStream_t stream);
+// sm_90a wgmma forward (sm90/fwd.cu) with configuration Kt (one of the FwdSm90Traits* of
+// config.cuh); call only when sm90a_available().
+template <typename Kt>
+cudaError_t launch_fwd_sm90(const CfFwdParams& p, cudaStream_t stream);
+// f32 forward on CUDA cores (simt/fwd_f32.cu).
 cudaError_t run_fwd_f32(const CfFwdParams& p, cudaStream_t stream);
 // Split-KV plan (flash-decoding): the key range cut into nsplit chunks of bps key blocks, `pack`
 // query heads of one KV group per CTA, mblocks query blocks per group, deep = at most one CTA
 // per SM (deeper K/V ring). Partials live in the caller's workspace: opart (f32, [nsplit][b][h]
 // [seqlen_q][head-dim tile]) then lpart (f32, [nsplit][b][h][seqlen_q]); bytes = 0 when nsplit == 1.
-constexpr int kSplitBlockM = 64, kSplitBlockN = 64;
 struct SplitPlan {
     int nsplit, bps, pack, mblocks;
     bool deep;
     size_t opart_bytes, bytes;
 };
-// Decode shapes (flash_fwd_split.cu, D in {64, 128}).
+// Decode shapes (sm80/fwd_split.cu, D in {64, 128}).
 template <typename T, int D>
 cudaError_t run_fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* workspace, cudaStream_t stream);
 
-// Writes dsum (D = rowsum(dO*O)) into ws.dsum.
+// Writes dsum (D = rowsum(dO*O)) into ws.dsum (simt/bwd_f32.cu, every dtype).
 cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
-// Tensor-core backward after dsum: dK/dV (+ atomic dQ when ws.dq_accum), then the dQ pass
-// (deterministic) or the dQ conversion, then the split reduction (ws.nsplit > 1).
+// Tensor-core backward after dsum (sm80/bwd.cuh, instantiated in sm80/bwd_{f16,bf16}.cu): dK/dV
+// (+ atomic dQ when ws.dq_accum) with the sm_90a wgmma kernel (sm90/bwd.cuh) when `wgmma`, else
+// the mma.sync one; then the dQ pass (deterministic) or the dQ conversion, then the split
+// reduction (ws.nsplit > 1).
 template <typename T, int D>
-cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
+cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaStream_t stream);
 cudaError_t run_bwd_f32(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
 
 }  // namespace cf

@@ -1,12 +1,11 @@
-// Host entry points of flash_api.h: argument checks, workspace planning, and the one switch
-// from runtime options (dtype, head dim) to template instantiations.
+// The entry points of flash_api.h and the one place where every runtime choice is made: argument
+// checks, the architecture (sm_90a wgmma kernels or sm_80 mma.sync ones), the kernel family
+// (f32 SIMT, tensor cores, split-KV decode), the tile configuration (head-dim tile; the sm_90a
+// configuration) and the workspace plans (heuristics.cuh). Launchers (launch.cuh) only launch.
 #include "flash_api.h"
-#include "kernel_traits.cuh"
-#include "launch.cuh"
-#include <algorithm>
+#include "heuristics.cuh"
 #include <atomic>
 #include <cstdlib>
-#include <vector>
 
 namespace cf {
 
@@ -77,6 +76,8 @@ int check_fwd(const CfFwdParams* p) {
     if (p->h > 65535 || p->b > 65535) return CF_ERR_BAD_ARGUMENT;  // grid y / z limits
     if ((p->cu_seqlens_q == nullptr) != (p->cu_seqlens_k == nullptr)) return CF_ERR_BAD_ARGUMENT;
     if (p->total_q < 0 || p->total_k < 0) return CF_ERR_BAD_ARGUMENT;
+    // MaskInfo's 32-bit arithmetic (common/mask.cuh) and int row indices.
+    if ((int64_t)p->seqlen_q + p->seqlen_k >= (int64_t(1) << 29)) return CF_ERR_BAD_ARGUMENT;
     if (p->cu_seqlens_q == nullptr &&
         (p->total_q != (int64_t)p->b * p->seqlen_q || p->total_k != (int64_t)p->b * p->seqlen_k))
         return CF_ERR_BAD_ARGUMENT;
@@ -93,53 +94,6 @@ int check_fwd(const CfFwdParams* p) {
     return CF_OK;
 }
 
-// Split-KV (flash-decoding) plan for few query rows and long keys: nsplit > 1 when the
-// one-pass grid would leave most of the GPU idle. pack = query heads per CTA (GQA group; 1 with
-// ALiBi, whose slope is per head). A pure function of the parameters and the device's SM count,
-// so cf_fwd_workspace_size and cf_fwd agree.
-SplitPlan plan_split(const CfFwdParams& p) {
-    SplitPlan sp{};
-    sp.nsplit = 1;
-    const int rd = round_head_dim(p.d);
-    if (p.dtype == CF_F32 || (rd != 64 && rd != 128) || p.seqlen_q > 16 || p.seqlen_k < 256) return sp;
-    const int group = p.h / p.hkv;
-    const int pack = p.alibi_slopes ? 1 : group;
-    const int64_t mblocks = (int64_t)(pack * p.seqlen_q + kSplitBlockM - 1) / kSplitBlockM;
-    if (mblocks * (p.h / pack) > 65535) return sp;
-    const int64_t base = mblocks * (p.h / pack) * p.b;
-    int sms = 0;
-    if (current_sm_count(sms) != cudaSuccess) {
-        (void)cudaGetLastError();
-        sms = 132;
-    }
-    const int64_t slots = (int64_t)sms * 2;  // the split kernel runs 2 CTAs per SM (d = 128)
-    if (base >= slots) return sp;
-    // at most one CTA per SM when the grid is small (measured: more, smaller splits are slower;
-    // then the kernel uses a deeper K/V ring), at least 2 splits otherwise
-    const int nkb = (p.seqlen_k + kSplitBlockN - 1) / kSplitBlockN;
-    const int64_t cap = std::max<int64_t>(2, sms / base);
-    const int max_split = (int)std::min<int64_t>({(int64_t)128, (int64_t)(nkb + 1) / 2, cap});
-    double best = 0.0;
-    std::vector<double> eff(max_split + 1, 0.0);
-    for (int n = 1; n <= max_split; ++n) {
-        const int64_t ctas = base * n;
-        eff[n] = (double)ctas / (double)(((ctas + slots - 1) / slots) * slots);
-        best = std::max(best, eff[n]);
-    }
-    int nsplit = 1;
-    for (int n = 1; n <= max_split; ++n)
-        if (eff[n] >= 0.95 * best) { nsplit = n; break; }
-    if (nsplit <= 1) return sp;
-    sp.deep = base * nsplit <= sms;
-    sp.bps = (nkb + nsplit - 1) / nsplit;
-    sp.nsplit = (nkb + sp.bps - 1) / sp.bps;  // no chunk left empty
-    sp.pack = pack;
-    sp.mblocks = (int)mblocks;
-    const size_t rows = (size_t)sp.nsplit * p.b * p.h * p.seqlen_q;
-    sp.opart_bytes = (rows * rd * sizeof(float) + 255) & ~size_t(255);
-    sp.bytes = sp.opart_bytes + rows * sizeof(float);
-    return sp;
-}
 
 template <typename T>
 cudaError_t fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* ws, cudaStream_t s) {
@@ -147,9 +101,22 @@ cudaError_t fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* ws, cudaS
 }
 
 template <typename T>
+cudaError_t fwd_sm90(const CfFwdParams& p, cudaStream_t s) {
+    switch (fwd_sm90_config(p)) {
+        case FwdSm90Config::kD64Short: return launch_fwd_sm90<FwdSm90TraitsD64Short<T>>(p, s);
+        case FwdSm90Config::kD64: return launch_fwd_sm90<FwdSm90TraitsD64<T>>(p, s);
+        default: return launch_fwd_sm90<FwdSm90TraitsD128<T>>(p, s);
+    }
+}
+
+// Tensor-core forward: split-KV for decode shapes, else the wgmma kernel on Hopper for the
+// head-dim tiles it has (64, 128), else the mma.sync kernel.
+template <typename T>
 cudaError_t fwd_tc(const CfFwdParams& p, void* ws, cudaStream_t s) {
     const SplitPlan sp = plan_split(p);
     if (sp.nsplit > 1) return fwd_split<T>(p, sp, ws, s);
+    const int rd = round_head_dim(p.d);
+    if ((rd == 64 || rd == 128) && sm90a_available()) return fwd_sm90<T>(p, s);
     switch (round_head_dim(p.d)) {
         case 32: return run_fwd_tc<T, 32>(p, s);
         case 64: return run_fwd_tc<T, 64>(p, s);
@@ -160,60 +127,21 @@ cudaError_t fwd_tc(const CfFwdParams& p, void* ws, cudaStream_t s) {
     }
 }
 
+// Tensor-core backward: the wgmma dK/dV kernel on Hopper for head-dim tiles 64 and 128.
 template <typename T>
 cudaError_t bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
-    switch (round_head_dim(p.fwd.d)) {
-        case 32: return run_bwd_tc<T, 32>(p, ws, s);
-        case 64: return run_bwd_tc<T, 64>(p, ws, s);
-        case 96: return run_bwd_tc<T, 96>(p, ws, s);
-        case 128: return run_bwd_tc<T, 128>(p, ws, s);
-        case 192: return run_bwd_tc<T, 192>(p, ws, s);
-        default: return run_bwd_tc<T, 256>(p, ws, s);
+    const int rd = round_head_dim(p.fwd.d);
+    const bool wgmma = (rd == 64 || rd == 128) && sm90a_available();
+    switch (rd) {
+        case 32: return run_bwd_tc<T, 32>(p, ws, wgmma, s);
+        case 64: return run_bwd_tc<T, 64>(p, ws, wgmma, s);
+        case 96: return run_bwd_tc<T, 96>(p, ws, wgmma, s);
+        case 128: return run_bwd_tc<T, 128>(p, ws, wgmma, s);
+        case 192: return run_bwd_tc<T, 192>(p, ws, wgmma, s);
+        default: return run_bwd_tc<T, 256>(p, ws, wgmma, s);
     }
 }
 
-// Backward workspace plan; a pure function of the parameters (cf_bwd_workspace_size and cf_bwd
-// must agree, so no device query).
-struct BwdPlan {
-    size_t dsum_off, dq_off, dkv_off, total;
-    int nsplit, hps;
-    int64_t total_q, total_k;
-    bool atomic_dq;
-};
-
-size_t round256(size_t x) { return (x + 255) & ~size_t(255); }
-
-BwdPlan plan_bwd(const CfBwdParams& p) {
-    const CfFwdParams& f = p.fwd;
-    BwdPlan pl{};
-    pl.total_q = f.total_q;
-    pl.total_k = f.total_k;
-    const bool tc = f.dtype != CF_F32;
-    pl.atomic_dq = tc && p.deterministic == 0;
-    // GQA/MQA on tensor cores: split the query heads of a KV head over several CTAs when the
-    // grid would otherwise be small (partials summed in a fixed order by a reduction kernel).
-    pl.nsplit = 1;
-    pl.hps = f.h / f.hkv;
-    if (tc && f.h > f.hkv) {
-        const int group = f.h / f.hkv;
-        const int64_t ctas = (int64_t)((f.seqlen_k + 63) / 64) * f.hkv * f.b;
-        const int64_t target = 264;  // ~2 waves of 132 SMs
-        int want = ctas >= target ? 1 : (int)((target + ctas - 1) / ctas);
-        if (want > group) want = group;
-        pl.hps = (group + want - 1) / want;
-        pl.nsplit = (group + pl.hps - 1) / pl.hps;
-        if ((int64_t)f.hkv * pl.nsplit > 65535) { pl.nsplit = 1; pl.hps = group; }
-    }
-    size_t off = 0;
-    pl.dsum_off = off;
-    off += round256(sizeof(float) * (size_t)f.h * pl.total_q);
-    pl.dq_off = off;
-    if (pl.atomic_dq) off += round256(sizeof(float) * (size_t)pl.total_q * f.h * f.d);
-    pl.dkv_off = off;
-    if (pl.nsplit > 1) off += round256(sizeof(float) * 2 * (size_t)pl.nsplit * pl.total_k * f.hkv * f.d);
-    pl.total = off;
-    return pl;
-}
 
 int check_bwd(const CfBwdParams* p) {
     if (p == nullptr) return CF_ERR_BAD_ARGUMENT;

@@ -1,10 +1,38 @@
-// What one dK/dV CTA works on, shared by the sm_80 (flash_bwd.cuh) and sm_90a
-// (flash_bwd_sm90.cuh) kernels: kBlockN keys of one KV head of one sequence, and the steps
+// The backward's workspace (BwdWs) and what one dK/dV CTA works on (DkdvWork), shared by the
+// sm_80 (sm80/bwd.cuh) and sm_90a (sm90/bwd.cuh) kernels: kBlockN keys of one KV head of one sequence, and the steps
 // (query head of its GQA split, query block of BM rows) whose queries see those keys.
 #pragma once
-#include "attn_common.cuh"
+#include "mask.cuh"
 
 namespace cf {
+
+// Backward scratch memory (all f32). Offsets are rounded up to 256 bytes.
+//   dsum     [h][total_q]                 D_i = rowsum(dO * O)
+//   dq_accum [total_q][h][d]              only for the tensor-core path with atomics
+//   dkv      [2][nsplit][total_k][hkv][d] only when the query heads of a KV head are split
+//                                          over nsplit CTAs (GQA/MQA): dK part, then dV part
+struct BwdWs {
+    float* dsum;
+    float* dq_accum;
+    float* dkv;
+    int nsplit;    // CTAs sharing the query heads of one KV head (1 = write dk/dv directly)
+    int hps;       // query heads per split
+    int64_t total_q, total_k;
+
+    // Row 0 of (sequence si, head h) in each buffer.
+    __device__ __forceinline__ float* dsum_rows(const SeqInfo& si, int h) const { return dsum + (int64_t)h * total_q + si.q_row0; }
+    // dq_accum rows are h * d floats apart.
+    __device__ __forceinline__ float* dq_accum_rows(const CfFwdParams& f, const SeqInfo& si, int h) const {
+        return dq_accum + si.q_row0 * ((int64_t)f.h * f.d) + (int64_t)h * f.d;
+    }
+    // dK partial of split `split`, KV head hk (rows hkv * d floats apart); the dV partials
+    // follow all dK partials (dkv_v_offset floats further).
+    __device__ __forceinline__ float* dk_part_rows(const CfFwdParams& f, const SeqInfo& si, int split, int hk) const {
+        return dkv + ((int64_t)split * total_k + si.k_row0) * ((int64_t)f.hkv * f.d) + (int64_t)hk * f.d;
+    }
+    __device__ __forceinline__ int64_t dkv_v_offset(const CfFwdParams& f) const { return (int64_t)nsplit * total_k * f.hkv * f.d; }
+};
+
 
 template <typename T, int BN, int BM>
 struct DkdvWork {
@@ -13,7 +41,6 @@ struct DkdvWork {
     int b, hkv_i, split, n0, h_begin, mb_lo, nm, total_it, dch;
     const T* kg;  // K / V rows of this KV head, row 0 of the sequence
     const T* vg;
-    int64_t q_boff, do_boff, lse_boff;
 
     // grid: (key block, KV head * nsplit + split, batch)
     __device__ __forceinline__ DkdvWork(const CfBwdParams& p, const BwdWs& ws)
@@ -32,11 +59,8 @@ struct DkdvWork {
         mb_lo = m_lo / BM;
         nm = m_hi > m_lo ? (m_hi + BM - 1) / BM - mb_lo : 0;
         total_it = nm * max(h_end - h_begin, 0);
-        kg = static_cast<const T*>(f.k) + si.k_off(b, f.k_batch_stride, f.k_row_stride) + (int64_t)hkv_i * f.k_head_stride;
-        vg = static_cast<const T*>(f.v) + si.k_off(b, f.v_batch_stride, f.v_row_stride) + (int64_t)hkv_i * f.v_head_stride;
-        q_boff = si.q_off(b, f.q_batch_stride, f.q_row_stride);
-        do_boff = si.q_off(b, p.do_batch_stride, p.do_row_stride);
-        lse_boff = (int64_t)b * f.lse_batch_stride + (si.q_varlen ? si.q_row0 : 0);
+        kg = si.k<T>(f, hkv_i);
+        vg = si.v<T>(f, hkv_i);
     }
     __device__ __forceinline__ bool empty() const { return n0 >= si.sk; }
     __device__ __forceinline__ int head(int it) const { return h_begin + it / nm; }
@@ -55,14 +79,14 @@ struct DkdvWork {
                                                float* sL, float* sD, int tid) const {
         const CfFwdParams& f = p.fwd;
         const int hq = head(it), m0 = row0(it);
-        Loader::template load<BM>(sQ, static_cast<const T*>(f.q) + q_boff + (int64_t)hq * f.q_head_stride + (int64_t)m0 * f.q_row_stride,
+        Loader::template load<BM>(sQ, si.q<T>(f, hq) + (int64_t)m0 * f.q_row_stride,
                                   f.q_row_stride, si.sq - m0, dch, tid, f.q);
-        Loader::template load<BM>(sdO, static_cast<const T*>(p.dout) + do_boff + (int64_t)hq * p.do_head_stride + (int64_t)m0 * p.do_row_stride,
+        Loader::template load<BM>(sdO, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride,
                                   p.do_row_stride, si.sq - m0, dch, tid, p.dout);
         if (tid < BM) {
             const bool ok = m0 + tid < si.sq;
-            const float* lp = f.lse + lse_boff + (int64_t)hq * f.lse_head_stride + m0 + tid;
-            const float* dp = ws.dsum + (int64_t)hq * ws.total_q + si.q_row0 + m0 + tid;
+            const float* lp = si.lse(f, hq) + m0 + tid;
+            const float* dp = ws.dsum_rows(si, hq) + m0 + tid;
             cp_async_4(smem_addr(sL + tid), ok ? (const void*)lp : (const void*)f.lse, ok);
             cp_async_4(smem_addr(sD + tid), ok ? (const void*)dp : (const void*)ws.dsum, ok);
         }

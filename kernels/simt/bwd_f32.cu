@@ -1,8 +1,9 @@
 // Backward pieces that are not tensor-core kernels: dsum = rowsum(dO*O) for every dtype, and the
 // f32 SIMT backward (a dK/dV kernel that loops over the query heads of its KV head, and a dQ
 // kernel). The f32 path has no atomics: it is always deterministic.
-#include "kernel_traits.cuh"
-#include "launch.cuh"
+#include "../config.cuh"
+#include "../launch.cuh"
+#include "../common/bwd_work.cuh"
 
 namespace cf {
 
@@ -14,12 +15,12 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const CfBwdParams p, 
     const int h = blockIdx.y, b = blockIdx.z, i = blockIdx.x * 8 + warp;
     const SeqInfo si(f, b);
     if (i >= si.sq) return;
-    const T* o = static_cast<const T*>(f.o) + si.q_off(b, f.o_batch_stride, f.o_row_stride) + (int64_t)i * f.o_row_stride + (int64_t)h * f.o_head_stride;
-    const T* dO = static_cast<const T*>(p.dout) + si.q_off(b, p.do_batch_stride, p.do_row_stride) + (int64_t)i * p.do_row_stride + (int64_t)h * p.do_head_stride;
+    const T* o = si.o<T>(f, h) + (int64_t)i * f.o_row_stride;
+    const T* dO = si.dout<T>(p, h) + (int64_t)i * p.do_row_stride;
     float acc = 0.f;
     for (int c = lane; c < f.d; c += 32) acc = fmaf(to_float<T>(o[c]), to_float<T>(dO[c]), acc);
     acc = warp_sum(acc);
-    if (lane == 0) ws.dsum[(int64_t)h * ws.total_q + si.q_row0 + i] = acc;
+    if (lane == 0) ws.dsum_rows(si, h)[i] = acc;
 }
 
 cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream) {
@@ -65,8 +66,8 @@ __global__ void __launch_bounds__(F32BwdTraits::kNThreads) bwd_dkdv_f32_kernel(c
     int m_lo, m_hi;
     mk.query_range(n0, min(n0 + BN, si.sk) - 1, m_lo, m_hi);
 
-    const float* kg = static_cast<const float*>(f.k) + si.k_off(b, f.k_batch_stride, f.k_row_stride) + (int64_t)hk * f.k_head_stride;
-    const float* vg = static_cast<const float*>(f.v) + si.k_off(b, f.v_batch_stride, f.v_row_stride) + (int64_t)hk * f.v_head_stride;
+    const float* kg = si.k<float>(f, hk);
+    const float* vg = si.v<float>(f, hk);
     for (int idx = tid; idx < BN * d; idx += NTH) {
         const int jj = idx / d, c = idx % d;
         const bool ok = n0 + jj < si.sk;
@@ -79,10 +80,10 @@ __global__ void __launch_bounds__(F32BwdTraits::kNThreads) bwd_dkdv_f32_kernel(c
 
     for (int hq = hk * group; hq < (hk + 1) * group; ++hq) {
         const LogitInfo li(f, b, hq);
-        const float* qg = static_cast<const float*>(f.q) + si.q_off(b, f.q_batch_stride, f.q_row_stride) + (int64_t)hq * f.q_head_stride;
-        const float* dog = static_cast<const float*>(p.dout) + si.q_off(b, p.do_batch_stride, p.do_row_stride) + (int64_t)hq * p.do_head_stride;
-        const float* lp = f.lse + (int64_t)b * f.lse_batch_stride + (int64_t)hq * f.lse_head_stride + (si.q_varlen ? si.q_row0 : 0);
-        const float* dp = ws.dsum + (int64_t)hq * ws.total_q + si.q_row0;
+        const float* qg = si.q<float>(f, hq);
+        const float* dog = si.dout<float>(p, hq);
+        const float* lp = si.lse(f, hq);
+        const float* dp = ws.dsum_rows(si, hq);
         for (int m0 = (m_lo / BM) * BM; m0 < m_hi; m0 += BM) {
             __syncthreads();
             for (int idx = tid; idx < BM * d; idx += NTH) {
@@ -93,8 +94,7 @@ __global__ void __launch_bounds__(F32BwdTraits::kNThreads) bwd_dkdv_f32_kernel(c
             }
             if (tid < BM) {
                 const bool ok = m0 + tid < si.sq;
-                const float L = ok ? lp[m0 + tid] : INFINITY;
-                sL[tid] = L == -INFINITY ? INFINITY : L;
+                sL[tid] = ok ? NaturalUnits::lse(lp[m0 + tid]) : INFINITY;
                 sD[tid] = ok ? dp[m0 + tid] : 0.f;
             }
             __syncthreads();
@@ -111,12 +111,9 @@ __global__ void __launch_bounds__(F32BwdTraits::kNThreads) bwd_dkdv_f32_kernel(c
                     qk = fmaf(qr[c], kr[c], qk);
                     dpv = fmaf(dr[c], vr[c], dpv);
                 }
-                float df;
-                const float x = li.logit(qk, i, j, mk.off, &df);
-                const bool vis = i < si.sq && mk.visible(i, j);
-                const float pv = vis ? expf(x - sL[il]) : 0.f;
-                sP[il * (BN + 1) + jl] = pv;
-                sdS[il * (BN + 1) + jl] = pv * (dpv - sD[il]) * df;
+                const PdS x = p_ds<NaturalUnits>(li, mk, qk, dpv, sL[il], sD[il], i, j, false);
+                sP[il * (BN + 1) + jl] = x.p;
+                sdS[il * (BN + 1) + jl] = x.ds;
             }
             __syncthreads();
 #pragma unroll
@@ -136,8 +133,8 @@ __global__ void __launch_bounds__(F32BwdTraits::kNThreads) bwd_dkdv_f32_kernel(c
     }
     const int j = n0 + jr;
     if (j < si.sk) {
-        float* dkg = static_cast<float*>(p.dk) + si.k_off(b, p.dk_batch_stride, p.dk_row_stride) + (int64_t)j * p.dk_row_stride + (int64_t)hk * p.dk_head_stride;
-        float* dvg = static_cast<float*>(p.dv) + si.k_off(b, p.dv_batch_stride, p.dv_row_stride) + (int64_t)j * p.dv_row_stride + (int64_t)hk * p.dv_head_stride;
+        float* dkg = si.dk<float>(p, hk) + (int64_t)j * p.dk_row_stride;
+        float* dvg = si.dv<float>(p, hk) + (int64_t)j * p.dv_row_stride;
         const float scale = f.softmax_scale;
 #pragma unroll
         for (int m = 0; m < 32; ++m) {
@@ -166,15 +163,14 @@ __global__ void __launch_bounds__(F32DqTraits::kNThreads) bwd_dq_f32_kernel(cons
     const int tid = threadIdx.x, r = tid >> 3, sub = tid & 7;
     const int h = blockIdx.y, b = blockIdx.z;
     const SeqInfo si(f, b);
-    const int m_block = (f.window_right >= 0 && f.window_left < 0) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int m0 = m_block * BM;
+    const int m0 = heavy_first_block(f) * BM;
     if (m0 >= si.sq) return;
-    const int hk = h / (f.h / f.hkv);
-    const float* qg = static_cast<const float*>(f.q) + si.q_off(b, f.q_batch_stride, f.q_row_stride) + (int64_t)h * f.q_head_stride;
-    const float* dog = static_cast<const float*>(p.dout) + si.q_off(b, p.do_batch_stride, p.do_row_stride) + (int64_t)h * p.do_head_stride;
-    const float* kg = static_cast<const float*>(f.k) + si.k_off(b, f.k_batch_stride, f.k_row_stride) + (int64_t)hk * f.k_head_stride;
-    const float* vg = static_cast<const float*>(f.v) + si.k_off(b, f.v_batch_stride, f.v_row_stride) + (int64_t)hk * f.v_head_stride;
-    float* dqg = static_cast<float*>(p.dq) + si.q_off(b, p.dq_batch_stride, p.dq_row_stride) + (int64_t)h * p.dq_head_stride;
+    const int hk = kv_head(f, h);
+    const float* qg = si.q<float>(f, h);
+    const float* dog = si.dout<float>(p, h);
+    const float* kg = si.k<float>(f, hk);
+    const float* vg = si.v<float>(f, hk);
+    float* dqg = si.dq<float>(p, h);
 
     const MaskInfo mk(si.sq, si.sk, f.window_left, f.window_right);
     const int m_last = min(m0 + BM, si.sq) - 1;
@@ -191,9 +187,8 @@ __global__ void __launch_bounds__(F32DqTraits::kNThreads) bwd_dq_f32_kernel(cons
     const int i = m0 + r;
     float L = INFINITY, Dv = 0.f;
     if (i < si.sq) {
-        L = f.lse[(int64_t)b * f.lse_batch_stride + (int64_t)h * f.lse_head_stride + (si.q_varlen ? si.q_row0 : 0) + i];
-        if (L == -INFINITY) L = INFINITY;
-        Dv = ws.dsum[(int64_t)h * ws.total_q + si.q_row0 + i];
+        L = NaturalUnits::lse(si.lse(f, h)[i]);
+        Dv = ws.dsum_rows(si, h)[i];
     }
     float dq[32];
 #pragma unroll
@@ -221,11 +216,7 @@ __global__ void __launch_bounds__(F32DqTraits::kNThreads) bwd_dq_f32_kernel(cons
                     qk = fmaf(qr[c], kr[c], qk);
                     dpv = fmaf(dr[c], vr[c], dpv);
                 }
-                float df;
-                const float x = li.logit(qk, i, j, mk.off, &df);
-                const bool vis = i < si.sq && mk.visible(i, j);
-                const float pv = vis ? expf(x - L) : 0.f;
-                sdS[r * (BN + 1) + jl] = pv * (dpv - Dv) * df;
+                sdS[r * (BN + 1) + jl] = p_ds<NaturalUnits>(li, mk, qk, dpv, L, Dv, i, j, false).ds;
             }
             __syncwarp();  // a row's 8 threads share a warp
 #pragma unroll

@@ -1,5 +1,5 @@
 // Backward dK/dV (+ atomic dQ) on Hopper warpgroup MMA (sm_90a). Same algorithm, semantics and
-// workspace as bwd_dkdv_tc_kernel (flash_bwd.cuh); what changes is who does the products:
+// workspace as bwd_dkdv_tc_kernel (sm80/bwd.cuh); what changes is who does the products:
 //   per query block, warpgroup w (keys 64w..64w+63 of the CTA's kBlockN):
 //     S^T  = K Q^T,  dP^T = V dO^T         wgmma, A and B from shared (both K-major)
 //     P^T  = 2^(S^T c - lse2),  dS^T = P^T (dP^T - dsum)     registers (columns = queries)
@@ -9,8 +9,8 @@
 // products take as register A operands: no shared-memory round trip for P at all, and dS goes
 // through shared memory only for dQ.
 #pragma once
-#include "kernel_traits.cuh"
-#include "bwd_common.cuh"
+#include "../config.cuh"
+#include "../common/bwd_work.cuh"
 #include "wgmma.cuh"
 
 namespace cf {
@@ -103,12 +103,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
             for (int j = 0; j < BM / 8; ++j) {
                 const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * q4);
                 const float2 ds2 = *reinterpret_cast<const float2*>(cD + 8 * j + 2 * q4);
-                const float lse2[2] = {l2.x * kLog2e, l2.y * kLog2e}, dsv[2] = {ds2.x, ds2.y};
+                const float lse2[2] = {Log2Units::lse(l2.x), Log2Units::lse(l2.y)}, dsv[2] = {ds2.x, ds2.y};
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float pv = ex2(fmaf(sT[4 * j + e], li.c, -lse2[e & 1]));
-                    sT[4 * j + e] = pv;
-                    dpT[4 * j + e] = pv * (dpT[4 * j + e] - dsv[e & 1]);
+                    const PdS x = p_ds<Log2Units, true>(li, mk, sT[4 * j + e], dpT[4 * j + e], lse2[e & 1], dsv[e & 1], 0, 0, true);
+                    sT[4 * j + e] = x.p;
+                    dpT[4 * j + e] = x.ds;
                 }
             }
         } else {
@@ -118,8 +118,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
                 for (int e = 0; e < 4; ++e) {
                     const int ql = 8 * j + 2 * q4 + (e & 1);
                     const int i = m0 + ql, jk = n0 + key_l0 + 8 * (e >> 1);
-                    const bool vis = i < si.sq && mk.visible(i, jk);
-                    const PdS x = p_ds(li, sT[4 * j + e], dpT[4 * j + e], lse_to_log2(cL[ql]), cD[ql], i, jk, mk.off, vis);
+                    const PdS x = p_ds(li, mk, sT[4 * j + e], dpT[4 * j + e], Log2Units::lse(cL[ql]), cD[ql], i, jk, false);
                     sT[4 * j + e] = x.p;
                     dpT[4 * j + e] = x.ds;
                 }
@@ -178,7 +177,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
             reg_fence(pa);
             reg_fence(dsa);
             const int64_t rstride = (int64_t)f.h * f.d;
-            float* dqg = ws.dq_accum + (si.q_row0 + m0) * rstride + (int64_t)hq * f.d;
+            float* dqg = ws.dq_accum_rows(f, si, hq) + m0 * rstride;
             const int row0 = (D == 64 ? 64 * wg : 0) + 16 * wq + g, col0 = (D == 64 ? 0 : 64 * wg) + 2 * q4;
 #pragma unroll
             for (int j = 0; j < NQ / 4; ++j)
@@ -223,8 +222,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
                 *reinterpret_cast<uint32_t*>(sOv + off) = pack2<T>(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
             }
         __syncthreads();
-        T* dkg = static_cast<T*>(p.dk) + si.k_off(b, p.dk_batch_stride, p.dk_row_stride) + (int64_t)hkv_i * p.dk_head_stride;
-        T* dvg = static_cast<T*>(p.dv) + si.k_off(b, p.dv_batch_stride, p.dv_row_stride) + (int64_t)hkv_i * p.dv_head_stride;
+        T* dkg = si.dk<T>(p, hkv_i);
+        T* dvg = si.dv<T>(p, hkv_i);
         for (int idx = tid; idx < BN * C; idx += NTH) {
             const int r = idx / C, c = idx % C;
             if (n0 + r < si.sk && c < dch) {
@@ -235,8 +234,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
         }
     } else {
         const int64_t rs = (int64_t)f.hkv * f.d;
-        float* wk = ws.dkv + ((int64_t)split * ws.total_k + si.k_row0 + n0) * rs + (int64_t)hkv_i * f.d;
-        float* wv = wk + (int64_t)ws.nsplit * ws.total_k * rs;
+        float* wk = ws.dk_part_rows(f, si, split, hkv_i) + n0 * rs;
+        float* wv = wk + ws.dkv_v_offset(f);
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
 #pragma unroll

@@ -17,7 +17,7 @@
 // lane is the mma.sync C fragment element e of n8 tile j (row g / g+8, columns 8j + 2q + {0,1}).
 // A from registers: the mma.sync m16k16 A fragment of the warp's 16 rows.
 #pragma once
-#include "tile.cuh"
+#include "../common/tile.cuh"
 #include "wgmma_ops.cuh"
 
 namespace cf {

@@ -162,26 +162,22 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x, -inf -> +0
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
-// Reductions over the 4 lanes (q = 0..3) that hold one accumulator row.
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+// Reductions over the kLanes consecutive lanes that hold one row (4 for the mma accumulator
+// layouts, 8 for the f32 SIMT kernels).
+template <int kLanes>
+__device__ __forceinline__ float group_max(float x) {
+#pragma unroll
+    for (int o = 1; o < kLanes; o <<= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
 }
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+template <int kLanes>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+    for (int o = 1; o < kLanes; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
 }
-// Reductions over 8 consecutive lanes (the f32 SIMT kernels give one row to 8 lanes).
-__device__ __forceinline__ float oct_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-}
-__device__ __forceinline__ float oct_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    x += __shfl_xor_sync(0xffffffffu, x, 2);
-    return x + __shfl_xor_sync(0xffffffffu, x, 4);
-}
+__device__ __forceinline__ float quad_max(float x) { return group_max<4>(x); }
+__device__ __forceinline__ float quad_sum(float x) { return group_sum<4>(x); }
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

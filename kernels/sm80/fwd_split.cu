@@ -5,67 +5,17 @@
 // group and chunk. Partials (normalised O in f32 and the natural-log lse per row) go to scratch
 // in the caller's workspace (SplitPlan); split_combine_kernel merges them with
 // lse-weighted sums and writes o (input dtype) and lse. Only warps that own valid rows do math.
-#include "kernel_traits.cuh"
-#include "launch.cuh"
+#include "../config.cuh"
+#include "../launch.cuh"
+#include "../common/softmax.cuh"
 
 namespace cf {
-
-template <typename T_, int kHeadDim_, int kStages_>
-struct SplitTraits {
-    using Elem = T_;
-    static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4, kNThreads = 128;  // = run_fwd_split's BM, BN
-    // (K, V) block pairs in the ring: kStages - 1 in flight while one is used (2 when the grid
-    // fills every SM with 2 CTAs; 4 when there is at most one CTA per SM, to keep more bytes in flight)
-    static constexpr int kStages = kStages_;
-    static constexpr int kSmemBytes = (kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2;
-    static_assert(kSmemBytes <= 160 * 1024, "must fit sm_80's 163 KB");
-    static_assert(kBlockM == 16 * kNWarps, "one m16 tile per warp");
-    static_assert(kBlockN % 16 == 0 && kStages >= 2, "P*V k-steps of 16 keys; a ring");
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "split path: head-dim tiles 64 / 128");
-};
 
 struct SplitArgs {
     float* opart;  // [nsplit][b][h][seqlen_q][dpad]
     float* lpart;  // [nsplit][b][h][seqlen_q]
     int nsplit, bps, pack, mblocks;
 };
-
-namespace {
-
-template <int NT, int DT>
-__device__ __forceinline__ void split_softmax_step(float (&s)[NT][4], float (&rmax)[2], float (&rsum)[2],
-                                                   float (&acc)[DT][4], float c) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-        mx = quad_max(mx);
-        const float m_new = fmaxf(rmax[r], mx);
-        const float ms = (m_new == -INFINITY) ? 0.f : m_new * c;
-        const float corr = ex2(rmax[r] * c - ms);
-        rmax[r] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float pv = ex2(fmaf(s[nt][2 * r + e], c, -ms));
-                s[nt][2 * r + e] = pv;
-                sum += pv;
-            }
-        }
-        rsum[r] = rsum[r] * corr + sum;
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-            acc[dt][2 * r] *= corr;
-            acc[dt][2 * r + 1] *= corr;
-        }
-    }
-}
-
-}  // namespace
 
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwdParams p, const SplitArgs sa) {
@@ -86,7 +36,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
     if (m0 >= R) return;
     const int nrows = min(BM, R - m0);
     const int h0 = gi * sa.pack;
-    const int hk = h0 / (p.h / p.hkv);
+    const int hk = kv_head(p, h0);
     const int dch = p.d >> 3;
     // query-index range of this CTA's rows (whole sequence when they span two heads)
     int i_lo, i_hi;
@@ -98,8 +48,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
         i_hi = sq - 1;
     }
 
-    const T* kg = static_cast<const T*>(p.k) + si.k_off(b, p.k_batch_stride, p.k_row_stride) + (int64_t)hk * p.k_head_stride;
-    const T* vg = static_cast<const T*>(p.v) + si.k_off(b, p.v_batch_stride, p.v_row_stride) + (int64_t)hk * p.v_head_stride;
+    const T* kg = si.k<T>(p, hk);
+    const T* vg = si.v<T>(p, hk);
     const int64_t SQ = p.seqlen_q;
     const int64_t part_b = ((int64_t)split * p.b + b) * p.h;  // + head, then * SQ + i
 
@@ -119,12 +69,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
     const float cmul = li.general ? kLog2e : li.c;
 
     {  // packed Q rows
-        const T* qb = static_cast<const T*>(p.q) + si.q_off(b, p.q_batch_stride, p.q_row_stride);
         for (int idx = tid; idx < BM * C; idx += NTH) {
             const int r = idx / C, c = idx % C;
             const bool ok = r < nrows && c < dch;
             const int rr = m0 + r;
-            const T* src = qb + (int64_t)(h0 + rr / sq) * p.q_head_stride + (int64_t)(rr % sq) * p.q_row_stride + c * 8;
+            const T* src = si.q<T>(p, h0 + rr / sq) + (int64_t)(rr % sq) * p.q_row_stride + c * 8;
             cp_async_16(smem_addr(sQ + swz<C>(r, c) * 8), ok ? static_cast<const void*>(src) : p.q, ok);
         }
     }
@@ -143,7 +92,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
     }
 
     float acc[1][DT][4];
-    float rmax[2] = {-INFINITY, -INFINITY}, rsum[2] = {0.f, 0.f};
+    OnlineSoftmax<2> softmax;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) acc[0][dt][0] = acc[0][dt][1] = acc[0][dt][2] = acc[0][dt][3] = 0.f;
     const int row_w = warp * 16;
@@ -172,24 +121,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) s[0][nt][0] = s[0][nt][1] = s[0][nt][2] = s[0][nt][3] = 0.f;
             gemm_abt<1, NT, KS, C, C, T, (D >= 128 ? KS / 2 : KS)>(s, sQ, row_w, sKc, 0, lane);
-            const bool full = mk.block_full(i_lo, i_hi - i_lo + 1, n0, BN);
-            if (li.general || !full) {
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int i = irow[e >> 1];
-                        const int j = n0 + nt * 8 + 2 * q4 + (e & 1);
-                        float x = s[0][nt][e];
-                        if (li.general) {
-                            float df;
-                            x = li.logit(x, i, j, mk.off, &df);
-                        }
-                        if (!full && !mk.visible(i, j)) x = -INFINITY;
-                        s[0][nt][e] = x;
-                    }
-            }
-            split_softmax_step<NT, DT>(s[0], rmax, rsum, acc[0], cmul);
+            mask_scores<1, NT>(&s[0][0][0], li, mk, [&](int, int r) { return irow[r]; }, n0, q4,
+                               mk.block_full(i_lo, i_hi - i_lo + 1, n0, BN));
+            float corr[2];
+            softmax.template step<1, NT>(&s[0][0][0], cmul, corr);
+            scale_rows<1, DT>(&acc[0][0][0], corr);
             uint32_t pa[1][PS][4];
             c_to_a<1, PS, T>(pa, s);
             gemm_rs_b<1, DT, PS, C, 2, T>(acc, pa, sVc, 0, 0, lane);
@@ -200,13 +136,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(rsum[r]);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        float lse;
+        const float inv = softmax.finish_row(r, cmul, lse);
         const int rl = row_w + g + 8 * r;
         if (rl < nrows) {
             const int rr = m0 + rl;
             const int64_t idx = (part_b + h0 + rr / sq) * SQ + rr % sq;
-            if (q4 == 0) sa.lpart[idx] = l > 0.f ? rmax[r] * cmul * kLn2 + logf(l) : -INFINITY;
+            if (q4 == 0) sa.lpart[idx] = lse;
             float* op = sa.opart + idx * D + 2 * q4;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt)
@@ -244,8 +180,7 @@ __global__ void __launch_bounds__(128) split_combine_kernel(const CfFwdParams p,
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
         lse = m + logf(sum);
     }
-    T* og = static_cast<T*>(p.o) + si.q_off(b, p.o_batch_stride, p.o_row_stride) + (int64_t)i * p.o_row_stride +
-            (int64_t)h * p.o_head_stride;
+    T* og = si.o<T>(p, h) + (int64_t)i * p.o_row_stride;
     for (int c0 = lane * 4; c0 < p.d; c0 += 128) {
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
         if (lse != -INFINITY) {
@@ -263,7 +198,7 @@ __global__ void __launch_bounds__(128) split_combine_kernel(const CfFwdParams p,
         *reinterpret_cast<uint2*>(og + c0) = make_uint2(pack2<T>(a0, a1), pack2<T>(a2, a3));
     }
     if (lane == 0)
-        p.lse[(int64_t)b * p.lse_batch_stride + (int64_t)h * p.lse_head_stride + (si.q_varlen ? si.q_row0 : 0) + i] = lse;
+        si.lse(p, h)[i] = lse;
 }
 
 template <typename Kt>

@@ -1,7 +1,8 @@
-// The ONE place for tile sizes. Every kernel reads its shape from these traits; the
-// static_asserts document what the kernel code assumes.
+// Every tile configuration of every kernel family, in one place: kernels read their shapes from
+// these traits, the static_asserts say what the kernel code assumes. Which configuration runs
+// for a call is decided in dispatch.cu (with the plans of heuristics.cuh), nowhere else.
 #pragma once
-#include "tile.cuh"
+#include "common/tile.cuh"
 
 namespace cf {
 
@@ -30,6 +31,25 @@ struct FwdTraits {
     static_assert(kBlockM == 16 * kNWarps * kMTiles, "warps own whole m16 tiles");
     static_assert(kBlockN % 16 == 0, "P*V k-steps of 16 keys");
     static_assert(kSmemBytes <= 160 * 1024, "must fit sm_80's 163 KB");
+};
+
+// ------------------------------------------------------------------ forward, split-KV decode (sm80/fwd_split.cu)
+// CTA = 4 warps over kSplitBlockM packed query rows (GQA heads x queries), one chunk of the key
+// range in kSplitBlockN blocks.
+constexpr int kSplitBlockM = 64, kSplitBlockN = 64;
+template <typename T_, int kHeadDim_, int kStages_>
+struct SplitTraits {
+    using Elem = T_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kSplitBlockM, kBlockN = kSplitBlockN, kNWarps = 4, kNThreads = 128;
+    // (K, V) block pairs in the ring: kStages - 1 in flight while one is used (2 when the grid
+    // fills every SM with 2 CTAs; 4 when there is at most one CTA per SM, to keep more bytes in flight)
+    static constexpr int kStages = kStages_;
+    static constexpr int kSmemBytes = (kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2;
+    static_assert(kSmemBytes <= 160 * 1024, "must fit sm_80's 163 KB");
+    static_assert(kBlockM == 16 * kNWarps, "one m16 tile per warp");
+    static_assert(kBlockN % 16 == 0 && kStages >= 2, "P*V k-steps of 16 keys; a ring");
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "split path: head-dim tiles 64 / 128");
 };
 
 // ------------------------------------------------------------------ forward (sm_90a wgmma)
@@ -81,7 +101,7 @@ struct FwdSm90Traits {
     static_assert(kConsumerRegs > kLaunchRegs, "setmaxnreg: consumers gain what the producer gives up");
     static_assert(kNWarpGroups <= 4, "named barriers 1..kNWarpGroups; ping-pong barriers count 256 threads");
 };
-// The configurations run_fwd_sm90 dispatches to (H100 measurements, bf16, B*N = 16384):
+// The configurations dispatch.cu chooses from (H100 measurements, bf16, B*N = 16384):
 //   D = 64, seqlen_q <= 2048: 128 x 128 tiles, persistent (tiles are short: hiding their
 //            prologue / epilogue matters most); 4 stages, output in its own buffer.
 //   D = 64, longer:  192 x 96 tiles (3 consumer warpgroups; 128 x 128 and persistent launches
@@ -90,7 +110,6 @@ struct FwdSm90Traits {
 template <typename T> using FwdSm90TraitsD64Short = FwdSm90Traits<T, 64, 128, 2, 4, true, true, true>;
 template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 96, 3, 4, true, false, false>;
 template <typename T> using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, 3, true, true, false>;
-constexpr int kFwdSm90D64ShortMaxSeq = 2048;
 
 // ------------------------------------------------------------------ backward (tensor cores)
 // dK/dV kernel: CTA = 8 warps over kBlockN keys of one KV head, looping over kBlockM query rows

@@ -1,5 +1,5 @@
 // Backward pass, tensor-core kernels (f16/bf16), FA2 algorithm:
-//   dsum  = rowsum(dO * O)                                (bwd_dot_do_o_kernel, flash_bwd_f32.cu)
+//   dsum  = rowsum(dO * O)                                (bwd_dot_do_o_kernel, simt/bwd_f32.cu)
 //   dK/dV: one CTA per 64 keys of a KV head, looping over the query blocks (and the query heads
 //          of its split): recompute P = exp(logit - lse), dV += P^T dO, dP = dO V^T,
 //          dS = P (dP - D) [* (1 - tanh^2) with softcap], dK += dS^T Q (scaled at the end);
@@ -8,10 +8,10 @@
 //          Atomic mode: dq = scale * dq_accum converted to T.
 //   GQA:   split > 1 CTAs per KV head write f32 partial dK/dV, summed in a fixed order.
 #pragma once
-#include "kernel_traits.cuh"
-#include "bwd_common.cuh"
-#include "launch.cuh"
-#include "flash_bwd_sm90.cuh"
+#include "../config.cuh"
+#include "../common/bwd_work.cuh"
+#include "../launch.cuh"
+#include "../sm90/bwd.cuh"
 
 namespace cf {
 
@@ -102,8 +102,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
 #endif
             gemm_abt<AMT, NTA, KS, C, C, T, AU>(s, cQ, ra0, sK, key0, lane);
             gemm_abt<AMT, NTA, KS, C, C, T, AU>(dpa, cdO, ra0, sV, key0, lane);
-            // The element loop exists twice: kFast (every element visible, plain scale: one
-            // FFMA + EX2 + FADD + FMUL per element, no index math) and the general one.
+            // The element loop is instantiated twice: kFast (every element visible, plain scale:
+            // one FFMA + EX2 + FADD + FMUL per element, no index math) and the general one.
             auto elementwise = [&](auto fast_tag) {
                 constexpr bool kFast = decltype(fast_tag)::value;
 #pragma unroll
@@ -112,23 +112,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
                     for (int r = 0; r < 2; ++r) {
                         const int rl = ra0 + 16 * mt + g + 8 * r;
                         const int i = m0 + rl;
-                        const float lse2 = lse_to_log2(sL[st * BM + rl]);
+                        const float lse2 = Log2Units::lse(sL[st * BM + rl]);
                         const float dsv = sD[st * BM + rl];
 #pragma unroll
                         for (int nt = 0; nt < NTA; ++nt) {
                             float pv[2], dsr[2];
 #pragma unroll
                             for (int e = 0; e < 2; ++e) {
-                                if constexpr (kFast) {
-                                    pv[e] = ex2(s[mt][nt][2 * r + e] * li.c - lse2);
-                                    dsr[e] = pv[e] * (dpa[mt][nt][2 * r + e] - dsv);
-                                } else {
-                                    const int j = n0 + key0 + 8 * nt + 2 * q4 + e;
-                                    const bool vis = full || (i < si.sq && mk.visible(i, j));
-                                    const PdS x = p_ds(li, s[mt][nt][2 * r + e], dpa[mt][nt][2 * r + e], lse2, dsv, i, j, mk.off, vis);
-                                    pv[e] = x.p;
-                                    dsr[e] = x.ds;
-                                }
+                                const int j = n0 + key0 + 8 * nt + 2 * q4 + e;
+                                const PdS x = p_ds<Log2Units, kFast>(li, mk, s[mt][nt][2 * r + e], dpa[mt][nt][2 * r + e], lse2, dsv, i, j, full);
+                                pv[e] = x.p;
+                                dsr[e] = x.ds;
                             }
                             const int off = swz<CP>(rl, (key0 >> 3) + nt) * 8 + 2 * q4;
                             *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(pv[0], pv[1]);
@@ -158,7 +152,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
         // ---- phase C (atomic mode): dQ_accum += dS K, 2*CG n8 tiles at a time
         if (ws.dq_accum != nullptr) {
             const int64_t rstride = (int64_t)f.h * f.d;
-            float* dqg = ws.dq_accum + (si.q_row0 + m0) * rstride + (int64_t)hq * f.d;
+            float* dqg = ws.dq_accum_rows(f, si, hq) + m0 * rstride;
             [[maybe_unused]] const bool dq_vec2 = (reinterpret_cast<uintptr_t>(ws.dq_accum) & 7) == 0;  // sm_90 only
 #pragma unroll
             for (int gi = 0; gi < Kt::kCPairs / CG; ++gi) {
@@ -225,8 +219,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
                     *reinterpret_cast<uint32_t*>(sOv + off) = pack2<T>(dv[mt][t][2 * r], dv[mt][t][2 * r + 1]);
                 }
         __syncthreads();
-        T* dkg = static_cast<T*>(p.dk) + si.k_off(b, p.dk_batch_stride, p.dk_row_stride) + (int64_t)hkv_i * p.dk_head_stride;
-        T* dvg = static_cast<T*>(p.dv) + si.k_off(b, p.dv_batch_stride, p.dv_row_stride) + (int64_t)hkv_i * p.dv_head_stride;
+        T* dkg = si.dk<T>(p, hkv_i);
+        T* dvg = si.dv<T>(p, hkv_i);
         for (int idx = tid; idx < BN * C; idx += NTH) {
             const int r = idx / C, c = idx % C;
             if (n0 + r < si.sk && c < dch) {
@@ -238,8 +232,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
         }
     } else {
         const int64_t rs = (int64_t)f.hkv * f.d;
-        float* wk = ws.dkv + ((int64_t)split * ws.total_k + si.k_row0 + n0) * rs + (int64_t)hkv_i * f.d;
-        float* wv = wk + (int64_t)ws.nsplit * ws.total_k * rs;
+        float* wk = ws.dk_part_rows(f, si, split, hkv_i) + n0 * rs;
+        float* wv = wk + ws.dkv_v_offset(f);
 #pragma unroll
         for (int mt = 0; mt < BMT; ++mt)
 #pragma unroll
@@ -274,17 +268,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dq_tc_kernel(const CfBwd
     const int g = lane >> 2, q4 = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z;
     const SeqInfo si(f, b);
-    const int m_block = (f.window_right >= 0 && f.window_left < 0) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int m0 = m_block * BM;
+    const int m0 = heavy_first_block(f) * BM;
     if (m0 >= si.sq) return;
-    const int hk = h / (f.h / f.hkv);
+    const int hk = kv_head(f, h);
     const int dch = f.d >> 3;
 
-    const T* qg = static_cast<const T*>(f.q) + si.q_off(b, f.q_batch_stride, f.q_row_stride) + (int64_t)h * f.q_head_stride;
-    const T* dog = static_cast<const T*>(p.dout) + si.q_off(b, p.do_batch_stride, p.do_row_stride) + (int64_t)h * p.do_head_stride;
-    const T* kg = static_cast<const T*>(f.k) + si.k_off(b, f.k_batch_stride, f.k_row_stride) + (int64_t)hk * f.k_head_stride;
-    const T* vg = static_cast<const T*>(f.v) + si.k_off(b, f.v_batch_stride, f.v_row_stride) + (int64_t)hk * f.v_head_stride;
-    T* dqg = static_cast<T*>(p.dq) + si.q_off(b, p.dq_batch_stride, p.dq_row_stride) + (int64_t)h * p.dq_head_stride;
+    const T* qg = si.q<T>(f, h);
+    const T* dog = si.dout<T>(p, h);
+    const T* kg = si.k<T>(f, hk);
+    const T* vg = si.v<T>(f, hk);
+    T* dqg = si.dq<T>(p, h);
 
     const MaskInfo mk(si.sq, si.sk, f.window_left, f.window_right);
     const int m_last = min(m0 + BM, si.sq) - 1;
@@ -304,12 +297,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dq_tc_kernel(const CfBwd
     const int row_w = 16 * warp;
     float lse2[2], dsv[2];
     {
-        const float* lp = f.lse + (int64_t)b * f.lse_batch_stride + (int64_t)h * f.lse_head_stride + (si.q_varlen ? si.q_row0 : 0);
-        const float* dp = ws.dsum + (int64_t)h * ws.total_q + si.q_row0;
+        const float* lp = si.lse(f, h);
+        const float* dp = ws.dsum_rows(si, h);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int i = m0 + row_w + g + 8 * r;
-            lse2[r] = i < si.sq ? lse_to_log2(lp[i]) : INFINITY;
+            lse2[r] = i < si.sq ? Log2Units::lse(lp[i]) : INFINITY;
             dsv[r] = i < si.sq ? dp[i] : 0.f;
         }
     }
@@ -342,16 +335,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dq_tc_kernel(const CfBwd
         gemm_abt<1, NT, KS, C, C, T>(s, sQ, row_w, cK, 0, lane);
         gemm_abt<1, NT, KS, C, C, T>(dpa, sdO, row_w, cV, 0, lane);
         const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
-        if (full && !li.general) {  // every element visible, plain scale: no index math
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = e >> 1;
-                    const float pv = ex2(s[0][nt][e] * li.c - lse2[r]);
-                    s[0][nt][e] = pv * (dpa[0][nt][e] - dsv[r]);
-                }
-        } else {
+        // dS in place of S; instantiated twice like the dK/dV kernel's element loop
+        auto elementwise = [&](auto fast_tag) {
+            constexpr bool kFast = decltype(fast_tag)::value;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -359,9 +345,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dq_tc_kernel(const CfBwd
                     const int r = e >> 1;
                     const int i = m0 + row_w + g + 8 * r;
                     const int j = n0 + 8 * nt + 2 * q4 + (e & 1);
-                    const bool vis = full || (i < si.sq && mk.visible(i, j));
-                    s[0][nt][e] = p_ds(li, s[0][nt][e], dpa[0][nt][e], lse2[r], dsv[r], i, j, mk.off, vis).ds;
+                    s[0][nt][e] = p_ds<Log2Units, kFast>(li, mk, s[0][nt][e], dpa[0][nt][e], lse2[r], dsv[r], i, j, full).ds;
                 }
+        };
+        if (full && !li.general) {
+            elementwise(std::true_type{});
+        } else {
+            elementwise(std::false_type{});
         }
         uint32_t a[1][PS][4];
         c_to_a<1, PS, T>(a, s);
@@ -400,8 +390,8 @@ __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const CfBwdParams p
     const int h = blockIdx.y, b = blockIdx.z, i = blockIdx.x * 8 + warp;
     const SeqInfo si(f, b);
     if (i >= si.sq) return;
-    const float* src = ws.dq_accum + ((si.q_row0 + i) * f.h + h) * (int64_t)f.d;
-    T* dst = static_cast<T*>(p.dq) + si.q_off(b, p.dq_batch_stride, p.dq_row_stride) + (int64_t)i * p.dq_row_stride + (int64_t)h * p.dq_head_stride;
+    const float* src = ws.dq_accum_rows(f, si, h) + (int64_t)i * f.h * f.d;
+    T* dst = si.dq<T>(p, h) + (int64_t)i * p.dq_row_stride;
     const float scale = f.softmax_scale;
     for (int c = lane; c < f.d; c += 32) dst[c] = from_float<T>(src[c] * scale);
 }
@@ -415,10 +405,10 @@ __global__ void __launch_bounds__(256) bwd_reduce_dkv_kernel(const CfBwdParams p
     if (j >= si.sk) return;
     const int64_t rs = (int64_t)f.hkv * f.d;
     const int64_t split_stride = ws.total_k * rs;
-    const float* wk = ws.dkv + (si.k_row0 + j) * rs + (int64_t)hk * f.d;
-    const float* wv = wk + ws.nsplit * split_stride;
-    T* dk = static_cast<T*>(p.dk) + si.k_off(b, p.dk_batch_stride, p.dk_row_stride) + (int64_t)j * p.dk_row_stride + (int64_t)hk * p.dk_head_stride;
-    T* dv = static_cast<T*>(p.dv) + si.k_off(b, p.dv_batch_stride, p.dv_row_stride) + (int64_t)j * p.dv_row_stride + (int64_t)hk * p.dv_head_stride;
+    const float* wk = ws.dk_part_rows(f, si, 0, hk) + j * rs;
+    const float* wv = wk + ws.dkv_v_offset(f);
+    T* dk = si.dk<T>(p, hk) + (int64_t)j * p.dk_row_stride;
+    T* dv = si.dv<T>(p, hk) + (int64_t)j * p.dv_row_stride;
     for (int c = lane; c < f.d; c += 32) {
         float sk = 0.f, sv = 0.f;
         for (int s = 0; s < ws.nsplit; ++s) {  // fixed order: deterministic
@@ -439,7 +429,7 @@ static cudaError_t set_smem(K kern, int smem) {
 }
 
 template <typename T, int D>
-cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream) {
+cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaStream_t stream) {
     const CfFwdParams& f = p.fwd;
     cudaError_t e;
     // dK/dV (+ atomic dQ): one CTA per kBlockN keys of a KV head (and GQA split)
@@ -454,7 +444,7 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t strea
     };
     bool done = false;
     if constexpr (D == 64 || D == 128) {
-        if (sm90a_available()) {
+        if (wgmma) {
             if ((e = launch_dkdv(bwd_dkdv_sm90_kernel<BwdSm90Traits<T, D>>, BwdSm90Traits<T, D>{})) != cudaSuccess) return e;
             done = true;
         }

@@ -1,0 +1,87 @@
+// Where one sequence of the batch lives, and the pointers to its rows in every tensor of the
+// contract (flash_api.h). The only place that turns (batch, head, row) into an address: kernels
+// ask SeqInfo for "row 0 of head h" of a tensor and add row * row_stride themselves.
+#pragma once
+#include "../flash_api.h"
+#include "tile.cuh"
+
+namespace cf {
+
+struct SeqInfo {
+    int b;                    // sequence index
+    int sq, sk;               // this sequence's lengths
+    int64_t q_row0, k_row0;   // index of its row 0 among all rows (b*seqlen, or cu_seqlens[b])
+    bool q_varlen, k_varlen;
+
+    // Varlen offsets are device data the host does not check by default (no synchronisation per
+    // call): clamp them so that a bad table can only give wrong rows, never an access outside
+    // the tensors. Offsets are clamped to [0, total]; a decreasing pair is an empty sequence; a
+    // length above the maximum the grid was sized for is cut to it.
+    static __device__ __forceinline__ void span(const uint32_t* cu, int b, int64_t total, int max_len,
+                                                int64_t& row0, int& len) {
+        const int64_t s = min((int64_t)cu[b], total);
+        const int64_t e = min((int64_t)cu[b + 1], total);
+        row0 = s;
+        len = e > s ? (int)min(e - s, (int64_t)max_len) : 0;
+    }
+
+    __device__ __forceinline__ SeqInfo(const CfFwdParams& p, int b_) : b(b_) {
+        q_varlen = p.cu_seqlens_q != nullptr;
+        k_varlen = p.cu_seqlens_k != nullptr;
+        if (q_varlen) {
+            span(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, q_row0, sq);
+        } else {
+            q_row0 = int64_t(b) * p.seqlen_q;
+            sq = p.seqlen_q;
+        }
+        if (k_varlen) {
+            span(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, k_row0, sk);
+        } else {
+            k_row0 = int64_t(b) * p.seqlen_k;
+            sk = p.seqlen_k;
+        }
+    }
+
+    // Element offset of (row 0 of this sequence, head h) in a q-side / k-side tensor.
+    __device__ __forceinline__ int64_t q_off(int64_t batch_stride, int64_t row_stride, int64_t head_stride, int h) const {
+        return (q_varlen ? q_row0 * row_stride : int64_t(b) * batch_stride) + int64_t(h) * head_stride;
+    }
+    __device__ __forceinline__ int64_t k_off(int64_t batch_stride, int64_t row_stride, int64_t head_stride, int h) const {
+        return (k_varlen ? k_row0 * row_stride : int64_t(b) * batch_stride) + int64_t(h) * head_stride;
+    }
+
+    // Row 0 of head h (query side) / KV head hk (key side) of each tensor.
+    template <typename T> __device__ __forceinline__ const T* q(const CfFwdParams& p, int h) const {
+        return static_cast<const T*>(p.q) + q_off(p.q_batch_stride, p.q_row_stride, p.q_head_stride, h);
+    }
+    template <typename T> __device__ __forceinline__ const T* k(const CfFwdParams& p, int hk) const {
+        return static_cast<const T*>(p.k) + k_off(p.k_batch_stride, p.k_row_stride, p.k_head_stride, hk);
+    }
+    template <typename T> __device__ __forceinline__ const T* v(const CfFwdParams& p, int hk) const {
+        return static_cast<const T*>(p.v) + k_off(p.v_batch_stride, p.v_row_stride, p.v_head_stride, hk);
+    }
+    template <typename T> __device__ __forceinline__ T* o(const CfFwdParams& p, int h) const {
+        return static_cast<T*>(p.o) + q_off(p.o_batch_stride, p.o_row_stride, p.o_head_stride, h);
+    }
+    // lse of (this sequence, head h, row 0); rows are contiguous.
+    __device__ __forceinline__ float* lse(const CfFwdParams& p, int h) const {
+        return p.lse + int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + (q_varlen ? q_row0 : 0);
+    }
+    template <typename T> __device__ __forceinline__ const T* dout(const CfBwdParams& p, int h) const {
+        return static_cast<const T*>(p.dout) + q_off(p.do_batch_stride, p.do_row_stride, p.do_head_stride, h);
+    }
+    template <typename T> __device__ __forceinline__ T* dq(const CfBwdParams& p, int h) const {
+        return static_cast<T*>(p.dq) + q_off(p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, h);
+    }
+    template <typename T> __device__ __forceinline__ T* dk(const CfBwdParams& p, int hk) const {
+        return static_cast<T*>(p.dk) + k_off(p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, hk);
+    }
+    template <typename T> __device__ __forceinline__ T* dv(const CfBwdParams& p, int hk) const {
+        return static_cast<T*>(p.dv) + k_off(p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, hk);
+    }
+};
+
+// KV head read by query head h (GQA / MQA: h / group).
+__device__ __forceinline__ int kv_head(const CfFwdParams& p, int h) { return h / (p.h / p.hkv); }
+
+}  // namespace cf

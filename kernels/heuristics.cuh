@@ -1,0 +1,116 @@
+// The plans behind the runtime choices of dispatch.cu: pure functions of the parameters (and of
+// the device's SM count), so that a workspace size and the launch that uses it always agree.
+//   plan_split  split-KV decode: how many key chunks, GQA heads packed per CTA, ring depth
+//   plan_bwd    backward workspace layout, atomic vs deterministic dQ, GQA head split
+//   sm90 forward configuration by head dim and sequence length (fwd_sm90_config)
+// Measurements behind the constants: bench/NOTES.md.
+#pragma once
+#include <algorithm>
+#include <vector>
+#include "config.cuh"
+#include "launch.cuh"
+
+namespace cf {
+
+// Split-KV (flash-decoding) plan for few query rows and long keys: nsplit > 1 when the
+// one-pass grid would leave most of the GPU idle. pack = query heads per CTA (GQA group; 1 with
+// ALiBi, whose slope is per head). A pure function of the parameters and the device's SM count,
+// so cf_fwd_workspace_size and cf_fwd agree.
+inline SplitPlan plan_split(const CfFwdParams& p) {
+    SplitPlan sp{};
+    sp.nsplit = 1;
+    const int rd = round_head_dim(p.d);
+    if (p.dtype == CF_F32 || (rd != 64 && rd != 128) || p.seqlen_q > 16 || p.seqlen_k < 256) return sp;
+    const int group = p.h / p.hkv;
+    const int pack = p.alibi_slopes ? 1 : group;
+    const int64_t mblocks = (int64_t)(pack * p.seqlen_q + kSplitBlockM - 1) / kSplitBlockM;
+    if (mblocks * (p.h / pack) > 65535) return sp;
+    const int64_t base = mblocks * (p.h / pack) * p.b;
+    int sms = 0;
+    if (current_sm_count(sms) != cudaSuccess) {
+        (void)cudaGetLastError();
+        sms = 132;
+    }
+    const int64_t slots = (int64_t)sms * 2;  // the split kernel runs 2 CTAs per SM (d = 128)
+    if (base >= slots) return sp;
+    // at most one CTA per SM when the grid is small (measured: more, smaller splits are slower;
+    // then the kernel uses a deeper K/V ring), at least 2 splits otherwise
+    const int nkb = (p.seqlen_k + kSplitBlockN - 1) / kSplitBlockN;
+    const int64_t cap = std::max<int64_t>(2, sms / base);
+    const int max_split = (int)std::min<int64_t>({(int64_t)128, (int64_t)(nkb + 1) / 2, cap});
+    double best = 0.0;
+    std::vector<double> eff(max_split + 1, 0.0);
+    for (int n = 1; n <= max_split; ++n) {
+        const int64_t ctas = base * n;
+        eff[n] = (double)ctas / (double)(((ctas + slots - 1) / slots) * slots);
+        best = std::max(best, eff[n]);
+    }
+    int nsplit = 1;
+    for (int n = 1; n <= max_split; ++n)
+        if (eff[n] >= 0.95 * best) { nsplit = n; break; }
+    if (nsplit <= 1) return sp;
+    sp.deep = base * nsplit <= sms;
+    sp.bps = (nkb + nsplit - 1) / nsplit;
+    sp.nsplit = (nkb + sp.bps - 1) / sp.bps;  // no chunk left empty
+    sp.pack = pack;
+    sp.mblocks = (int)mblocks;
+    const size_t rows = (size_t)sp.nsplit * p.b * p.h * p.seqlen_q;
+    sp.opart_bytes = (rows * rd * sizeof(float) + 255) & ~size_t(255);
+    sp.bytes = sp.opart_bytes + rows * sizeof(float);
+    return sp;
+}
+
+// Backward workspace plan; a pure function of the parameters (cf_bwd_workspace_size and cf_bwd
+// must agree, so no device query).
+struct BwdPlan {
+    size_t dsum_off, dq_off, dkv_off, total;
+    int nsplit, hps;
+    int64_t total_q, total_k;
+    bool atomic_dq;
+};
+
+inline size_t round256(size_t x) { return (x + 255) & ~size_t(255); }
+
+inline BwdPlan plan_bwd(const CfBwdParams& p) {
+    const CfFwdParams& f = p.fwd;
+    BwdPlan pl{};
+    pl.total_q = f.total_q;
+    pl.total_k = f.total_k;
+    const bool tc = f.dtype != CF_F32;
+    pl.atomic_dq = tc && p.deterministic == 0;
+    // GQA/MQA on tensor cores: split the query heads of a KV head over several CTAs when the
+    // grid would otherwise be small (partials summed in a fixed order by a reduction kernel).
+    pl.nsplit = 1;
+    pl.hps = f.h / f.hkv;
+    if (tc && f.h > f.hkv) {
+        const int group = f.h / f.hkv;
+        const int64_t ctas = (int64_t)((f.seqlen_k + 63) / 64) * f.hkv * f.b;
+        const int64_t target = 264;  // ~2 waves of 132 SMs
+        int want = ctas >= target ? 1 : (int)((target + ctas - 1) / ctas);
+        if (want > group) want = group;
+        pl.hps = (group + want - 1) / want;
+        pl.nsplit = (group + pl.hps - 1) / pl.hps;
+        if ((int64_t)f.hkv * pl.nsplit > 65535) { pl.nsplit = 1; pl.hps = group; }
+    }
+    size_t off = 0;
+    pl.dsum_off = off;
+    off += round256(sizeof(float) * (size_t)f.h * pl.total_q);
+    pl.dq_off = off;
+    if (pl.atomic_dq) off += round256(sizeof(float) * (size_t)pl.total_q * f.h * f.d);
+    pl.dkv_off = off;
+    if (pl.nsplit > 1) off += round256(sizeof(float) * 2 * (size_t)pl.nsplit * pl.total_k * f.hkv * f.d);
+    pl.total = off;
+    return pl;
+}
+
+// Forward on Hopper: which FwdSm90Traits configuration (config.cuh) runs for head-dim tile D.
+// D = 64 with short queries: 128 x 128 persistent tiles (hiding the prologue / epilogue of short
+// tiles matters most); longer: 192 x 96 (measured 2-10% faster there). D = 128: 128 x 128.
+enum class FwdSm90Config { kD64Short, kD64, kD128 };
+constexpr int kFwdSm90D64ShortMaxSeq = 2048;
+inline FwdSm90Config fwd_sm90_config(const CfFwdParams& p) {
+    if (round_head_dim(p.d) == 128) return FwdSm90Config::kD128;
+    return p.seqlen_q <= kFwdSm90D64ShortMaxSeq ? FwdSm90Config::kD64Short : FwdSm90Config::kD64;
+}
+
+}  // namespace cf

@@ -1,0 +1,391 @@
+// Forward pass for Hopper (sm_90a): warpgroup MMA (wgmma), warp-specialised, same semantics as
+// every other forward (flash_api.h; masks, logits and the online softmax from common/).
+// Dispatched (dispatch.cu) for head-dim tiles 64 / 128 when sm90a_available().
+//
+// Parts, in the order a CTA runs them:
+//   FwdSharedStorage   shared memory as a struct; the launch asks for exactly its sizeof
+//   FwdTileScheduler   (tile_scheduler.cuh) which tiles this CTA computes, persistent or not
+//   FwdProducer        one warpgroup, loads only (cp.async of Q and the K / V ring)
+//   FwdMainloop        consumer warpgroups: S = Q K^T, masking, online softmax, O += P V
+//   FwdEpilogue        normalise, write lse, stage O in shared memory, 16-byte stores
+//   PingPong           consumer warpgroups taking turns at the tensor cores
+//
+// Barrier protocol (all mbarriers in FwdSharedStorage; Pipeline in pipeline.cuh):
+//   Q    1-stage pipeline. Producer: acquire(tile count) -> cp.async Q -> commit. Consumers:
+//        wait(tile count) before the first S; release once they no longer read Q (after the
+//        last S when O has its own buffer; after the epilogue's staging when O is staged in
+//        Q's rows).
+//   K, V kStages-stage pipelines with a shared buffer counter (the CTA's n-th key block uses
+//        stage n % kStages of both). Producer order per tile: K(0), Q, then K(j), V(j-1) for
+//        j = 1.., then V(last): the order the consumers need them in. Consumers release K(j)
+//        as soon as S(j) has completed, V(j) once P(j) V(j) has.
+//   Named barriers 1..kNWarpGroups (PingPong): warpgroup w issues its GEMMs after w-1 did.
+//   The only CTA-wide barrier is the one after barrier initialisation; the producer runs
+//   ahead by up to kStages key blocks and into the next tile.
+// Per key block j (last one first), each consumer warpgroup (as in FlashAttention-3):
+//   S(j) = Q K(j)^T (wgmma_ss) and O += P(j-1) V(j-1) (wgmma_rs, P from registers) are issued
+//   back to back; the softmax of block j runs while the tensor cores finish P V; O is rescaled
+//   by block j's correction only after P(j-1) V(j-1) has completed.
+// The kernel body exists only in sm_90a code (wgmma); the same file also builds for sm_80 / PTX.
+#include <cstddef>
+#include <cstdint>
+#include "../config.cuh"
+#include "../launch.cuh"
+#include "../common/softmax.cuh"
+#include "pipeline.cuh"
+#include "tile_scheduler.cuh"
+
+namespace cf {
+
+template <typename T, int kElems, bool kPresent>
+struct alignas(1024) OptionalTile {
+    T data[kElems];
+};
+template <typename T, int kElems>
+struct OptionalTile<T, kElems, false> {};
+
+// Every tile is 1024-byte aligned: wgmma's 128-byte swizzle is anchored at 1024-byte boundaries.
+template <typename Kt>
+struct FwdSharedStorage {
+    using T = typename Kt::Elem;
+    static constexpr int kQElems = Kt::kBlockM * Kt::kHeadDim, kKVElems = Kt::kBlockN * Kt::kHeadDim;
+    alignas(1024) T q[kQElems];
+    alignas(1024) T k[Kt::kStages][kKVElems];
+    alignas(1024) T v[Kt::kStages][kKVElems];
+    OptionalTile<T, kQElems, Kt::kSeparateO> o;  // own output staging buffer, else staged in q
+    // Pipeline barriers (full, then empty, per pipeline), contiguous: all pipelines are
+    // addressed from one base register.
+    uint64_t q_bars[2][1];
+    uint64_t k_bars[2][Kt::kStages];
+    uint64_t v_bars[2][Kt::kStages];
+
+    __device__ __forceinline__ T* o_staging() {
+        if constexpr (Kt::kSeparateO) return o.data;
+        else return q;
+    }
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+template <typename Kt>
+struct FwdPipelines {
+    using Storage = FwdSharedStorage<Kt>;
+    static constexpr uint32_t kQ = offsetof(Storage, q_bars), kK = offsetof(Storage, k_bars), kV = offsetof(Storage, v_bars);
+    uint32_t base;  // shared address of the storage
+    __device__ __forceinline__ explicit FwdPipelines(Storage& ss) : base(smem_addr(&ss)) {}
+    __device__ __forceinline__ Pipeline<1> q() const { return Pipeline<1>(base + kQ); }
+    __device__ __forceinline__ Pipeline<Kt::kStages> k() const { return Pipeline<Kt::kStages>(base + kK); }
+    __device__ __forceinline__ Pipeline<Kt::kStages> v() const { return Pipeline<Kt::kStages>(base + kV); }
+};
+
+// ---------------------------------------------------------------- producer
+template <typename Kt>
+struct FwdProducer {
+    using T = typename Kt::Elem;
+    static constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, C = D / 8, NPT = 128;
+
+    // Loads every tile of this CTA; ptid = thread index within the producer warpgroup.
+    static __device__ __forceinline__ void run(const CfFwdParams& p, FwdSharedStorage<Kt>& ss, const FwdPipelines<Kt>& pl,
+                                               int ptid) {
+        const FwdTileScheduler<BM, BN> sched(p);
+        const int dch = p.d >> 3;
+        uint32_t kv = 0, tcount = 0;  // key blocks and tiles loaded so far (pipeline counters)
+        for (int it = 0; it < sched.niters; ++it) {
+            const int tile = sched.tile_index(it);
+            if (tile >= sched.ntiles) continue;
+            const FwdTile t = sched.decode(p, tile);
+            if (t.empty() || t.nblocks == 0) continue;  // the consumers skip it too
+            const SeqInfo& si = t.si;
+            const int hk = kv_head(p, t.h);
+            const T* kg = si.k<T>(p, hk);
+            const T* vg = si.v<T>(p, hk);
+            auto load_kv = [&](const Pipeline<Kt::kStages>& pipe, T (*dst)[FwdSharedStorage<Kt>::kKVElems], const T* g,
+                               int64_t row_stride, const void* fallback, int j) {
+                const uint32_t n = kv + j;
+                const int nb = t.nb_hi - 1 - j;
+                pipe.producer_acquire(n);
+                load_panels<BN, C, NPT>(dst[pipe.stage(n)], g + (int64_t)nb * BN * row_stride, row_stride, si.sk - nb * BN,
+                                        dch, ptid, fallback);
+                pipe.producer_commit_cp_async(n);
+            };
+            auto load_k = [&](int j) { load_kv(pl.k(), ss.k, kg, p.k_row_stride, p.k, j); };
+            auto load_v = [&](int j) { load_kv(pl.v(), ss.v, vg, p.v_row_stride, p.v, j); };
+            // K(0) first: its stage may be free before the consumers release Q.
+            load_k(0);
+            pl.q().producer_acquire(tcount);
+            load_panels<BM, C, NPT>(ss.q, si.q<T>(p, t.h) + (int64_t)t.m0 * p.q_row_stride, p.q_row_stride,
+                                    si.sq - t.m0, dch, ptid, p.q);
+            pl.q().producer_commit_cp_async(tcount);
+            for (int j = 1; j < t.nblocks; ++j) {
+                load_k(j);
+                load_v(j - 1);
+            }
+            load_v(t.nblocks - 1);
+            kv += t.nblocks;
+            ++tcount;
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its issuing thread
+    }
+};
+
+// ---------------------------------------------------------------- ping-pong
+// Warpgroup wg waits on named barrier 1 + wg, which the previous warpgroup (cyclically) arrives
+// at once it has issued its GEMMs; the last warpgroup starts the rotation of each tile. Every
+// wait is matched by exactly one arrival (the last warpgroup skips its final one of the tile),
+// so no barrier is left half-complete.
+template <typename Kt>
+struct PingPong {
+    static constexpr int NWG = Kt::kNWarpGroups;
+    int wg;
+    __device__ __forceinline__ void start_tile() const {
+        if constexpr (Kt::kPingPong)
+            if (wg == NWG - 1) named_bar_arrive(1, 256);
+    }
+    __device__ __forceinline__ void wait() const {
+        if constexpr (Kt::kPingPong) named_bar_sync(1 + wg, 256);
+    }
+    __device__ __forceinline__ void pass(bool last_block) const {
+        if constexpr (Kt::kPingPong)
+            if (!(last_block && wg == NWG - 1)) named_bar_arrive(1 + (wg + 1) % NWG, 256);
+    }
+};
+
+// ---------------------------------------------------------------- consumer mainloop
+// One consumer warpgroup's work on one tile: its 64 query rows against every key block.
+// Leaves O (unnormalised, m64nD accumulator layout) and the softmax statistics for the epilogue.
+template <typename Kt>
+struct FwdMainloop {
+    using T = typename Kt::Elem;
+    static constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, S = Kt::kStages;
+    static constexpr int NT = BN / 8;   // n8 tiles of S
+    static constexpr int DT = D / 8;    // n8 tiles of O
+    static constexpr int KS = D / 16;   // k16 steps of Q K^T
+    static constexpr int PS = BN / 16;  // k16 steps of P V
+    static constexpr uint32_t kStageBytes = Kt::kKVStageBytes;
+
+    float o[D / 2];
+    OnlineSoftmax<2> softmax;  // rows g and g + 8 of this warp
+    uint32_t pa[PS][4];        // P of the previous block (A fragments)
+
+    // kv: pipeline counter of the tile's first key block. wrow0: this warp's first query row.
+    __device__ __forceinline__ void run(const FwdTile& t, const LogitInfo& li, float cmul, const FwdPipelines<Kt>& pl,
+                                        uint32_t aQwg, uint32_t aK, uint32_t aV, uint32_t kv, int wrow0, int lane,
+                                        const PingPong<Kt>& turn) {
+        const int q4 = lane & 3, g = lane >> 2;
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+        softmax = OnlineSoftmax<2>();
+
+        auto issue_s = [&](float (&s)[BN / 2], uint32_t st) {
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks)
+                wgmma_ss<BN, T, 0, 0>(s, desc_k_major(aQwg, BM, ks), desc_k_major(aK + st * kStageBytes, BN, ks), ks > 0);
+            wg_commit();
+        };
+        auto issue_pv = [&](uint32_t st) {
+#pragma unroll
+            for (int ks = 0; ks < PS; ++ks) wgmma_rs<D, T, 1>(o, pa[ks], desc_mn_major(aV + st * kStageBytes, BN, ks), 1);
+            wg_commit();
+        };
+        // Logit transform and mask (skipped for blocks this warp sees whole), then the online
+        // softmax; leaves P in s and the output correction in corr.
+        auto softmax_block = [&](float (&s)[BN / 2], int n0, float (&corr)[2]) {
+            mask_scores<1, NT>(s, li, t.mk, [&](int, int r) { return wrow0 + g + 8 * r; }, n0, q4,
+                               t.mk.block_full(wrow0, 16, n0, BN));
+            softmax.template step<1, NT>(s, cmul, corr);
+        };
+        auto to_p = [&](const float (&s)[BN / 2]) {
+#pragma unroll
+            for (int ks = 0; ks < PS; ++ks) {
+                pa[ks][0] = pack2<T>(s[8 * ks + 0], s[8 * ks + 1]);
+                pa[ks][1] = pack2<T>(s[8 * ks + 2], s[8 * ks + 3]);
+                pa[ks][2] = pack2<T>(s[8 * ks + 4], s[8 * ks + 5]);
+                pa[ks][3] = pack2<T>(s[8 * ks + 6], s[8 * ks + 7]);
+            }
+        };
+
+        // Block 0: S only (nothing to multiply with V yet).
+        {
+            pl.k().consumer_wait(kv);
+            float s[BN / 2];
+            turn.wait();
+            wg_fence();
+            issue_s(s, pl.k().stage(kv));
+            turn.pass(t.nblocks == 1);
+            wg_wait<0>();
+            reg_fence(s);
+            pl.k().consumer_release(kv, lane);
+            float corr[2];
+            softmax_block(s, (t.nb_hi - 1) * BN, corr);  // corr = 0 or 1 on o = 0: nothing to rescale
+            to_p(s);
+        }
+        for (int j = 1; j < t.nblocks; ++j) {
+            float s[BN / 2];
+            pl.k().consumer_wait(kv + j);
+            pl.v().consumer_wait(kv + j - 1);  // loaded right after K(j): S and P V stay back to back
+            turn.wait();
+            wg_fence();
+            issue_s(s, pl.k().stage(kv + j));
+            issue_pv(pl.v().stage(kv + j - 1));
+            turn.pass(j == t.nblocks - 1);
+            wg_wait<1>();  // S(j) done, P(j-1) V(j-1) may still run
+            reg_fence(s);
+            pl.k().consumer_release(kv + j, lane);
+            float corr[2];
+            softmax_block(s, (t.nb_hi - 1 - j) * BN, corr);
+            wg_wait<0>();  // P(j-1) V(j-1) done: o and pa are free
+            reg_fence(o);
+#pragma unroll
+            for (int ks = 0; ks < PS; ++ks) reg_fence(pa[ks]);
+            pl.v().consumer_release(kv + j - 1, lane);
+            scale_rows<1, DT>(o, corr);
+            to_p(s);
+        }
+        const uint32_t kv_last = kv + t.nblocks - 1;
+        pl.v().consumer_wait(kv_last);
+        wg_fence();
+        issue_pv(pl.v().stage(kv_last));
+        wg_wait<0>();
+        reg_fence(o);
+        pl.v().consumer_release(kv_last, lane);
+    }
+};
+
+// ---------------------------------------------------------------- epilogue
+template <typename Kt>
+struct FwdEpilogue {
+    using T = typename Kt::Elem;
+    static constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, C = D / 8, DT = D / 8;
+
+    // Normalise, write lse, stage O (as T) in this warp's own 16 rows of sO (with sO = Q's rows:
+    // only this warp's wgmma read those rows, and they have completed), store 16 bytes per lane.
+    static __device__ __forceinline__ void store(const CfFwdParams& p, const FwdTile& t, FwdMainloop<Kt>& ml, float cmul,
+                                                 T* sO, int rl0, int lane) {
+        const int g = lane >> 2, q4 = lane & 3, dch = p.d >> 3;
+        const SeqInfo& si = t.si;
+        float* lseg = si.lse(p, t.h);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float lse;
+            const float inv = ml.softmax.finish_row(r, cmul, lse);
+#pragma unroll
+            for (int j = 0; j < DT; ++j) {
+                ml.o[4 * j + 2 * r] *= inv;
+                ml.o[4 * j + 2 * r + 1] *= inv;
+            }
+            const int row = t.m0 + rl0 + g + 8 * r;
+            if (q4 == 0 && row < si.sq) lseg[row] = lse;
+        }
+        unsigned char* sOb = reinterpret_cast<unsigned char*>(sO);
+#pragma unroll
+        for (int j = 0; j < DT; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                *reinterpret_cast<uint32_t*>(sOb + panel_offset(BM, rl0 + g + 8 * r, 8 * j + 2 * q4)) =
+                    pack2<T>(ml.o[4 * j + 2 * r], ml.o[4 * j + 2 * r + 1]);
+        __syncwarp();
+        T* og = si.o<T>(p, t.h);
+#pragma unroll
+        for (int it = 0; it < (16 * C) / 32; ++it) {
+            const int idx = lane + it * 32;
+            const int rl = rl0 + idx / C, c = idx % C;
+            const int row = t.m0 + rl;
+            if (row < si.sq && c < dch)
+                *reinterpret_cast<uint4*>(og + (int64_t)row * p.o_row_stride + c * 8) =
+                    *reinterpret_cast<const uint4*>(sOb + panel_offset(BM, rl, 8 * c));
+        }
+        __syncwarp();  // every lane read its staged rows before they are rewritten (next tile)
+    }
+
+    // A tile none of whose rows sees a key: o = 0, lse = -inf (all consumer threads).
+    static __device__ __forceinline__ void store_empty(const CfFwdParams& p, const FwdTile& t, int ctid) {
+        write_empty_rows<T, BM, Kt::kNConsumerThreads>(t.si.o<T>(p, t.h), p.o_row_stride, t.si.lse(p, t.h), t.m0, t.m_last,
+                                                       p.d, ctid);
+    }
+};
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// ---------------------------------------------------------------- the kernel
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks) fwd_sm90_kernel(const CfFwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using T = typename Kt::Elem;
+    constexpr int NWG = Kt::kNWarpGroups, NCT = Kt::kNConsumerThreads;
+    extern __shared__ __align__(1024) unsigned char smem_fwd_sm90[];
+    if (smem_addr(smem_fwd_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
+    auto& ss = *reinterpret_cast<FwdSharedStorage<Kt>*>(smem_fwd_sm90);
+    const FwdPipelines<Kt> pl(ss);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2;  // consumer warpgroup wg < NWG: query rows 64 wg ..; NWG: producer
+    if (tid == 0) {
+        pl.q().init(128, 4 * NWG);  // full: one cp.async-tracking arrival per producer thread
+        pl.k().init(128, 4 * NWG);  // empty: one arrival per consumer warp
+        pl.v().init(128, 4 * NWG);
+    }
+    __syncthreads();  // barrier initialisation visible to every thread (the only CTA-wide barrier)
+
+    if (wg == NWG) {
+        setmaxnreg_dec<Kt::kProducerRegs>();  // the producer only computes addresses
+        FwdProducer<Kt>::run(p, ss, pl, tid - NCT);
+        return;
+    }
+
+    setmaxnreg_inc<Kt::kConsumerRegs>();
+    const FwdTileScheduler<Kt::kBlockM, Kt::kBlockN> sched(p);
+    const PingPong<Kt> turn{wg};
+    const uint32_t aQwg = smem_addr(ss.q) + wg * 64 * kPanelRowBytes;  // this warpgroup's 64 rows of Q
+    const uint32_t aK = smem_addr(ss.k), aV = smem_addr(ss.v);
+    const int rl0 = 64 * wg + 16 * (warp & 3);  // this warp's first row in the block
+    FwdMainloop<Kt> ml;
+    uint32_t kv = 0, tcount = 0;  // same counters as the producer's
+    for (int it = 0; it < sched.niters; ++it) {
+        const int tile = sched.tile_index(it);
+        if (tile >= sched.ntiles) continue;
+        const FwdTile t = sched.decode(p, tile);
+        if (t.empty()) continue;
+        if (t.nblocks == 0) {
+            FwdEpilogue<Kt>::store_empty(p, t, tid);
+            continue;
+        }
+        const LogitInfo li(p, t.si.b, t.h);
+        const float cmul = li.general ? kLog2e : li.c;  // general path: s holds natural logits
+        turn.start_tile();
+        pl.q().consumer_wait(tcount);
+        ml.run(t, li, cmul, pl, aQwg, aK, aV, kv, t.m0 + rl0, lane, turn);
+        if constexpr (Kt::kSeparateO) pl.q().consumer_release(tcount, lane);  // Q read for the last time
+        FwdEpilogue<Kt>::store(p, t, ml, cmul, ss.o_staging(), rl0, lane);
+        if constexpr (!Kt::kSeparateO) pl.q().consumer_release(tcount, lane);  // staging done: Q's rows are free
+        kv += t.nblocks;
+        ++tcount;
+    }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+template <typename Kt>
+cudaError_t launch_fwd_sm90(const CfFwdParams& p, cudaStream_t stream) {
+    using Sched = FwdTileScheduler<Kt::kBlockM, Kt::kBlockN>;
+    auto kern = fwd_sm90_kernel<Kt>;
+    constexpr int smem = (int)sizeof(FwdSharedStorage<Kt>);
+    static_assert(smem <= 227 * 1024, "must fit sm_90's 227 KB per CTA");
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    const int64_t ntiles = Sched::num_tiles(p);
+    if (ntiles == 0) return cudaSuccess;                            // nothing to compute (and no empty launch)
+    if (ntiles > INT32_MAX) return cudaErrorInvalidConfiguration;  // tile indices are int
+    int sms = 0;
+    if (Kt::kPersistent && (e = current_sm_count(sms)) != cudaSuccess) return e;
+    const int64_t grid = Sched::grid_size(p, Kt::kPersistent, sms * Kt::kMinBlocks);
+    kern<<<(unsigned)grid, Kt::kNThreads, smem, stream>>>(p);
+    return cudaGetLastError();
+}
+
+#define CF_INST_FWD_SM90(TRAITS)                                                   \
+    template cudaError_t launch_fwd_sm90<TRAITS<__half>>(const CfFwdParams&, cudaStream_t); \
+    template cudaError_t launch_fwd_sm90<TRAITS<__nv_bfloat16>>(const CfFwdParams&, cudaStream_t);
+CF_INST_FWD_SM90(FwdSm90TraitsD64Short)
+CF_INST_FWD_SM90(FwdSm90TraitsD64)
+CF_INST_FWD_SM90(FwdSm90TraitsD128)
+
+}  // namespace cf

@@ -1,0 +1,70 @@
+// Which (query block, head, sequence) tiles a CTA of the Hopper forward computes, and in what
+// order. Producer and consumers walk the same sequence of tiles through the same scheduler, so
+// their barrier phases stay in step.
+//
+// Tiles are numbered query block fastest (the CTAs running at the same time share K / V in L2).
+// Non-persistent launch (gridDim.x == ntiles): one tile per CTA. Persistent launch (gridDim.x <
+// ntiles; one wave of CTAs, the producer loads the next tile while the consumers finish the
+// current one): CTAs take units of two tiles round-robin, a unit pairing the i-th heaviest and
+// the i-th lightest query block of a head, so that every unit costs about the same under causal
+// masks and the static schedule stays balanced.
+#pragma once
+#include <algorithm>
+#include "../common/mask.cuh"
+
+namespace cf {
+
+// One tile: query rows [m0, m_last] of head h of one sequence, against key blocks
+// nb_hi - 1 - j for j = 0 .. nblocks - 1 (last first: the boundary block is masked first).
+struct FwdTile {
+    SeqInfo si;
+    MaskInfo mk;
+    int h, m0, m_last, nb_hi, nblocks;
+
+    __device__ __forceinline__ FwdTile(const CfFwdParams& p, int b) : si(p, b), mk(si.sq, si.sk, p.window_left, p.window_right) {}
+    // No query row of this tile exists in its sequence: nothing to load, compute or store.
+    __device__ __forceinline__ bool empty() const { return m0 >= si.sq; }
+};
+
+template <int kBlockM, int kBlockN>
+struct FwdTileScheduler {
+    int num_m, ntiles, pair, niters;
+    bool heavy_last;
+
+    // Tiles of a launch; the launch asks for min(ntiles, SMs * CTAs per SM) CTAs when persistent.
+    static int64_t num_tiles(const CfFwdParams& p) { return (int64_t)((p.seqlen_q + kBlockM - 1) / kBlockM) * p.h * p.b; }
+    static int64_t grid_size(const CfFwdParams& p, bool persistent, int ctas_per_wave) {
+        return persistent ? std::min<int64_t>(num_tiles(p), ctas_per_wave) : num_tiles(p);
+    }
+
+    __device__ __forceinline__ explicit FwdTileScheduler(const CfFwdParams& p) {
+        num_m = (p.seqlen_q + kBlockM - 1) / kBlockM;
+        ntiles = num_m * p.h * p.b;
+        pair = (int)gridDim.x < ntiles ? 1 : 0;  // log2(tiles per unit)
+        const int nunits = (ntiles + pair) >> pair;
+        niters = ((nunits + (int)gridDim.x - 1) / (int)gridDim.x) << pair;
+        // Causal-like masks: the last query blocks do the most work, so start them first.
+        heavy_last = p.window_right >= 0 && p.window_left < 0;
+    }
+
+    // Tile of this CTA's it-th iteration (it < niters); >= ntiles: none (skip it).
+    __device__ __forceinline__ int tile_index(int it) const {
+        return (((it >> pair) * (int)gridDim.x + (int)blockIdx.x) << pair) + (it & pair);
+    }
+
+    __device__ __forceinline__ FwdTile decode(const CfFwdParams& p, int tile) const {
+        const int r = tile % num_m, hb = tile / num_m;
+        const int mi = !pair ? r : (r & 1) ? num_m - 1 - (r >> 1) : (r >> 1);  // 0: heaviest
+        FwdTile t(p, hb / p.h);
+        t.h = hb % p.h;
+        t.m0 = (heavy_last ? num_m - 1 - mi : mi) * kBlockM;
+        t.m_last = min(t.m0 + kBlockM, t.si.sq) - 1;
+        int n_lo, n_hi;
+        t.mk.key_range(t.m0, t.m_last, n_lo, n_hi);
+        t.nb_hi = (n_hi + kBlockN - 1) / kBlockN;
+        t.nblocks = n_hi > n_lo ? t.nb_hi - n_lo / kBlockN : 0;
+        return t;
+    }
+};
+
+}  // namespace cf
