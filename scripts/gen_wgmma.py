@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes kernels/wgmma_ops.cuh: the inline-PTX wrappers of Hopper's warpgroup MMA
+"""Writes kernels/sm90/wgmma_ops.cuh: the inline-PTX wrappers of Hopper's warpgroup MMA
 (wgmma.mma_async m64nNk16, f32 accumulators, f16/bf16 inputs) for the N the kernels use.
 
 One wrapper needs N/2 accumulator operands spelled out in the asm string, which neither the
@@ -64,7 +64,7 @@ def main():
             parts.append(body_ss(n, tname))
             parts.append(body_rs(n, tname))
     parts.append("#endif  // __CUDA_ARCH_FEAT_SM90_ALL\n}  // namespace cf\n")
-    with open(os.path.join(root, "kernels", "wgmma_ops.cuh"), "w") as f:
+    with open(os.path.join(root, "kernels", "sm90", "wgmma_ops.cuh"), "w") as f:
         f.write("".join(parts))
 
 

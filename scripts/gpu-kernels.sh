@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Device side, kernel level (no Rust): builds kernels/ into a shared library with nvcc, runs the
+# kernel_check matrix on both kernel families (sm_90a wgmma and, with CANDLE_FLASH_DISABLE_SM90A=1,
+# the sm_80 mma.sync kernels), the bad-seqlens cases under compute-sanitizer memcheck, and, when
+# a baseline is carried (.baseline/kernels + .baseline/kernel_check_old.py: the previous
+# revision's kernels and harness), the timing grid of both builds side by side.
+#   run(command="bash scripts/gpu-kernels.sh [check|grid|all]", carry=[".baseline"])
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/candle-flash-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+what=${1:-all}
+summary=()
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+if [ "$what" = check ] || [ "$what" = all ]; then
+  python3 bench/kernel_check.py --build-only > "$OUT/build.log" 2>&1 &
+  if [ -d .baseline/kernels ]; then
+    CF_KDIR=.baseline/kernels CF_BUILD_DIR=.baseline/out python3 .baseline/kernel_check_old.py --build-only \
+      > "$OUT/build_baseline.log" 2>&1 &
+  fi
+  wait
+  tail -n 3 "$OUT/build.log"
+  python3 bench/kernel_check.py --no-build --inspect > "$OUT/check.log" 2>&1
+  summary+=("check (sm_90a):    rc=$? $(tail -n 1 "$OUT/check.log")")
+  grep -E "SPILL|ptxas:" "$OUT/check.log" | head -5
+  CANDLE_FLASH_DISABLE_SM90A=1 python3 bench/kernel_check.py --no-build > "$OUT/check_sm80.log" 2>&1
+  summary+=("check (sm_80 path): rc=$? $(tail -n 1 "$OUT/check_sm80.log")")
+  compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/kernel_check.py --no-build --bad-seqlens \
+    > "$OUT/sanitizer_bad_seqlens.log" 2>&1
+  summary+=("memcheck bad seqlens: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_bad_seqlens.log" | tail -n 1) $(grep -E 'passed' "$OUT/sanitizer_bad_seqlens.log" | tail -n 1)")
+  CANDLE_FLASH_DISABLE_SM90A=1 compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/kernel_check.py \
+    --no-build --bad-seqlens > "$OUT/sanitizer_bad_seqlens_sm80.log" 2>&1
+  summary+=("memcheck bad seqlens (sm_80 path): rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_bad_seqlens_sm80.log" | tail -n 1)")
+  compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/kernel_check.py --no-build --quick \
+    > "$OUT/racecheck.log" 2>&1
+  summary+=("racecheck quick:   rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -n 1)")
+fi
+
+if { [ "$what" = grid ] || [ "$what" = all ]; } && [ -d .baseline/out ]; then
+  python3 bench/grid.py new=bench/out old=.baseline/out=.baseline/kernel_check_old.py > "$OUT/grid.log" 2>&1
+  summary+=("grid: rc=$?")
+  cat "$OUT/grid.log"
+fi
+echo "==== summary ($(cat "$OUT/gpu.txt"))"
+printf '%s\n' "${summary[@]}"
