@@ -242,9 +242,9 @@ pub(crate) fn forward(
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, CudaStorage)> {
     match shape.dtype {
-        DType::F32 => forward_t::<f32>(shape, opts, q, k, v),
-        DType::F16 => forward_t::<f16>(shape, opts, q, k, v),
-        DType::BF16 => forward_t::<bf16>(shape, opts, q, k, v),
+        DType::F32 => forward_t::<f32>(shape, opts, [q, k, v]),
+        DType::F16 => forward_t::<f16>(shape, opts, [q, k, v]),
+        DType::BF16 => forward_t::<bf16>(shape, opts, [q, k, v]),
         dt => bail!("candle-flash: unsupported dtype {dt:?} on cuda"),
     }
 }
@@ -252,9 +252,7 @@ pub(crate) fn forward(
 fn forward_t<T: CudaDType + DeviceRepr>(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
-    q: (&CudaStorage, &Layout),
-    k: (&CudaStorage, &Layout),
-    v: (&CudaStorage, &Layout),
+    [q, k, v]: [(&CudaStorage, &Layout); 3],
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dev = q.0.device.clone();
     let stream = dev.cuda_stream();
