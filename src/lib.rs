@@ -10,6 +10,11 @@
 //! Sq ≠ Sk: query i sees key j iff `j <= i + Sk - Sq`. A row that sees no key gives 0 (and an
 //! LSE of -inf), never NaN. dtypes f32, f16, bf16 (f32 accumulation); head dims up to 256.
 //!
+//! Bad arguments are a `candle_core::Error`. The values of the varlen offsets and ALiBi slopes
+//! are checked on the CPU always, on CUDA only with [`FlashAttnOptions::check_device_data()`] or
+//! [`CHECK_DEVICE_DATA_ENV`]`=1` (reading them would synchronise the stream on every call); bad
+//! unchecked offsets give unspecified values in the affected rows, never an out-of-bounds access.
+//!
 //! `Tensor::backward()` through any of these functions gives dq, dk, dv; see [`op`] for how
 //! the backward reaches the forward's log-sum-exp without recomputing the forward.
 //!
@@ -32,7 +37,7 @@ pub mod op;
 pub mod params;
 pub mod reference;
 
-pub use params::{FlashAttnOptions, VarLen, MAX_HEAD_DIM};
+pub use params::{FlashAttnOptions, VarLen, CHECK_DEVICE_DATA_ENV, MAX_HEAD_DIM};
 
 use candle_core::{Result, Tensor};
 use op::{FlashAttnOp, LseSlot};
@@ -91,7 +96,7 @@ pub fn flash_attn_backward(
     opts: &FlashAttnOptions,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let shape = params::validate(q, k, v, opts)?;
-    op::backward(&shape, opts, q, k, v, out, grad_out, lse)
+    op::backward(&shape, opts, op::BwdInputs { q, k, v, out, grad_out, lse })
 }
 
 /// Flash attention. q `(B, Sq, H, D)`, k/v `(B, Sk, Hkv, D)` → `(B, Sq, H, D)`.
@@ -166,7 +171,8 @@ fn varlen(seqlens_q: &Tensor, seqlens_k: &Tensor, max_seqlen_q: usize, max_seqle
 }
 
 /// Varlen flash attention: q `(total_q, H, D)`, k/v `(total_k, Hkv, D)`, seqlens cumulative
-/// u32 `[B+1]` starting at 0 and ending at the totals.
+/// u32 `[B+1]` starting at 0 and ending at the totals (values checked on CUDA only on request:
+/// see [`FlashAttnOptions::check_device_data()`]).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen(
     q: &Tensor,

@@ -82,54 +82,111 @@ impl CustomOp3 for FlashAttnOp {
         grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let lse = self.lse.get()?;
-        let (dq, dk, dv) = backward(&self.shape, &self.opts, q, k, v, out, grad_out, &lse)?;
+        let (dq, dk, dv) = backward(&self.shape, &self.opts, BwdInputs { q, k, v, out, grad_out, lse: &lse })?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
 
+/// The tensors of a backward call, however each is held: `&Tensor` here, `(&CpuStorage,
+/// &Layout)` in `crate::cpu` and `(&CudaStorage, &Layout)` in `crate::cuda`.
+#[derive(Clone, Copy, Debug)]
+pub struct BwdInputs<T> {
+    pub q: T,
+    pub k: T,
+    pub v: T,
+    pub out: T,
+    pub grad_out: T,
+    /// The forward's log-sum-exp (f32, `AttnShape::lse_dims`).
+    pub lse: T,
+}
+
+impl<T> BwdInputs<T> {
+    pub fn as_ref(&self) -> BwdInputs<&T> {
+        let Self { q, k, v, out, grad_out, lse } = self;
+        BwdInputs { q, k, v, out, grad_out, lse }
+    }
+
+    /// Applies `f(name, x)` to each input, in the order of the fields.
+    pub fn try_map<U>(self, mut f: impl FnMut(&'static str, T) -> Result<U>) -> Result<BwdInputs<U>> {
+        let Self { q, k, v, out, grad_out, lse } = self;
+        Ok(BwdInputs {
+            q: f("q", q)?,
+            k: f("k", k)?,
+            v: f("v", v)?,
+            out: f("out", out)?,
+            grad_out: f("grad_out", grad_out)?,
+            lse: f("lse", lse)?,
+        })
+    }
+}
+
+/// A device's variant of [`Storage`], so that one helper unwraps inputs for either device.
+pub(crate) trait DeviceStorage: Sized {
+    const DEVICE: &'static str;
+    fn of(storage: &Storage) -> Option<&Self>;
+}
+
+impl DeviceStorage for CpuStorage {
+    const DEVICE: &'static str = "the CPU";
+    fn of(storage: &Storage) -> Option<&Self> {
+        match storage {
+            Storage::Cpu(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl DeviceStorage for candle_core::CudaStorage {
+    const DEVICE: &'static str = "CUDA";
+    fn of(storage: &Storage) -> Option<&Self> {
+        match storage {
+            Storage::Cuda(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+/// What `Tensor::storage_and_layout` returns: the storage's read guard and the layout.
+pub(crate) type StorageGuard<'a> = (candle_core::StorageRef<'a>, &'a Layout);
+
+/// The storage (as device `S`'s variant) and layout behind a tensor's guard, or an error naming
+/// the input. The one place where inputs are unwrapped, for the CPU and CUDA alike.
+pub(crate) fn device_storage<'a, S: DeviceStorage>(
+    name: &str,
+    (storage, layout): &'a StorageGuard<'_>,
+) -> Result<(&'a S, &'a Layout)> {
+    match S::of(storage) {
+        Some(s) => Ok((s, layout)),
+        None => bail!("candle-flash: {name} is not on {} like q", S::DEVICE),
+    }
+}
+
 /// The one backward dispatch point: gradients of q, k, v on whatever device they live.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    grad_out: &Tensor,
-    lse: &Tensor,
+    x: BwdInputs<&Tensor>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    validate_backward(shape, q, out, grad_out, lse)?;
-    let wrap = |s: Storage, dims: &[usize]| Tensor::from_storage(s, dims, BackpropOp::none(), false);
-    match q.device() {
+    validate_backward(shape, &x)?;
+    // Contiguous inputs keep the backward's addressing simple on every device (the gradient
+    // candle hands us may be a broadcast view); copies are O(N) and only for strided inputs.
+    let x = x.try_map(|_, t| t.contiguous())?;
+    let guards = x.as_ref().try_map(|_, t| Ok(t.storage_and_layout()))?;
+    let (dq, dk, dv) = match x.q.device() {
         Device::Cpu => {
-            let guards = [q, k, v, out, grad_out, lse].map(|t| t.storage_and_layout());
-            let cpu = |i: usize| -> Result<(&CpuStorage, &Layout)> {
-                match &*guards[i].0 {
-                    Storage::Cpu(s) => Ok((s, guards[i].1)),
-                    _ => bail!("candle-flash: backward input {i} is not on the cpu"),
-                }
-            };
-            let inputs = crate::cpu::BwdInputs {
-                q: cpu(0)?,
-                k: cpu(1)?,
-                v: cpu(2)?,
-                out: cpu(3)?,
-                grad_out: cpu(4)?,
-                lse: cpu(5)?,
-            };
+            let inputs = guards.as_ref().try_map(|name, g| device_storage::<CpuStorage>(name, g))?;
             let (dq, dk, dv) = crate::cpu::backward(shape, opts, inputs)?;
-            Ok((wrap(Storage::Cpu(dq), q.dims()), wrap(Storage::Cpu(dk), k.dims()), wrap(Storage::Cpu(dv), v.dims())))
+            (Storage::Cpu(dq), Storage::Cpu(dk), Storage::Cpu(dv))
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
-            let (dq, dk, dv) = crate::cuda::backward(shape, opts, q, k, v, out, grad_out, lse)?;
-            Ok((
-                wrap(Storage::Cuda(dq), q.dims()),
-                wrap(Storage::Cuda(dk), k.dims()),
-                wrap(Storage::Cuda(dv), v.dims()),
-            ))
+            let inputs = guards.as_ref().try_map(|name, g| device_storage::<candle_core::CudaStorage>(name, g))?;
+            let (dq, dk, dv) = crate::cuda::backward(shape, opts, inputs)?;
+            (Storage::Cuda(dq), Storage::Cuda(dk), Storage::Cuda(dv))
         }
         dev => bail!("candle-flash: backward is not implemented on {:?}", dev.location()),
-    }
+    };
+    let wrap = |s: Storage, t: &Tensor| Tensor::from_storage(s, t.dims(), BackpropOp::none(), false);
+    Ok((wrap(dq, &x.q), wrap(dk, &x.k), wrap(dv, &x.v)))
 }

@@ -1,8 +1,17 @@
 //! The one source of truth for options and shapes: [`FlashAttnOptions`] holds every option of
 //! every public variant, and [`validate`] is the only place that checks arguments. Both the CPU
 //! and the CUDA paths (and the reference) consume the [`AttnShape`] it returns.
+//!
+//! What the shapes alone show is checked on every call and every device. The *values* of the
+//! option tensors (varlen offsets, ALiBi slopes) live on the tensors' device: on the CPU they
+//! are read and checked on every call (free there), on CUDA only on request
+//! ([`FlashAttnOptions::check_device_data()`] or `CANDLE_FLASH_CHECK_DEVICE_DATA=1`), because
+//! reading them is a host copy that stalls the stream and breaks CUDA-graph capture. Unchecked
+//! bad offsets on CUDA are clamped by the kernels (never an access outside the tensors).
 
-use candle_core::{bail, DType, Device, Tensor};
+use crate::op::BwdInputs;
+use candle_core::{bail, DType, Device, Error, Tensor};
+use std::sync::OnceLock;
 
 /// Largest head dimension any path supports.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -36,6 +45,21 @@ pub struct FlashAttnOptions {
     pub varlen: Option<VarLen>,
     /// Backward only: give bit-identical gradients run to run (no order-dependent atomics).
     pub deterministic: bool,
+    /// CUDA: copy the varlen offsets and ALiBi slopes to the host and check their values on
+    /// every call (a stream synchronisation; not capturable in a CUDA graph). Off by default,
+    /// where bad offsets give unspecified values in the affected rows but never an access
+    /// outside the tensors. Also turned on for every call by the environment variable
+    /// [`CHECK_DEVICE_DATA_ENV`]`=1`. The CPU always checks (reading there is free).
+    pub check_device_data: bool,
+}
+
+/// Environment variable that turns [`FlashAttnOptions::check_device_data()`] on for every call
+/// (any value but empty or `0`; read once per process).
+pub const CHECK_DEVICE_DATA_ENV: &str = "CANDLE_FLASH_CHECK_DEVICE_DATA";
+
+fn check_device_data_env() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var(CHECK_DEVICE_DATA_ENV).is_ok_and(|v| !v.is_empty() && v != "0"))
 }
 
 impl FlashAttnOptions {
@@ -48,6 +72,7 @@ impl FlashAttnOptions {
             alibi_slopes: None,
             varlen: None,
             deterministic: false,
+            check_device_data: false,
         }
     }
 
@@ -85,6 +110,13 @@ impl FlashAttnOptions {
         self
     }
 
+    /// Sets the field `check_device_data`: on CUDA, read and check the values of the varlen
+    /// offsets and ALiBi slopes on every call (a host synchronisation).
+    pub fn check_device_data(mut self, check: bool) -> Self {
+        self.check_device_data = check;
+        self
+    }
+
     pub fn is_causal(&self) -> bool {
         self.window_size_left.is_none() && self.window_size_right == Some(0)
     }
@@ -109,28 +141,58 @@ impl SeqSpan {
 }
 
 /// Validated shapes of one call. Rows are packed: q is viewed as `(total_q, H, D)` and k/v as
-/// `(total_k, Hkv, D)` for both layouts.
+/// `(total_k, Hkv, D)` for both layouts. Every field but [`Self::host`] comes from the shapes
+/// alone, so the CUDA path needs no device data on the host.
 #[derive(Clone, Debug)]
 pub struct AttnShape {
     pub dtype: DType,
+    /// B (varlen: the length of the seqlens minus one).
     pub batch: usize,
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
-    /// Batched: Sq and Sk. Varlen: max_seqlen_q and max_seqlen_k.
+    /// Batched: Sq and Sk. Varlen: max_seqlen_q and max_seqlen_k, capped at the totals (no
+    /// sequence can be longer than its packed tensor).
     pub max_seqlen_q: usize,
     pub max_seqlen_k: usize,
     pub total_q: usize,
     pub total_k: usize,
-    pub seqs: Vec<SeqSpan>,
     pub is_varlen: bool,
-    /// ALiBi slopes copied to the host (`batch * num_heads` values, one per (b, h)).
-    pub alibi_per_head: Option<Vec<f32>>,
+    /// ALiBi slopes of shape `[B, H]` (false for `[H]` or no ALiBi).
+    pub alibi_per_batch: bool,
+    /// The checked values of the device-held options: always on the CPU (and for the
+    /// reference), on CUDA only when [`FlashAttnOptions::check_device_data()`] asked for them.
+    pub host: Option<HostData>,
+}
+
+/// The values of the option tensors, read to the host and checked by [`validate`]: where each
+/// sequence lies (from the varlen offsets, or the batched shape) and the ALiBi slopes.
+#[derive(Clone, Debug)]
+pub struct HostData {
+    pub seqs: Vec<SeqSpan>,
+    /// `batch * num_heads` slopes, one per (b, h).
+    alibi: Option<Vec<f32>>,
+    num_heads: usize,
+}
+
+impl HostData {
+    pub fn alibi_slope(&self, b: usize, h: usize) -> Option<f32> {
+        self.alibi.as_ref().map(|s| s[b * self.num_heads + h])
+    }
+
+    pub fn has_alibi(&self) -> bool {
+        self.alibi.is_some()
+    }
 }
 
 impl AttnShape {
     pub fn group_size(&self) -> usize {
         self.num_heads / self.num_kv_heads
+    }
+
+    /// The host values; always there for CPU tensors (validate reads them on the CPU).
+    pub fn host(&self) -> candle_core::Result<&HostData> {
+        self.host.as_ref().ok_or_else(|| Error::Msg("candle-flash: the seqlens/ALiBi values were not read".into()))
     }
 
     /// Shape of the log-sum-exp: `(B, H, Sq)` batched, `(H, total_q)` varlen.
@@ -142,17 +204,14 @@ impl AttnShape {
         }
     }
 
-    /// Index of (sequence b, head h, row i) in the LSE buffer laid out as [`Self::lse_dims`].
-    pub fn lse_index(&self, b: usize, h: usize, i: usize) -> usize {
+    /// Index of (row i of `seq`, head h) in the LSE buffer laid out as [`Self::lse_dims`].
+    pub fn lse_index(&self, seq: &SeqSpan, h: usize, i: usize) -> usize {
         if self.is_varlen {
-            h * self.total_q + self.seqs[b].q_start + i
+            h * self.total_q + seq.q_start + i
         } else {
-            (b * self.num_heads + h) * self.max_seqlen_q + i
+            // Sequence b starts at row b * Sq: (b * H + h) * Sq + i.
+            seq.q_start * self.num_heads + h * self.max_seqlen_q + i
         }
-    }
-
-    pub fn alibi_slope(&self, b: usize, h: usize) -> Option<f32> {
-        self.alibi_per_head.as_ref().map(|s| s[b * self.num_heads + h])
     }
 
     /// The key range `[lo, hi)` that query row `i` of `seq` may see (possibly empty).
@@ -215,14 +274,9 @@ fn check_last_dim_contiguous(name: &str, t: &Tensor) -> candle_core::Result<()> 
     Ok(())
 }
 
-/// Reads cumulative seqlens to the host and checks them against the packed total and max.
+/// Reads cumulative seqlens to the host and checks them against the packed total and max
+/// (the shape-only checks of the tensor are done before).
 fn read_seqlens(name: &str, t: &Tensor, total: usize, max: usize) -> candle_core::Result<Vec<usize>> {
-    if t.dtype() != DType::U32 {
-        bail!("candle-flash: {name} has dtype {:?}, expected u32", t.dtype())
-    }
-    if t.rank() != 1 || t.dim(0)? < 2 {
-        bail!("candle-flash: {name} must be 1-D with B+1 >= 2 cumulative offsets, got shape {:?}", t.dims())
-    }
     let offsets: Vec<usize> = t.to_vec1::<u32>()?.into_iter().map(|x| x as usize).collect();
     if offsets[0] != 0 {
         bail!("candle-flash: {name} must start at 0, got {offsets:?}")
@@ -241,20 +295,36 @@ fn read_seqlens(name: &str, t: &Tensor, total: usize, max: usize) -> candle_core
     Ok(offsets)
 }
 
-/// Checks q, k, v and the options, for every variant and every device, and returns the shape.
-/// The only device-specific rule is CUDA's head dim (a multiple of 8, for 16-byte loads).
-pub fn validate(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> candle_core::Result<AttnShape> {
-    validate_inner(q, k, v, opts, false)
+/// Shape-only checks of a seqlens tensor; returns its number of sequences B.
+fn seqlens_batch(name: &str, t: &Tensor, device: &Device) -> candle_core::Result<usize> {
+    check_same_device(name, t, device)?;
+    if t.dtype() != DType::U32 {
+        bail!("candle-flash: {name} has dtype {:?}, expected u32", t.dtype())
+    }
+    if t.rank() != 1 || t.dim(0)? < 2 {
+        bail!("candle-flash: {name} must be 1-D with B+1 >= 2 cumulative offsets, got shape {:?}", t.dims())
+    }
+    Ok(t.dim(0)? - 1)
 }
 
-/// [`validate`] for the reference, which also computes in f64 (the tests' ground truth).
+/// Checks q, k, v and the options, for every variant and every device, and returns the shape.
+/// Device-specific rules: CUDA's head dim (a multiple of 8, for 16-byte loads) and 32-bit
+/// sizes; the option tensors' values are read and checked on the CPU always, on CUDA only when
+/// asked (see the module documentation).
+pub fn validate(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> candle_core::Result<AttnShape> {
+    let read = !q.device().is_cuda() || opts.check_device_data || check_device_data_env();
+    validate_inner(q, k, v, opts, false, read)
+}
+
+/// [`validate`] for the reference, which also computes in f64 (the tests' ground truth) and
+/// always needs the values on the host.
 pub fn validate_reference(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     opts: &FlashAttnOptions,
 ) -> candle_core::Result<AttnShape> {
-    validate_inner(q, k, v, opts, true)
+    validate_inner(q, k, v, opts, true, true)
 }
 
 fn validate_inner(
@@ -263,6 +333,7 @@ fn validate_inner(
     v: &Tensor,
     opts: &FlashAttnOptions,
     allow_f64: bool,
+    read_device_data: bool,
 ) -> candle_core::Result<AttnShape> {
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         check_float_dtype(name, t, allow_f64)?;
@@ -306,49 +377,57 @@ fn validate_inner(
         }
     }
 
-    let (batch, max_seqlen_q, max_seqlen_k, total_q, total_k, seqs) = match &opts.varlen {
+    let (batch, max_seqlen_q, max_seqlen_k, total_q, total_k) = match &opts.varlen {
         None => {
             let (b, sq) = (q.dims()[0], q.dims()[1]);
             let (bk, sk) = (k.dims()[0], k.dims()[1]);
             if bk != b {
                 bail!("candle-flash: batch sizes differ: q has {b}, k and v have {bk}")
             }
-            let seqs = (0..b).map(|i| SeqSpan { q_start: i * sq, q_len: sq, k_start: i * sk, k_len: sk }).collect();
-            (b, sq, sk, b * sq, b * sk, seqs)
+            (b, sq, sk, b * sq, b * sk)
         }
         Some(vl) => {
-            check_same_device("seqlens_q", &vl.seqlens_q, q.device())?;
-            check_same_device("seqlens_k", &vl.seqlens_k, q.device())?;
             let (total_q, total_k) = (q.dims()[0], k.dims()[0]);
-            let oq = read_seqlens("seqlens_q", &vl.seqlens_q, total_q, vl.max_seqlen_q)?;
-            let ok = read_seqlens("seqlens_k", &vl.seqlens_k, total_k, vl.max_seqlen_k)?;
-            if oq.len() != ok.len() {
-                bail!("candle-flash: seqlens_q has {} entries but seqlens_k has {}", oq.len(), ok.len())
+            let bq = seqlens_batch("seqlens_q", &vl.seqlens_q, q.device())?;
+            let bk = seqlens_batch("seqlens_k", &vl.seqlens_k, q.device())?;
+            if bq != bk {
+                bail!("candle-flash: seqlens_q has {} entries but seqlens_k has {}", bq + 1, bk + 1)
             }
-            let seqs = (0..oq.len() - 1)
-                .map(|b| SeqSpan { q_start: oq[b], q_len: oq[b + 1] - oq[b], k_start: ok[b], k_len: ok[b + 1] - ok[b] })
-                .collect();
-            (oq.len() - 1, vl.max_seqlen_q, vl.max_seqlen_k, total_q, total_k, seqs)
+            for (name, total, max) in [("q", total_q, vl.max_seqlen_q), ("k", total_k, vl.max_seqlen_k)] {
+                if total > u32::MAX as usize {
+                    bail!("candle-flash: {name} has {total} rows, more than u32 seqlens can address")
+                }
+                if max == 0 && total > 0 {
+                    bail!("candle-flash: max_seqlen_{name} is 0 but {name} has {total} rows")
+                }
+            }
+            (bq, vl.max_seqlen_q.min(total_q), vl.max_seqlen_k.min(total_k), total_q, total_k)
         }
     };
+    if q.device().is_cuda() && [batch, max_seqlen_q, max_seqlen_k].iter().any(|&x| x > i32::MAX as usize) {
+        bail!(
+            "candle-flash: batch {batch}, max_seqlen_q {max_seqlen_q} and max_seqlen_k {max_seqlen_k} must fit \
+             the CUDA kernels' 32-bit sizes"
+        )
+    }
 
-    let alibi_per_head = match &opts.alibi_slopes {
-        None => None,
-        Some(s) => {
-            check_same_device("alibi_slopes", s, q.device())?;
-            if s.dtype() != DType::F32 {
-                bail!("candle-flash: alibi_slopes must be f32, got {:?}", s.dtype())
-            }
-            let values = match s.dims() {
-                [h] if *h == num_heads => s.to_vec1::<f32>()?.repeat(batch),
-                [b, h] if *b == batch && *h == num_heads => s.flatten_all()?.to_vec1::<f32>()?,
-                dims => bail!(
-                    "candle-flash: alibi_slopes must have shape [{num_heads}] or [{batch}, {num_heads}], got {dims:?}"
-                ),
-            };
-            Some(values)
+    if let Some(s) = &opts.alibi_slopes {
+        check_same_device("alibi_slopes", s, q.device())?;
+        if s.dtype() != DType::F32 {
+            bail!("candle-flash: alibi_slopes must be f32, got {:?}", s.dtype())
         }
-    };
+        match s.dims() {
+            [h] if *h == num_heads => {}
+            [b, h] if *b == batch && *h == num_heads => {}
+            dims => {
+                bail!(
+                    "candle-flash: alibi_slopes must have shape [{num_heads}] or [{batch}, {num_heads}], got {dims:?}"
+                )
+            }
+        }
+    }
+
+    let host = if read_device_data { Some(read_host_data(q, k, opts, batch, num_heads)?) } else { None };
 
     Ok(AttnShape {
         dtype: q.dtype(),
@@ -360,21 +439,52 @@ fn validate_inner(
         max_seqlen_k,
         total_q,
         total_k,
-        seqs,
         is_varlen: opts.varlen.is_some(),
-        alibi_per_head,
+        alibi_per_batch: opts.alibi_slopes.as_ref().is_some_and(|s| s.rank() == 2),
+        host,
     })
 }
 
-/// Checks the extra tensors of an explicit backward call against the forward's shape.
-pub fn validate_backward(
-    shape: &AttnShape,
+/// The values part of [`validate_inner`] (after every shape check): copies the varlen offsets
+/// and ALiBi slopes to the host and checks them.
+fn read_host_data(
     q: &Tensor,
-    out: &Tensor,
-    grad_out: &Tensor,
-    lse: &Tensor,
-) -> candle_core::Result<()> {
-    for (name, t) in [("out", out), ("grad_out", grad_out)] {
+    k: &Tensor,
+    opts: &FlashAttnOptions,
+    batch: usize,
+    num_heads: usize,
+) -> candle_core::Result<HostData> {
+    let seqs = match &opts.varlen {
+        None => {
+            let (sq, sk) = (q.dims()[1], k.dims()[1]);
+            (0..batch).map(|i| SeqSpan { q_start: i * sq, q_len: sq, k_start: i * sk, k_len: sk }).collect()
+        }
+        Some(vl) => {
+            let oq = read_seqlens("seqlens_q", &vl.seqlens_q, q.dims()[0], vl.max_seqlen_q)?;
+            let ok = read_seqlens("seqlens_k", &vl.seqlens_k, k.dims()[0], vl.max_seqlen_k)?;
+            (0..batch)
+                .map(|b| SeqSpan { q_start: oq[b], q_len: oq[b + 1] - oq[b], k_start: ok[b], k_len: ok[b + 1] - ok[b] })
+                .collect()
+        }
+    };
+    let alibi = match &opts.alibi_slopes {
+        None => None,
+        Some(s) => {
+            let values = s.flatten_all()?.to_vec1::<f32>()?;
+            if let Some(i) = values.iter().position(|x| !x.is_finite()) {
+                bail!("candle-flash: alibi_slopes must be finite, got {} at index {i}", values[i])
+            }
+            // One slope per (b, h): repeat the [H] form over the batch.
+            Some(if s.rank() == 1 { values.repeat(batch) } else { values })
+        }
+    };
+    Ok(HostData { seqs, alibi, num_heads })
+}
+
+/// Checks the extra tensors of a backward call (out, grad_out, lse) against the forward's shape.
+pub fn validate_backward(shape: &AttnShape, x: &BwdInputs<&Tensor>) -> candle_core::Result<()> {
+    let q = x.q;
+    for (name, t) in [("out", x.out), ("grad_out", x.grad_out)] {
         check_same_device(name, t, q.device())?;
         if t.dims() != q.dims() {
             bail!("candle-flash: {name} has shape {:?}, expected q's {:?}", t.dims(), q.dims())
@@ -383,9 +493,14 @@ pub fn validate_backward(
             bail!("candle-flash: {name} has dtype {:?}, expected q's {:?}", t.dtype(), q.dtype())
         }
     }
-    check_same_device("lse", lse, q.device())?;
-    if lse.dtype() != DType::F32 || lse.dims() != shape.lse_dims().as_slice() {
-        bail!("candle-flash: lse must be f32 of shape {:?}, got {:?} {:?}", shape.lse_dims(), lse.dtype(), lse.dims())
+    check_same_device("lse", x.lse, q.device())?;
+    if x.lse.dtype() != DType::F32 || x.lse.dims() != shape.lse_dims().as_slice() {
+        bail!(
+            "candle-flash: lse must be f32 of shape {:?}, got {:?} {:?}",
+            shape.lse_dims(),
+            x.lse.dtype(),
+            x.lse.dims()
+        )
     }
     Ok(())
 }

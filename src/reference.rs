@@ -4,7 +4,7 @@
 //! and the Llama block (`AttnImpl::Naive`). It computes in the dtype of its inputs: convert
 //! them to f64 for a ground truth.
 
-use crate::params::{validate_reference, AttnShape, FlashAttnOptions, SeqSpan};
+use crate::params::{validate_reference, AttnShape, FlashAttnOptions, HostData, SeqSpan};
 use candle_core::{DType, Result, Tensor, D};
 
 /// Naive attention with the layouts of [`crate::flash_attn`] (or the varlen layout when
@@ -28,6 +28,7 @@ fn attention_impl(
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let shape = validate_reference(q, k, v, opts)?;
+    let host = shape.host()?;
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
     // Packed row views: (total, heads, D) for both layouts.
     let qp = q.reshape((shape.total_q, h, d))?;
@@ -35,11 +36,11 @@ fn attention_impl(
     let vp = v.reshape((shape.total_k, hkv, d))?;
     let mut outs = Vec::with_capacity(shape.batch);
     let mut lses = Vec::with_capacity(shape.batch);
-    for (b, seq) in shape.seqs.iter().enumerate() {
+    for (b, seq) in host.seqs.iter().enumerate() {
         let qs = qp.narrow(0, seq.q_start, seq.q_len)?;
         let ks = kp.narrow(0, seq.k_start, seq.k_len)?;
         let vs = vp.narrow(0, seq.k_start, seq.k_len)?;
-        let (o, lse) = sequence_attention(&qs, &ks, &vs, opts, &shape, seq, b, want_lse)?;
+        let (o, lse) = sequence_attention(&qs, &ks, &vs, opts, (&shape, host), seq, b, want_lse)?;
         outs.push(o);
         lses.extend(lse);
     }
@@ -53,16 +54,21 @@ fn attention_impl(
 
 /// The additive bias of one sequence, `(H or 1, Sq, Sk)` f32: ALiBi where set (per head),
 /// -inf where masked. None when every query sees every key without a bias.
-fn bias(opts: &FlashAttnOptions, shape: &AttnShape, seq: &SeqSpan, b: usize) -> Option<(Vec<f32>, usize)> {
+fn bias(
+    opts: &FlashAttnOptions,
+    (shape, host): (&AttnShape, &HostData),
+    seq: &SeqSpan,
+    b: usize,
+) -> Option<(Vec<f32>, usize)> {
     let (sq, sk) = (seq.q_len, seq.k_len);
     let unmasked = (0..sq).all(|i| shape.key_range(opts, seq, i) == (0, sk));
-    if unmasked && shape.alibi_per_head.is_none() {
+    if unmasked && !host.has_alibi() {
         return None;
     }
-    let heads = if shape.alibi_per_head.is_some() { shape.num_heads } else { 1 };
+    let heads = if host.has_alibi() { shape.num_heads } else { 1 };
     let mut out = vec![0f32; heads * sq * sk];
     for head in 0..heads {
-        let slope = shape.alibi_slope(b, head);
+        let slope = host.alibi_slope(b, head);
         for i in 0..sq {
             let (lo, hi) = shape.key_range(opts, seq, i);
             let pos = i as isize + seq.diag_offset();
@@ -88,7 +94,7 @@ fn sequence_attention(
     k: &Tensor,
     v: &Tensor,
     opts: &FlashAttnOptions,
-    shape: &AttnShape,
+    (shape, host): (&AttnShape, &HostData),
     seq: &SeqSpan,
     b: usize,
     want_lse: bool,
@@ -114,7 +120,7 @@ fn sequence_attention(
     if let Some(c) = opts.softcap {
         s = ((s / c as f64)?.tanh()? * c as f64)?;
     }
-    if let Some((bias, heads)) = bias(opts, shape, seq, b) {
+    if let Some((bias, heads)) = bias(opts, (shape, host), seq, b) {
         let bias = Tensor::from_vec(bias, (heads, sq, sk), q.device())?.to_dtype(dtype)?;
         s = s.broadcast_add(&bias)?;
     }

@@ -1,5 +1,6 @@
 //! Bad input gives a clear `candle_core::Error` (naming the tensor and the values), never a
-//! panic; plus a property test over random valid and invalid shapes.
+//! panic; plus a property test over random valid and invalid shapes, and bad varlen offsets on
+//! the device (unchecked by default on CUDA: never a fault; checked on request or on the CPU).
 
 mod common;
 use candle_core::{DType, Device, Tensor};
@@ -186,5 +187,115 @@ fn property_random_shapes_never_panic() {
                 assert!(!valid || opts.varlen.is_some(), "valid input rejected: {e} (q {qd:?} k {kd:?}, seed {seed})")
             }
         }
+    }
+}
+
+/// Bad varlen offsets for q of 40 rows and k of 48 rows (4 query and 2 KV heads, head dim 64,
+/// max_seqlen 24 on both sides), each with what the checked error must say.
+struct BadSeqlens {
+    what: &'static str,
+    q: Vec<u32>,
+    k: Vec<u32>,
+    needles: &'static [&'static str],
+}
+
+const BAD_TOTALS: (usize, usize, usize) = (40, 48, 24);
+
+fn bad_seqlens_cases() -> Vec<BadSeqlens> {
+    let case = |what, q: &[u32], k: &[u32], needles| BadSeqlens { what, q: q.to_vec(), k: k.to_vec(), needles };
+    let huge = u32::MAX;
+    vec![
+        case("past the total", &[0, 20, 44], &[0, 24, 48], &["seqlens_q", "ends at 44", "40 rows"]),
+        case("decreasing", &[0, 10, 20, 40], &[0, 20, 10, 48], &["seqlens_k", "not monotonic"]),
+        case("longer than max_seqlen", &[0, 30, 40], &[0, 24, 48], &["seqlens_q", "length 30", "max_seqlen 24"]),
+        case("huge length", &[0, 20, huge], &[0, 24, 48], &["seqlens_q", "length 4294967275"]),
+        case("huge offsets", &[0, 20, 40], &[0, huge, huge], &["seqlens_k", "length 4294967295"]),
+        case("not starting at 0", &[huge, 20, 40], &[0, 24, 48], &["seqlens_q", "start at 0"]),
+    ]
+}
+
+/// (q, k, v, dout) for [`bad_seqlens_cases`] on `device`, and options with those offsets and
+/// ALiBi slopes `[H]` (so that the slopes' pointer is exercised too).
+fn bad_seqlens_call(
+    bad: &BadSeqlens,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<([Tensor; 4], FlashAttnOptions)> {
+    let (tq, tk, max) = BAD_TOTALS;
+    let (mut rng, _) = common::rng();
+    let to = |t: Tensor| t.to_dtype(dtype)?.to_device(device);
+    let q = to(common::randn(&mut rng, &[tq, 4, 64], 1.0)?)?;
+    let k = to(common::randn(&mut rng, &[tk, 2, 64], 1.0)?)?;
+    let v = to(common::randn(&mut rng, &[tk, 2, 64], 1.0)?)?;
+    let dout = to(common::randn(&mut rng, &[tq, 4, 64], 1.0)?)?;
+    let opts = FlashAttnOptions::new(0.125).causal(true).alibi(Some(&Tensor::new(&[0.1f32, 0.2, 0.3, 0.4], device)?));
+    let opts = opts.varlen(Some(VarLen {
+        seqlens_q: Tensor::new(bad.q.as_slice(), device)?,
+        seqlens_k: Tensor::new(bad.k.as_slice(), device)?,
+        max_seqlen_q: max,
+        max_seqlen_k: max,
+    }));
+    Ok(([q, k, v, dout], opts))
+}
+
+/// Forward then (if the forward gave one) backward of a bad-seqlens call.
+fn bad_seqlens_fwd_bwd(x: &[Tensor; 4], opts: &FlashAttnOptions) -> candle_core::Result<Tensor> {
+    let [q, k, v, dout] = x;
+    let (out, lse) = flash_attn_with_lse(q, k, v, opts)?;
+    flash_attn_backward(q, k, v, &out, dout, &lse, opts).map(|g| g.0)
+}
+
+/// On the CPU the offsets' values are always checked: forward and backward give an error that
+/// names the tensor and the problem.
+#[test]
+fn bad_seqlens_values_are_errors_on_cpu() {
+    for bad in bad_seqlens_cases() {
+        let (x, opts) = bad_seqlens_call(&bad, DType::F32, &Device::Cpu).unwrap();
+        let [q, k, v, dout] = &x;
+        expect(flash_attn_with_lse(q, k, v, &opts).map(|r| r.0), bad.needles);
+        // The backward validates on its own (the forward's outputs of a good call).
+        let good = opts.clone().varlen(Some(VarLen {
+            seqlens_q: Tensor::new(&[0u32, 16, 40], &Device::Cpu).unwrap(),
+            seqlens_k: Tensor::new(&[0u32, 24, 48], &Device::Cpu).unwrap(),
+            max_seqlen_q: 24,
+            max_seqlen_k: 24,
+        }));
+        let (out, lse) = flash_attn_with_lse(q, k, v, &good).unwrap();
+        expect(flash_attn_backward(q, k, v, &out, dout, &lse, &opts).map(|g| g.0), bad.needles);
+        println!("{}: rejected", bad.what);
+    }
+    let (q, k) = (t(&[2, 8, 4, 16], DType::F32), t(&[2, 8, 2, 16], DType::F32));
+    let slopes = Tensor::new(&[0.1f32, f32::NAN, 0.3, 0.4], &Device::Cpu).unwrap();
+    expect(flash_attn_alibi(&q, &k, &k, &slopes, 1.0, false), &["alibi_slopes", "finite", "NaN"]);
+}
+
+/// On CUDA, bad offsets (past the total, decreasing, longer than max_seqlen, huge) are not read
+/// by default: forward and backward return Ok (unspecified values) or a clean error, never a
+/// fault, and a good call on the same device afterwards is correct. With
+/// `check_device_data(true)` the same offsets are an error naming the problem. Meant to run
+/// under compute-sanitizer memcheck too (filter: `bad_seqlens`).
+#[test]
+fn bad_seqlens_on_cuda_never_fault() {
+    let Some(device) = common::cuda_device() else { return };
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for bad in bad_seqlens_cases() {
+            let (x, opts) = bad_seqlens_call(&bad, dtype, &device).unwrap();
+            match bad_seqlens_fwd_bwd(&x, &opts) {
+                Ok(_) => println!("{dtype:?} {}: unchecked, Ok", bad.what),
+                Err(e) => println!("{dtype:?} {}: unchecked, error {e}", bad.what),
+            }
+            // A kernel fault would surface here (and poison every later call).
+            device.synchronize().unwrap_or_else(|e| panic!("{dtype:?} {}: device fault: {e}", bad.what));
+            let checked = opts.clone().check_device_data(true);
+            expect(bad_seqlens_fwd_bwd(&x, &checked), bad.needles);
+        }
+        let slopes = Tensor::new(&[0.1f32, f32::NAN, 0.3, 0.4], &device).unwrap();
+        let (x, opts) = bad_seqlens_call(&bad_seqlens_cases()[0], dtype, &device).unwrap();
+        let opts = opts.alibi(Some(&slopes)).check_device_data(true);
+        expect(bad_seqlens_fwd_bwd(&x, &opts), &["alibi_slopes", "finite"]);
+        // The device still computes correctly.
+        let good = common::Case::new(dtype, (0, 0), (4, 2), 64).varlen(&[(17, 30), (0, 5), (23, 13)]).causal().alibi(1);
+        let summary = common::check_case(&good, &device, true).unwrap();
+        println!("{dtype:?} good call after the bad ones: {summary}");
     }
 }

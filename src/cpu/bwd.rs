@@ -5,7 +5,8 @@
 //! the result is deterministic.
 
 use super::{dense_f32, exp_shifted_sum, logits_row, tile_matmul, MatRef, SharedMut, K_TILE, Q_TILE};
-use crate::params::{AttnShape, FlashAttnOptions};
+use crate::op::BwdInputs;
+use crate::params::{AttnShape, FlashAttnOptions, HostData};
 use candle_core::{CpuStorage, Layout, Result};
 use rayon::prelude::*;
 
@@ -32,45 +33,31 @@ impl Scratch {
     }
 }
 
-/// The inputs of the backward, each with its storage and layout.
-pub(crate) struct BwdInputs<'a> {
-    pub q: (&'a CpuStorage, &'a Layout),
-    pub k: (&'a CpuStorage, &'a Layout),
-    pub v: (&'a CpuStorage, &'a Layout),
-    pub out: (&'a CpuStorage, &'a Layout),
-    pub grad_out: (&'a CpuStorage, &'a Layout),
-    pub lse: (&'a CpuStorage, &'a Layout),
-}
-
 /// Backward on the CPU: returns dq (q's layout), dk and dv (k's layout), contiguous, in the
 /// inputs' dtype.
 pub(crate) fn backward(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
-    x: BwdInputs,
+    x: BwdInputs<(&CpuStorage, &Layout)>,
 ) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
-    let q = dense_f32(x.q.0, x.q.1)?;
-    let k = dense_f32(x.k.0, x.k.1)?;
-    let v = dense_f32(x.v.0, x.v.1)?;
-    let out = dense_f32(x.out.0, x.out.1)?;
-    let dout = dense_f32(x.grad_out.0, x.grad_out.1)?;
-    let lse = dense_f32(x.lse.0, x.lse.1)?;
+    let host = shape.host()?;
+    let BwdInputs { q, k, v, out, grad_out: dout, lse } = x.try_map(|_, (s, l)| dense_f32(s, l))?;
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
 
     let mut dq = vec![0f32; shape.total_q * h * d];
     // dK/dV per *query* head, summed over each group below.
     let mut dk_heads = vec![0f32; shape.total_k * h * d];
     let mut dv_heads = vec![0f32; shape.total_k * h * d];
-    let tasks: Vec<(usize, usize)> = (0..shape.seqs.len()).flat_map(|b| (0..h).map(move |head| (b, head))).collect();
+    let tasks: Vec<(usize, usize)> = (0..host.seqs.len()).flat_map(|b| (0..h).map(move |head| (b, head))).collect();
     let ptrs = (SharedMut(dq.as_mut_ptr()), SharedMut(dk_heads.as_mut_ptr()), SharedMut(dv_heads.as_mut_ptr()));
-    let max_q = shape.seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
+    let max_q = host.seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
     let inputs = (&q[..], &k[..], &v[..], &out[..], &dout[..], &lse[..]);
     tasks.par_iter().for_each_init(
         || Scratch::new(d, max_q),
         |scratch, &(b, head)| {
             // SAFETY: task (b, head) writes only the (row, head) slots of sequence b and
             // head `head` in dq, dk_heads and dv_heads; no two tasks share one.
-            unsafe { backward_head(shape, opts, inputs, ptrs, (b, head), scratch) }
+            unsafe { backward_head(shape, host, opts, inputs, ptrs, (b, head), scratch) }
         },
     );
 
@@ -107,6 +94,7 @@ type Inputs<'a> = (&'a [f32], &'a [f32], &'a [f32], &'a [f32], &'a [f32], &'a [f
 /// other thread may write the slots of (b, head).
 unsafe fn backward_head(
     shape: &AttnShape,
+    host: &HostData,
     opts: &FlashAttnOptions,
     (q, k, v, out, dout, lse): Inputs,
     (dq, dk, dv): (SharedMut, SharedMut, SharedMut),
@@ -114,13 +102,13 @@ unsafe fn backward_head(
     scratch: &mut Scratch,
 ) {
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
-    let seq = &shape.seqs[b];
+    let seq = &host.seqs[b];
     let kv_head = head / shape.group_size();
     let (q_rs, kv_rs) = (h * d, hkv * d);
     let q_off = |i: usize| (seq.q_start + i) * q_rs + head * d;
     let kv_off = |j: usize| (seq.k_start + j) * kv_rs + kv_head * d;
     let dkv_off = |j: usize| (seq.k_start + j) * q_rs + head * d;
-    let alibi = shape.alibi_slope(b, head);
+    let alibi = host.alibi_slope(b, head);
     let scale = opts.softmax_scale;
     let Scratch { probs, dprobs, dtanh, dk: dk_acc, dv: dv_acc, delta } = scratch;
 
@@ -170,7 +158,7 @@ unsafe fn backward_head(
                 }
                 let pos = i as isize + seq.diag_offset();
                 logits_row(row, j0, shape.key_range(opts, seq, i), scale, opts.softcap, alibi.map(|s| (s, pos)));
-                let row_lse = lse[shape.lse_index(b, head, i)];
+                let row_lse = lse[shape.lse_index(seq, head, i)];
                 if row_lse == f32::NEG_INFINITY {
                     row.fill(0.0); // the row saw no key: no gradient flows through it
                 } else {

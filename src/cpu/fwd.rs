@@ -1,7 +1,7 @@
 //! CPU forward: one rayon task per (sequence, query head, Q tile); online softmax over K tiles.
 
 use super::{dense_f32, exp_shifted_sum, logits_row, tile_matmul, MatRef, SharedMut, K_TILE, Q_TILE};
-use crate::params::{AttnShape, FlashAttnOptions};
+use crate::params::{AttnShape, FlashAttnOptions, HostData};
 use candle_core::{CpuStorage, Layout, Result};
 use rayon::prelude::*;
 
@@ -40,6 +40,7 @@ pub(crate) fn forward(
     (k, k_l): (&CpuStorage, &Layout),
     (v, v_l): (&CpuStorage, &Layout),
 ) -> Result<(CpuStorage, Vec<f32>)> {
+    let host = shape.host()?;
     let (q, k, v) = (dense_f32(q, q_l)?, dense_f32(k, k_l)?, dense_f32(v, v_l)?);
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
     // NaN until written: every (row, head) slot is written below, masked rows included.
@@ -47,7 +48,7 @@ pub(crate) fn forward(
     let mut lse = vec![f32::NEG_INFINITY; shape.lse_dims().iter().product()];
 
     let rows_per_head = (Q_TILE / group).max(1);
-    let tasks: Vec<(usize, usize, usize)> = shape
+    let tasks: Vec<(usize, usize, usize)> = host
         .seqs
         .iter()
         .enumerate()
@@ -60,10 +61,12 @@ pub(crate) fn forward(
     tasks.par_iter().for_each_init(
         || Scratch::new(d, rows_per_head * group),
         |scratch, &(b, kv_head, i0)| {
-            let rows = rows_per_head.min(shape.seqs[b].q_len - i0);
+            let rows = rows_per_head.min(host.seqs[b].q_len - i0);
             // SAFETY: the task (b, kv_head, i0) writes only the out and lse slots of rows
             // i0..i0+rows of sequence b for the query heads of `kv_head`; no two tasks share one.
-            unsafe { forward_tile(shape, opts, (&q, &k, &v), (out_ptr, lse_ptr), (b, kv_head, i0, rows), scratch) }
+            unsafe {
+                forward_tile(shape, host, opts, (&q, &k, &v), (out_ptr, lse_ptr), (b, kv_head, i0, rows), scratch)
+            }
         },
     );
     Ok((super::storage_from_f32(out, shape.dtype)?, lse))
@@ -74,6 +77,7 @@ pub(crate) fn forward(
 /// other thread may write the slots of this tile.
 unsafe fn forward_tile(
     shape: &AttnShape,
+    host: &HostData,
     opts: &FlashAttnOptions,
     (q, k, v): (&[f32], &[f32], &[f32]),
     (out, lse): (SharedMut, SharedMut),
@@ -81,7 +85,7 @@ unsafe fn forward_tile(
     scratch: &mut Scratch,
 ) {
     let (h, hkv, d, group) = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.group_size());
-    let seq = &shape.seqs[b];
+    let seq = &host.seqs[b];
     let (q_rs, kv_rs) = (h * d, hkv * d);
     let k_base = k.as_ptr().add(seq.k_start * kv_rs + kv_head * d);
     let v_base = v.as_ptr().add(seq.k_start * kv_rs + kv_head * d);
@@ -120,7 +124,7 @@ unsafe fn forward_tile(
         for r in 0..rows {
             let row = &mut scores[r * K_TILE..r * K_TILE + cols];
             let (head, i) = row_of(r);
-            let alibi = shape.alibi_slope(b, head).map(|s| (s, i as isize + seq.diag_offset()));
+            let alibi = host.alibi_slope(b, head).map(|s| (s, i as isize + seq.diag_offset()));
             logits_row(row, j0, ranges[r], opts.softmax_scale, opts.softcap, alibi);
             let new_max = row_max[r].max(super::row_max(row));
             if new_max == f32::NEG_INFINITY {
@@ -157,7 +161,7 @@ unsafe fn forward_tile(
         if sum > 0.0 {
             let inv = 1.0 / sum;
             dst.iter_mut().zip(&acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
-            *lse.0.add(shape.lse_index(b, head, i)) = max + sum.ln();
+            *lse.0.add(shape.lse_index(seq, head, i)) = max + sum.ln();
         } else {
             // A row that sees no key: output 0, lse -inf (already filled).
             dst.fill(0.0);

@@ -9,7 +9,7 @@
 mod bwd;
 mod fwd;
 
-pub(crate) use bwd::{backward, BwdInputs};
+pub(crate) use bwd::backward;
 pub(crate) use fwd::forward;
 
 use candle_core::backend::BackendStorage;

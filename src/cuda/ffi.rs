@@ -46,6 +46,8 @@ pub struct CfFwdParams {
     pub softmax_scale: f32,
     pub softcap: f32,
     pub dtype: i32,
+    pub total_q: i64,
+    pub total_k: i64,
 }
 
 #[repr(C)]
@@ -69,12 +71,16 @@ pub struct CfBwdParams {
     pub dv_row_stride: i64,
     pub dv_head_stride: i64,
     pub deterministic: i32,
-    pub total_q: i32,
-    pub total_k: i32,
 }
 
+// The sizes that flash_api.h's field order gives on LP64 (8-byte pointers and int64_t): a
+// field added or dropped on one side only shows up here at compile time.
+const _: () = assert!(std::mem::size_of::<CfFwdParams>() == 240);
+const _: () = assert!(std::mem::size_of::<CfBwdParams>() == 376);
+
 extern "C" {
-    pub fn cf_fwd(p: *const CfFwdParams, stream: *mut c_void) -> c_int;
+    pub fn cf_fwd_workspace_size(p: *const CfFwdParams) -> usize;
+    pub fn cf_fwd(p: *const CfFwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;
     pub fn cf_bwd_workspace_size(p: *const CfBwdParams) -> usize;
     pub fn cf_bwd(p: *const CfBwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;
     pub fn cf_error_string(status: c_int) -> *const c_char;

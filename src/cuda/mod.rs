@@ -2,16 +2,22 @@
 //!
 //! Everything runs on candle's stream for the device; every entry point's status is checked
 //! and turned into a `candle_core::Error` that names the kernel. A tensor on CUDA never falls
-//! back to the CPU path.
+//! back to the CPU path. Nothing here synchronises with the host (so a call can be captured in
+//! a CUDA graph): scratch memory of either direction comes from candle's stream-ordered
+//! allocator ([`workspace`]), and the values of the option tensors are never read here (see
+//! `crate::params`). The kernel parameters are built in one place ([`fwd_params`], embedded by
+//! the backward's) from one [`TensorArg`] per tensor.
 
 mod ffi;
 
+use crate::op::{device_storage, BwdInputs, StorageGuard};
 use crate::params::{AttnShape, FlashAttnOptions};
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    result::memset_d8_async, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
+    result::memset_d8_async, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::CudaDType;
-use candle_core::{bail, CudaDevice, CudaStorage, DType, Error, Layout, Result, Storage, Tensor};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Error, Layout, Result, Tensor};
 use half::{bf16, f16};
 use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,16 +59,6 @@ fn alloc_output<T: DeviceRepr>(dev: &CudaDevice, stream: &CudaStream, len: usize
     Ok(slice)
 }
 
-/// (batch, row, head) strides in elements of a q/k/v-shaped layout.
-fn strides(layout: &Layout, is_varlen: bool) -> (i64, i64, i64) {
-    let s = layout.stride();
-    if is_varlen {
-        (0, s[0] as i64, s[1] as i64)
-    } else {
-        (s[0] as i64, s[1] as i64, s[2] as i64)
-    }
-}
-
 fn dtype_code(dtype: DType) -> Result<i32> {
     Ok(match dtype {
         DType::F32 => ffi::CF_F32,
@@ -72,85 +68,130 @@ fn dtype_code(dtype: DType) -> Result<i32> {
     })
 }
 
-/// Device pointer (at the layout's start offset) of a storage's slice of type T.
-fn ptr<T: CudaDType + DeviceRepr>(s: &CudaStorage, l: &Layout, stream: &CudaStream) -> Result<u64> {
-    let slice = s.as_cuda_slice::<T>()?;
-    let (base, _guard) = slice.device_ptr(stream);
-    Ok(base + (l.start_offset() * std::mem::size_of::<T>()) as u64)
+/// One tensor a kernel reads or writes: its device pointer (at the layout's start offset) and
+/// its strides in elements. Holds the buffer's stream-ordering record until it is dropped,
+/// after the launch is enqueued.
+struct TensorArg<'a> {
+    ptr: u64,
+    stride: Vec<usize>,
+    _sync: SyncOnDrop<'a>,
 }
 
-/// Tensors of the options that live on the device: ALiBi slopes and varlen offsets.
-struct OptionPtrs {
-    alibi: u64,
-    alibi_batch_stride: i32,
-    cu_seqlens_q: u64,
-    cu_seqlens_k: u64,
-    // Keep the (contiguous) tensors alive while the kernel may read them.
-    _keep: Vec<Tensor>,
-}
-
-fn option_ptrs(opts: &FlashAttnOptions, shape: &AttnShape, stream: &CudaStream) -> Result<OptionPtrs> {
-    let mut out = OptionPtrs { alibi: 0, alibi_batch_stride: 0, cu_seqlens_q: 0, cu_seqlens_k: 0, _keep: vec![] };
-    let device_ptr = |t: &Tensor, keep: &mut Vec<Tensor>| -> Result<u64> {
-        let t = t.contiguous()?;
-        let p = {
-            let (s, l) = t.storage_and_layout();
-            match &*s {
-                Storage::Cuda(s) => match t.dtype() {
-                    DType::F32 => ptr::<f32>(s, l, stream)?,
-                    DType::U32 => ptr::<u32>(s, l, stream)?,
-                    dt => bail!("candle-flash: unexpected option dtype {dt:?}"),
-                },
-                _ => bail!("candle-flash: option tensor is not on the GPU"),
-            }
+impl<'a> TensorArg<'a> {
+    /// A tensor the kernel reads (inputs, ALiBi slopes, varlen offsets), of any dtype.
+    fn read((s, l): (&'a CudaStorage, &Layout), stream: &'a CudaStream) -> Result<Self> {
+        fn base<'a, T: CudaDType + 'a>(s: &'a CudaStorage, stream: &'a CudaStream) -> Result<(u64, SyncOnDrop<'a>)> {
+            Ok(s.as_cuda_slice::<T>()?.device_ptr(stream))
+        }
+        let (ptr, sync) = match s.dtype() {
+            DType::F32 => base::<f32>(s, stream)?,
+            DType::F16 => base::<f16>(s, stream)?,
+            DType::BF16 => base::<bf16>(s, stream)?,
+            DType::U32 => base::<u32>(s, stream)?,
+            dt => bail!("candle-flash: unexpected dtype {dt:?} on cuda"),
         };
-        keep.push(t);
-        Ok(p)
+        let offset = l.start_offset() * s.dtype().size_in_bytes();
+        Ok(Self { ptr: ptr + offset as u64, stride: l.stride().to_vec(), _sync: sync })
+    }
+
+    /// A buffer the kernel writes, contiguous with dimensions `dims`.
+    fn write<T>(slice: &'a mut CudaSlice<T>, dims: &[usize], stream: &'a CudaStream) -> Self {
+        let stride = Layout::contiguous(dims).stride().to_vec();
+        let (ptr, sync) = slice.device_ptr_mut(stream);
+        Self { ptr, stride, _sync: sync }
+    }
+
+    /// (batch, row, head) strides of a q/k/v-shaped tensor (`flash_api.h`'s addressing).
+    fn strides(&self, is_varlen: bool) -> (i64, i64, i64) {
+        let s = &self.stride;
+        if is_varlen {
+            (0, s[0] as i64, s[1] as i64)
+        } else {
+            (s[0] as i64, s[1] as i64, s[2] as i64)
+        }
+    }
+}
+
+fn const_ptr(a: &TensorArg) -> *const c_void {
+    a.ptr as *const c_void
+}
+
+fn mut_ptr(a: &TensorArg) -> *mut c_void {
+    a.ptr as *mut c_void
+}
+
+/// The tensors of a forward launch (for the backward: the forward's, all read).
+struct FwdArgs<'a> {
+    q: TensorArg<'a>,
+    k: TensorArg<'a>,
+    v: TensorArg<'a>,
+    o: TensorArg<'a>,
+    lse: TensorArg<'a>,
+    /// ALiBi slopes, cu_seqlens_q, cu_seqlens_k, where the options have them.
+    options: [Option<TensorArg<'a>>; 3],
+}
+
+/// The option tensors the kernels read (ALiBi slopes, cu_seqlens_q, cu_seqlens_k), contiguous
+/// (usually the tensors themselves), to be kept alive until the launch is enqueued.
+fn option_tensors(opts: &FlashAttnOptions) -> Result<[Option<Tensor>; 3]> {
+    let vl = opts.varlen.as_ref();
+    let contiguous = |t: Option<&Tensor>| t.map(Tensor::contiguous).transpose();
+    Ok([
+        contiguous(opts.alibi_slopes.as_ref())?,
+        contiguous(vl.map(|v| &v.seqlens_q))?,
+        contiguous(vl.map(|v| &v.seqlens_k))?,
+    ])
+}
+
+/// The storage guards of [`option_tensors`]: read them as [`option_args`].
+fn option_guards(tensors: &[Option<Tensor>; 3]) -> [Option<StorageGuard<'_>>; 3] {
+    tensors.each_ref().map(|t| t.as_ref().map(Tensor::storage_and_layout))
+}
+
+fn option_args<'a>(
+    guards: &'a [Option<StorageGuard<'_>>; 3],
+    stream: &'a CudaStream,
+) -> Result<[Option<TensorArg<'a>>; 3]> {
+    let arg = |name: &str, g: &'a Option<StorageGuard<'_>>| -> Result<Option<TensorArg<'a>>> {
+        g.as_ref().map(|g| TensorArg::read(device_storage::<CudaStorage>(name, g)?, stream)).transpose()
     };
-    if let Some(slopes) = &opts.alibi_slopes {
-        out.alibi = device_ptr(slopes, &mut out._keep)?;
-        out.alibi_batch_stride = if slopes.rank() == 2 { shape.num_heads as i32 } else { 0 };
-    }
-    if let Some(vl) = &opts.varlen {
-        out.cu_seqlens_q = device_ptr(&vl.seqlens_q, &mut out._keep)?;
-        out.cu_seqlens_k = device_ptr(&vl.seqlens_k, &mut out._keep)?;
-    }
-    Ok(out)
+    Ok([arg("alibi_slopes", &guards[0])?, arg("seqlens_q", &guards[1])?, arg("seqlens_k", &guards[2])?])
 }
 
 fn window(w: Option<usize>) -> i32 {
     w.map(|x| x.min(i32::MAX as usize) as i32).unwrap_or(-1)
 }
 
-/// Forward parameters with every field but the tensor pointers and strides filled.
-fn base_params(shape: &AttnShape, opts: &FlashAttnOptions, o: &OptionPtrs) -> Result<ffi::CfFwdParams> {
+/// The one place the forward parameters are built (the backward embeds them). Sizes were
+/// checked to fit by `params::validate`.
+fn fwd_params(shape: &AttnShape, opts: &FlashAttnOptions, a: &FwdArgs) -> Result<ffi::CfFwdParams> {
+    let varlen = shape.is_varlen;
+    let [q, k, v, o] = [&a.q, &a.k, &a.v, &a.o].map(|t| t.strides(varlen));
     let lse_dims = shape.lse_dims();
-    let (lse_batch_stride, lse_head_stride) = if shape.is_varlen {
-        (0, lse_dims[1] as i64)
-    } else {
-        ((lse_dims[1] * lse_dims[2]) as i64, lse_dims[2] as i64)
-    };
+    let (lse_batch_stride, lse_head_stride) =
+        if varlen { (0, lse_dims[1] as i64) } else { ((lse_dims[1] * lse_dims[2]) as i64, lse_dims[2] as i64) };
+    let [alibi, cu_q, cu_k] = a.options.each_ref().map(|t| t.as_ref().map_or(std::ptr::null(), const_ptr));
     Ok(ffi::CfFwdParams {
-        q: std::ptr::null(),
-        k: std::ptr::null(),
-        v: std::ptr::null(),
-        o: std::ptr::null_mut(),
-        lse: std::ptr::null_mut(),
-        alibi_slopes: o.alibi as *const f32,
-        cu_seqlens_q: o.cu_seqlens_q as *const u32,
-        cu_seqlens_k: o.cu_seqlens_k as *const u32,
-        q_batch_stride: 0,
-        q_row_stride: 0,
-        q_head_stride: 0,
-        k_batch_stride: 0,
-        k_row_stride: 0,
-        k_head_stride: 0,
-        v_batch_stride: 0,
-        v_row_stride: 0,
-        v_head_stride: 0,
-        o_batch_stride: 0,
-        o_row_stride: 0,
-        o_head_stride: 0,
+        q: const_ptr(&a.q),
+        k: const_ptr(&a.k),
+        v: const_ptr(&a.v),
+        o: mut_ptr(&a.o),
+        lse: mut_ptr(&a.lse) as *mut f32,
+        alibi_slopes: alibi as *const f32,
+        cu_seqlens_q: cu_q as *const u32,
+        cu_seqlens_k: cu_k as *const u32,
+        q_batch_stride: q.0,
+        q_row_stride: q.1,
+        q_head_stride: q.2,
+        k_batch_stride: k.0,
+        k_row_stride: k.1,
+        k_head_stride: k.2,
+        v_batch_stride: v.0,
+        v_row_stride: v.1,
+        v_head_stride: v.2,
+        o_batch_stride: o.0,
+        o_row_stride: o.1,
+        o_head_stride: o.2,
         lse_batch_stride,
         lse_head_stride,
         b: shape.batch as i32,
@@ -159,13 +200,37 @@ fn base_params(shape: &AttnShape, opts: &FlashAttnOptions, o: &OptionPtrs) -> Re
         d: shape.head_dim as i32,
         seqlen_q: shape.max_seqlen_q as i32,
         seqlen_k: shape.max_seqlen_k as i32,
-        alibi_batch_stride: o.alibi_batch_stride,
+        alibi_batch_stride: if shape.alibi_per_batch { shape.num_heads as i32 } else { 0 },
         window_left: window(opts.window_size_left),
         window_right: window(opts.window_size_right),
         softmax_scale: opts.softmax_scale,
         softcap: opts.softcap.unwrap_or(0.0),
         dtype: dtype_code(shape.dtype)?,
+        total_q: shape.total_q as i64,
+        total_k: shape.total_k as i64,
     })
+}
+
+/// Scratch memory of `bytes` bytes from candle's allocator (stream-ordered on candle's stream),
+/// for either direction; None when the kernels need none (they then get NULL).
+fn workspace(dev: &CudaDevice, bytes: usize) -> Result<Option<CudaSlice<u8>>> {
+    if bytes == 0 {
+        return Ok(None);
+    }
+    // SAFETY: the workspace's contents are undefined on entry by contract (flash_api.h).
+    Ok(Some(unsafe { dev.alloc::<u8>(bytes) }?))
+}
+
+/// Device pointer of a [`workspace`] (NULL for none) and its ordering record.
+fn workspace_arg<'a>(ws: &'a mut Option<CudaSlice<u8>>, stream: &'a CudaStream) -> Option<TensorArg<'a>> {
+    ws.as_mut().map(|w| {
+        let len = w.len();
+        TensorArg::write(w, &[len], stream)
+    })
+}
+
+fn workspace_ptr(ws: &Option<TensorArg>) -> *mut c_void {
+    ws.as_ref().map_or(std::ptr::null_mut(), mut_ptr)
 }
 
 /// Forward on CUDA: the output (q's dtype and dims, contiguous) and the LSE (f32).
@@ -177,9 +242,9 @@ pub(crate) fn forward(
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, CudaStorage)> {
     match shape.dtype {
-        DType::F32 => forward_t::<f32>(shape, opts, q, k, v),
-        DType::F16 => forward_t::<f16>(shape, opts, q, k, v),
-        DType::BF16 => forward_t::<bf16>(shape, opts, q, k, v),
+        DType::F32 => forward_t::<f32>(shape, opts, [q, k, v]),
+        DType::F16 => forward_t::<f16>(shape, opts, [q, k, v]),
+        DType::BF16 => forward_t::<bf16>(shape, opts, [q, k, v]),
         dt => bail!("candle-flash: unsupported dtype {dt:?} on cuda"),
     }
 }
@@ -187,62 +252,49 @@ pub(crate) fn forward(
 fn forward_t<T: CudaDType + DeviceRepr>(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
-    (q, q_l): (&CudaStorage, &Layout),
-    (k, k_l): (&CudaStorage, &Layout),
-    (v, v_l): (&CudaStorage, &Layout),
+    [q, k, v]: [(&CudaStorage, &Layout); 3],
 ) -> Result<(CudaStorage, CudaStorage)> {
-    let dev = q.device.clone();
+    let dev = q.0.device.clone();
     let stream = dev.cuda_stream();
-    let out_len = q_l.shape().elem_count();
-    let lse_len: usize = shape.lse_dims().iter().product();
-    let mut out = alloc_output::<T>(&dev, &stream, out_len)?;
-    let mut lse = alloc_output::<f32>(&dev, &stream, lse_len)?;
-    if out_len > 0 {
-        let option_ptrs = option_ptrs(opts, shape, &stream)?;
-        let mut p = base_params(shape, opts, &option_ptrs)?;
-        (p.q_batch_stride, p.q_row_stride, p.q_head_stride) = strides(q_l, shape.is_varlen);
-        (p.k_batch_stride, p.k_row_stride, p.k_head_stride) = strides(k_l, shape.is_varlen);
-        (p.v_batch_stride, p.v_row_stride, p.v_head_stride) = strides(v_l, shape.is_varlen);
-        let out_l = Layout::contiguous(q_l.shape());
-        (p.o_batch_stride, p.o_row_stride, p.o_head_stride) = strides(&out_l, shape.is_varlen);
-        let (qp, kp, vp) = (ptr::<T>(q, q_l, &stream)?, ptr::<T>(k, k_l, &stream)?, ptr::<T>(v, v_l, &stream)?);
-        let (op, _og) = out.device_ptr_mut(&stream);
-        let (lp, _lg) = lse.device_ptr_mut(&stream);
-        p.q = qp as *const c_void;
-        p.k = kp as *const c_void;
-        p.v = vp as *const c_void;
-        p.o = op as *mut c_void;
-        p.lse = lp as *mut f32;
+    let (out_dims, lse_dims) = (q.1.dims().to_vec(), shape.lse_dims());
+    let mut out = alloc_output::<T>(&dev, &stream, out_dims.iter().product())?;
+    let mut lse = alloc_output::<f32>(&dev, &stream, lse_dims.iter().product())?;
+    if q.1.shape().elem_count() > 0 {
+        let options = option_tensors(opts)?;
+        let guards = option_guards(&options);
+        let args = FwdArgs {
+            q: TensorArg::read(q, &stream)?,
+            k: TensorArg::read(k, &stream)?,
+            v: TensorArg::read(v, &stream)?,
+            o: TensorArg::write(&mut out, &out_dims, &stream),
+            lse: TensorArg::write(&mut lse, &lse_dims, &stream),
+            options: option_args(&guards, &stream)?,
+        };
+        let p = fwd_params(shape, opts, &args)?;
+        // SAFETY: reads only the params struct.
+        let mut ws = workspace(&dev, unsafe { ffi::cf_fwd_workspace_size(&p) })?;
+        let ws = workspace_arg(&mut ws, &stream);
         // SAFETY: every pointer addresses a live device buffer of the extents described by
-        // `p` (validated shapes, the tensors' own layouts); the call only enqueues work on
-        // candle's stream, which also orders the buffers' later uses and frees.
-        let status = unsafe { ffi::cf_fwd(&p, stream.cu_stream() as *mut c_void) };
+        // `p` (validated shapes, the tensors' own layouts; the kernels clamp what they read
+        // from cu_seqlens to the totals); the call only enqueues work on candle's stream,
+        // which also orders the buffers' later uses and frees.
+        let status = unsafe { ffi::cf_fwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
         check(status, "cf_fwd")?;
     }
     Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)))
 }
 
-/// Backward on CUDA: dq (q's dims), dk, dv (k's dims), contiguous, in the inputs' dtype.
-#[allow(clippy::too_many_arguments)]
+/// Backward on CUDA (contiguous inputs): dq (q's dims), dk, dv (k's dims), contiguous, in the
+/// inputs' dtype.
 pub(crate) fn backward(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    grad_out: &Tensor,
-    lse: &Tensor,
+    x: BwdInputs<(&CudaStorage, &Layout)>,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
-    // Contiguous inputs keep the backward's addressing simple (the gradient candle hands us
-    // may be a broadcast view); copies are O(N) and only happen for strided inputs.
-    let t = [q, k, v, out, grad_out, lse].map(|t| t.contiguous());
-    let [q, k, v, out, grad_out, lse] = t;
-    let (q, k, v, out, grad_out, lse) = (q?, k?, v?, out?, grad_out?, lse?);
     match shape.dtype {
-        DType::F32 => backward_t::<f32>(shape, opts, [&q, &k, &v, &out, &grad_out], &lse),
-        DType::F16 => backward_t::<f16>(shape, opts, [&q, &k, &v, &out, &grad_out], &lse),
-        DType::BF16 => backward_t::<bf16>(shape, opts, [&q, &k, &v, &out, &grad_out], &lse),
+        DType::F32 => backward_t::<f32>(shape, opts, x),
+        DType::F16 => backward_t::<f16>(shape, opts, x),
+        DType::BF16 => backward_t::<bf16>(shape, opts, x),
         dt => bail!("candle-flash: unsupported dtype {dt:?} on cuda"),
     }
 }
@@ -250,25 +302,12 @@ pub(crate) fn backward(
 fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
-    tensors: [&Tensor; 5],
-    lse: &Tensor,
+    x: BwdInputs<(&CudaStorage, &Layout)>,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
-    let guards = tensors.map(|t| t.storage_and_layout());
-    let cuda = |i: usize| -> Result<(&CudaStorage, &Layout)> {
-        match &*guards[i].0 {
-            Storage::Cuda(s) => Ok((s, guards[i].1)),
-            _ => bail!("candle-flash: backward input {i} is not on the GPU"),
-        }
-    };
-    let [(q, q_l), (k, k_l), (v, v_l), (o, o_l), (dout, do_l)] = [cuda(0)?, cuda(1)?, cuda(2)?, cuda(3)?, cuda(4)?];
-    let (lse_s, lse_l) = lse.storage_and_layout();
-    let lse_s = match &*lse_s {
-        Storage::Cuda(s) => s,
-        _ => bail!("candle-flash: lse is not on the GPU"),
-    };
-    let dev = q.device.clone();
+    let dev = x.q.0.device.clone();
     let stream = dev.cuda_stream();
-    let (q_len, k_len) = (q_l.shape().elem_count(), k_l.shape().elem_count());
+    let (q_dims, k_dims) = (x.q.1.dims().to_vec(), x.k.1.dims().to_vec());
+    let (q_len, k_len): (usize, usize) = (q_dims.iter().product(), k_dims.iter().product());
     if q_len == 0 || k_len == 0 {
         // Nothing to differentiate: zero gradients without a launch.
         let zeros =
@@ -279,54 +318,43 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     let mut dk = alloc_output::<T>(&dev, &stream, k_len)?;
     let mut dv = alloc_output::<T>(&dev, &stream, k_len)?;
     {
-        let option_ptrs = option_ptrs(opts, shape, &stream)?;
-        let mut f = base_params(shape, opts, &option_ptrs)?;
-        (f.q_batch_stride, f.q_row_stride, f.q_head_stride) = strides(q_l, shape.is_varlen);
-        (f.k_batch_stride, f.k_row_stride, f.k_head_stride) = strides(k_l, shape.is_varlen);
-        (f.v_batch_stride, f.v_row_stride, f.v_head_stride) = strides(v_l, shape.is_varlen);
-        (f.o_batch_stride, f.o_row_stride, f.o_head_stride) = strides(o_l, shape.is_varlen);
-        f.q = ptr::<T>(q, q_l, &stream)? as *const c_void;
-        f.k = ptr::<T>(k, k_l, &stream)? as *const c_void;
-        f.v = ptr::<T>(v, v_l, &stream)? as *const c_void;
-        f.o = ptr::<T>(o, o_l, &stream)? as *mut c_void;
-        f.lse = ptr::<f32>(lse_s, lse_l, &stream)? as *mut f32;
-        let (dqp, _g1) = dq.device_ptr_mut(&stream);
-        let (dkp, _g2) = dk.device_ptr_mut(&stream);
-        let (dvp, _g3) = dv.device_ptr_mut(&stream);
-        let q_strides = strides(q_l, shape.is_varlen);
-        let k_strides = strides(k_l, shape.is_varlen);
-        let do_strides = strides(do_l, shape.is_varlen);
+        let options = option_tensors(opts)?;
+        let guards = option_guards(&options);
+        let a = x.try_map(|_, t| TensorArg::read(t, &stream))?;
+        let fwd = FwdArgs { q: a.q, k: a.k, v: a.v, o: a.out, lse: a.lse, options: option_args(&guards, &stream)? };
+        let (dq, dk, dv) = (
+            TensorArg::write(&mut dq, &q_dims, &stream),
+            TensorArg::write(&mut dk, &k_dims, &stream),
+            TensorArg::write(&mut dv, &k_dims, &stream),
+        );
+        let varlen = shape.is_varlen;
+        let [dout_s, dq_s, dk_s, dv_s] = [&a.grad_out, &dq, &dk, &dv].map(|t| t.strides(varlen));
         let p = ffi::CfBwdParams {
-            fwd: f,
-            dout: ptr::<T>(dout, do_l, &stream)? as *const c_void,
-            do_batch_stride: do_strides.0,
-            do_row_stride: do_strides.1,
-            do_head_stride: do_strides.2,
-            dq: dqp as *mut c_void,
-            dk: dkp as *mut c_void,
-            dv: dvp as *mut c_void,
-            dq_batch_stride: q_strides.0,
-            dq_row_stride: q_strides.1,
-            dq_head_stride: q_strides.2,
-            dk_batch_stride: k_strides.0,
-            dk_row_stride: k_strides.1,
-            dk_head_stride: k_strides.2,
-            dv_batch_stride: k_strides.0,
-            dv_row_stride: k_strides.1,
-            dv_head_stride: k_strides.2,
+            fwd: fwd_params(shape, opts, &fwd)?,
+            dout: const_ptr(&a.grad_out),
+            do_batch_stride: dout_s.0,
+            do_row_stride: dout_s.1,
+            do_head_stride: dout_s.2,
+            dq: mut_ptr(&dq),
+            dk: mut_ptr(&dk),
+            dv: mut_ptr(&dv),
+            dq_batch_stride: dq_s.0,
+            dq_row_stride: dq_s.1,
+            dq_head_stride: dq_s.2,
+            dk_batch_stride: dk_s.0,
+            dk_row_stride: dk_s.1,
+            dk_head_stride: dk_s.2,
+            dv_batch_stride: dv_s.0,
+            dv_row_stride: dv_s.1,
+            dv_head_stride: dv_s.2,
             deterministic: opts.deterministic as i32,
-            total_q: shape.total_q as i32,
-            total_k: shape.total_k as i32,
         };
         // SAFETY: reads only the params struct.
-        let ws_bytes = unsafe { ffi::cf_bwd_workspace_size(&p) };
-        // SAFETY: the workspace's contents are undefined on entry by contract (cf_bwd clears
-        // what it needs on the stream).
-        let mut workspace = unsafe { dev.alloc::<u8>(ws_bytes.max(1)) }?;
-        let (wp, _wg) = workspace.device_ptr_mut(&stream);
+        let mut ws = workspace(&dev, unsafe { ffi::cf_bwd_workspace_size(&p) })?;
+        let ws = workspace_arg(&mut ws, &stream);
         // SAFETY: as in the forward: live buffers of the described extents, enqueued on
         // candle's stream.
-        let status = unsafe { ffi::cf_bwd(&p, wp as *mut c_void, stream.cu_stream() as *mut c_void) };
+        let status = unsafe { ffi::cf_bwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
         check(status, "cf_bwd")?;
     }
     Ok((T::wrap_cuda_slice(dq, dev.clone()), T::wrap_cuda_slice(dk, dev.clone()), T::wrap_cuda_slice(dv, dev)))
