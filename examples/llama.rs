@@ -1,7 +1,9 @@
 //! Text generation with a Llama-architecture model whose attention runs through candle-flash.
 //!
-//! `cargo run --release --example llama` runs SmolLM2-135M-Instruct (fetched by
-//! `bash scripts/fetch-model.sh`) on the CPU; `--features cuda -- --device cuda` on the GPU.
+//! `cargo run --release --features llama --example llama` runs SmolLM2-135M-Instruct (fetched
+//! by `bash scripts/fetch-model.sh`) on the CPU; `--features llama,cuda -- --device cuda` on
+//! the GPU. The example needs the `llama` feature (the library's loading, tokenizer, sampling
+//! and chat templates).
 //! The text is streamed as it is generated; prefill and decode speeds go to stderr at the end.
 
 use anyhow::{bail, Context, Result};

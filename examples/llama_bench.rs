@@ -1,6 +1,6 @@
 //! End-to-end Llama benchmark: prefill and decode speed and peak memory, flash vs naive.
 //!
-//! `cargo run --release --example llama_bench` runs SmolLM2-135M-Instruct (see
+//! `cargo run --release --features llama --example llama_bench` runs SmolLM2-135M-Instruct (see
 //! `bash scripts/fetch-model.sh`) on prompts of 128, 1024 and 4096 tokens: one prefill forward
 //! over the prompt (into a KV cache), then `--decode-tokens` greedy steps against that cache.
 //! It prints one JSON object per measurement and a table at the end.

@@ -1,18 +1,19 @@
-//! The Llama block and model (src/llama): a tiny random Llama written as safetensors and as
-//! GGUF, flash vs naive attention, KV-cache decoding vs full recomputation, the block's
-//! gradients, and (when models/ has it) the real SmolLM2-135M-Instruct.
+//! The Llama block and model (src/llama).
+//!
+//! Without features: rotary embeddings, the KV cache, the attention block's output and
+//! gradients (flash vs naive), and a tiny random Llama built from its tensors (KV-cache
+//! decoding vs full recomputation, CUDA vs CPU). With the `llama` feature (module `app`): the
+//! tiny model written as safetensors and as GGUF and loaded back, generation, sampling, chat
+//! templates, and (when models/ has it) the real SmolLM2-135M-Instruct.
 
-use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_flash::llama::{
-    apply_chat_template, apply_rope, apply_rope_interleaved, hf_to_gguf_name, load, permute_qk_rows, unpermute_qk_rows,
-    AttnImpl, Cache, ChatMessage, KvCache, Llama, LlamaAttention, LlamaConfig, LoadedLlama, LogitsProcessor,
-    RopeScaling, RotaryEmbedding, Sampling,
+    apply_rope, apply_rope_interleaved, permute_qk_rows, unpermute_qk_rows, AttnImpl, Cache, KvCache, Llama,
+    Llama3RopeScaling, LlamaAttention, LlamaConfig, RopeScaling, RotaryEmbedding,
 };
-use candle_nn::Linear;
+use candle_nn::{Linear, VarBuilder};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 
 const DEV: Device = Device::Cpu;
 
@@ -36,14 +37,6 @@ fn max_abs(a: &Tensor) -> f32 {
     a.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
 }
 
-/// A scratch folder per test (the tests of this file run in parallel).
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("candle-flash-llama-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 // The tiny model: GQA (4 query heads, 2 KV heads), two layers, Llama 3 rope scaling with a
 // short original context so that the scaling changes most frequencies.
 const VOCAB: usize = 97;
@@ -56,29 +49,6 @@ const HEAD_DIM: usize = 16;
 const THETA: f64 = 10_000.0;
 const ROPE_FACTOR: f64 = 4.0;
 const ORIG_CTX: usize = 16;
-
-fn config_json(tied: bool) -> String {
-    serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": VOCAB,
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTER,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": THETA,
-        "rope_scaling": {
-            "rope_type": "llama3", "factor": ROPE_FACTOR, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": ORIG_CTX
-        },
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": tied,
-        "eos_token_id": 3
-    })
-    .to_string()
-}
 
 /// Random weights under Hugging Face names.
 fn tiny_weights(seed: u64, tied: bool) -> HashMap<String, Tensor> {
@@ -107,73 +77,46 @@ fn tiny_weights(seed: u64, tied: bool) -> HashMap<String, Tensor> {
     w
 }
 
-fn write_safetensors_dir(dir: &Path, weights: &HashMap<String, Tensor>, tied: bool) {
-    std::fs::write(dir.join("config.json"), config_json(tied)).unwrap();
-    candle_core::safetensors::save(weights, dir.join("model.safetensors")).unwrap();
-}
-
-/// Llama 3 rope scaling as llama.cpp's converter stores it: one divisor per frequency in
-/// `rope_freqs.weight` (written here from the formula independently of the library).
-fn llama3_freq_factors() -> Vec<f32> {
-    let (low, high) = (1.0, 4.0);
-    let (low_wavelen, high_wavelen) = (ORIG_CTX as f64 / low, ORIG_CTX as f64 / high);
-    (0..HEAD_DIM / 2)
-        .map(|i| {
-            let freq = 1.0 / THETA.powf(2.0 * i as f64 / HEAD_DIM as f64);
-            let wavelen = 2.0 * std::f64::consts::PI / freq;
-            let f = if wavelen < high_wavelen {
-                1.0
-            } else if wavelen > low_wavelen {
-                ROPE_FACTOR
-            } else {
-                let smooth = (ORIG_CTX as f64 / wavelen - low) / (high - low);
-                1.0 / ((1.0 - smooth) / ROPE_FACTOR + smooth)
-            };
-            f as f32
-        })
-        .collect()
-}
-
-/// The same weights as llama.cpp's converter writes them: GGUF names, Q/K rows permuted for
-/// the interleaved rotary (unless `permute` is false: the control that shows it matters),
-/// f32 tensors, no tokenizer.
-fn write_gguf(path: &Path, weights: &HashMap<String, Tensor>, permute: bool) {
-    let mut qtensors = vec![];
-    for (name, t) in weights {
-        let gname = hf_to_gguf_name(name).unwrap();
-        let t = if permute && gname.ends_with("attn_q.weight") {
-            permute_qk_rows(t, HEADS).unwrap()
-        } else if permute && gname.ends_with("attn_k.weight") {
-            permute_qk_rows(t, KV_HEADS).unwrap()
-        } else {
-            t.clone()
-        };
-        qtensors.push((gname, QTensor::quantize(&t, GgmlDType::F32).unwrap()));
+fn tiny_config(tied: bool) -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: VOCAB,
+        hidden_size: HIDDEN,
+        intermediate_size: INTER,
+        num_hidden_layers: LAYERS,
+        num_attention_heads: HEADS,
+        num_key_value_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        rms_norm_eps: 1e-5,
+        rope_theta: THETA,
+        rope_scaling: RopeScaling::Llama3(Llama3RopeScaling {
+            factor: ROPE_FACTOR,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: ORIG_CTX,
+        }),
+        max_position_embeddings: 256,
+        tie_word_embeddings: tied,
     }
-    let factors = Tensor::new(llama3_freq_factors(), &DEV).unwrap();
-    qtensors.push(("rope_freqs.weight".into(), QTensor::quantize(&factors, GgmlDType::F32).unwrap()));
-    use gguf_file::Value as V;
-    let md: Vec<(&str, V)> = vec![
-        ("general.architecture", V::String("llama".into())),
-        ("llama.vocab_size", V::U32(VOCAB as u32)),
-        ("llama.embedding_length", V::U32(HIDDEN as u32)),
-        ("llama.feed_forward_length", V::U32(INTER as u32)),
-        ("llama.block_count", V::U32(LAYERS as u32)),
-        ("llama.attention.head_count", V::U32(HEADS as u32)),
-        ("llama.attention.head_count_kv", V::U32(KV_HEADS as u32)),
-        ("llama.rope.dimension_count", V::U32(HEAD_DIM as u32)),
-        ("llama.rope.freq_base", V::F32(THETA as f32)),
-        ("llama.attention.layer_norm_rms_epsilon", V::F32(1e-5)),
-        ("llama.context_length", V::U32(256)),
-    ];
-    let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (*k, v)).collect();
-    let t_refs: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let mut f = std::fs::File::create(path).unwrap();
-    gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
 }
 
-fn load_tiny(path: &Path, attn: AttnImpl) -> LoadedLlama {
-    load(path, DType::F32, &DEV, attn, &mut |_, _| {}).unwrap()
+/// The tiny model built from its tensors on `device` (no file, no feature needed).
+fn tiny_model(seed: u64, tied: bool, attn: AttnImpl, device: &Device) -> Result<Llama> {
+    let vb = VarBuilder::from_tensors(tiny_weights(seed, tied), DType::F32, device);
+    Llama::load(vb, &tiny_config(tied), attn, &mut |_, _| {})
+}
+
+/// `n` greedy tokens after `prompt` through `forward` and a cache: what `generate` does with
+/// `Sampling::Greedy` (the feature's tests check that the two agree).
+fn greedy(model: &Llama, prompt: &[u32], n: usize) -> Result<Vec<u32>> {
+    let mut cache = Cache::new(model.config().num_hidden_layers, prompt.len() + n);
+    let mut input = Tensor::new(prompt, model.device())?.unsqueeze(0)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let next = model.forward(&input, Some(&mut cache))?.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
+        out.push(next);
+        input = Tensor::new(&[next], model.device())?.unsqueeze(0)?;
+    }
+    Ok(out)
 }
 
 fn ids(tokens: &[u32]) -> Tensor {
@@ -181,45 +124,6 @@ fn ids(tokens: &[u32]) -> Tensor {
 }
 
 const PROMPT: &[u32] = &[5, 17, 42, 8, 91, 23, 64, 1, 33, 70, 12];
-
-#[test]
-fn gguf_and_safetensors_load_the_same_model() -> Result<()> {
-    for tied in [false, true] {
-        let dir = scratch(&format!("formats-{tied}"));
-        let weights = tiny_weights(1, tied);
-        write_safetensors_dir(&dir, &weights, tied);
-        write_gguf(&dir.join("tiny.gguf"), &weights, true);
-        write_gguf(&dir.join("unpermuted.gguf"), &weights, false);
-
-        let st = load_tiny(&dir, AttnImpl::Flash);
-        let gg = load_tiny(&dir.join("tiny.gguf"), AttnImpl::Flash);
-        assert_eq!(st.model.config().tie_word_embeddings, tied);
-        assert_eq!(gg.model.config().tie_word_embeddings, tied);
-        assert_eq!(st.stop_token_ids, vec![3]);
-        // Llama 3 scaling from config.json and llama.cpp's stored factors: same frequencies.
-        assert!(matches!(st.model.config().rope_scaling, RopeScaling::Llama3(_)));
-        assert!(matches!(gg.model.config().rope_scaling, RopeScaling::FreqFactors(_)));
-        let (a, b) = (RotaryEmbedding::new(st.model.config())?, RotaryEmbedding::new(gg.model.config())?);
-        for (x, y) in a.inv_freq().iter().zip(b.inv_freq()) {
-            assert!((x - y).abs() <= 1e-6 * x, "rope frequencies differ: {x} vs {y}");
-        }
-
-        let x = ids(PROMPT);
-        let l_st = st.model.forward_all(&x, None)?;
-        let l_gg = gg.model.forward_all(&x, None)?;
-        let diff = max_abs_diff(&l_st, &l_gg);
-        assert!(diff < 1e-4, "tied={tied}: GGUF vs safetensors logits differ by {diff}");
-
-        // The control: the same weights without llama.cpp's Q/K permutation, loaded through the
-        // GGUF path (which un-permutes), give a different model. So the permutation is real and
-        // the un-permutation is what makes the two formats agree.
-        let wrong = load_tiny(&dir.join("unpermuted.gguf"), AttnImpl::Flash);
-        let diff_wrong = max_abs_diff(&l_st, &wrong.model.forward_all(&x, None)?);
-        assert!(diff_wrong > 100.0 * diff.max(1e-6), "tied={tied}: unpermuted GGUF differs by only {diff_wrong}");
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-    Ok(())
-}
 
 /// llama.cpp rotates interleaved pairs on permuted rows; the model rotates halves on
 /// un-permuted rows. Same numbers, up to the order of the head dims.
@@ -246,37 +150,9 @@ fn interleaved_rope_on_permuted_rows_equals_rope_on_hf_rows() -> Result<()> {
 }
 
 #[test]
-fn greedy_tokens_flash_equal_naive() -> Result<()> {
-    let dir = scratch("greedy");
-    let weights = tiny_weights(2, false);
-    write_safetensors_dir(&dir, &weights, false);
-    write_gguf(&dir.join("tiny.gguf"), &weights, true);
-    let mut outputs = vec![];
-    for path in [dir.clone(), dir.join("tiny.gguf")] {
-        for attn in [AttnImpl::Flash, AttnImpl::Naive] {
-            let m = load_tiny(&path, attn);
-            let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
-            let out = m.model.generate(&PROMPT[..5], 40, &mut sampler, &[], |_| Ok(()))?;
-            assert_eq!(out.tokens.len(), 40);
-            outputs.push((path.display().to_string(), attn, out.tokens));
-        }
-    }
-    for o in &outputs[1..] {
-        assert_eq!(o.2, outputs[0].2, "{} {:?} vs {} {:?}", o.0, o.1, outputs[0].0, outputs[0].1);
-    }
-    // Not a degenerate model that repeats one token.
-    let distinct: std::collections::HashSet<_> = outputs[0].2.iter().collect();
-    assert!(distinct.len() > 3, "{:?}", outputs[0].2);
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(())
-}
-
-#[test]
 fn kv_cache_decoding_equals_full_recomputation() -> Result<()> {
-    let dir = scratch("cache");
-    write_safetensors_dir(&dir, &tiny_weights(3, false), false);
     for attn in [AttnImpl::Flash, AttnImpl::Naive] {
-        let m = load_tiny(&dir, attn).model;
+        let m = tiny_model(3, false, attn, &DEV)?;
         // Two sequences at once, so that the cache views are strided (B > 1).
         let other: Vec<u32> = PROMPT.iter().map(|t| (t * 7 + 3) % VOCAB as u32).collect();
         let full = Tensor::stack(&[Tensor::new(PROMPT, &DEV)?, Tensor::new(other.as_slice(), &DEV)?], 0)?;
@@ -301,7 +177,6 @@ fn kv_cache_decoding_equals_full_recomputation() -> Result<()> {
         let diff = max_abs_diff(&last, &reference.narrow(1, pos - 1, 1)?.squeeze(1)?);
         assert!(diff < 1e-5, "{attn:?}: last-position logits differ by {diff}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 
@@ -392,124 +267,19 @@ fn attention_block_output_and_gradients_match_reference() -> Result<()> {
 }
 
 #[test]
-fn sampling_is_seeded_and_top_p_keeps_the_nucleus() -> Result<()> {
-    let logits: Vec<f32> = vec![1.0, 3.0, 2.9, -1.0, 0.5, 2.0];
-    assert_eq!(LogitsProcessor::new(Sampling::Greedy, 0).sample_slice(&logits)?, 1);
-    let draw = |sampling, seed| -> Vec<u32> {
-        let mut p = LogitsProcessor::new(sampling, seed);
-        (0..200).map(|_| p.sample_slice(&logits).unwrap()).collect()
-    };
-    let t = Sampling::Temperature { temperature: 1.0 };
-    assert_eq!(draw(t, 42), draw(t, 42));
-    assert_ne!(draw(t, 42), draw(t, 43));
-    let all: std::collections::HashSet<u32> = draw(t, 1).into_iter().collect();
-    assert!(all.len() >= 4, "temperature 1 should visit most tokens: {all:?}");
-    // Probabilities ~ [.05, .38, .35, .01, .03, .14]: top-p 0.5 keeps tokens 1 and 2 only.
-    let nucleus: std::collections::HashSet<u32> =
-        draw(Sampling::TopP { temperature: 1.0, top_p: 0.5 }, 1).into_iter().collect();
-    assert_eq!(nucleus, [1, 2].into_iter().collect());
-    assert_eq!(Sampling::from_args(0.0, Some(0.9)), Sampling::Greedy);
-    assert!(LogitsProcessor::new(t, 0).sample_slice(&[]).is_err());
-    Ok(())
-}
-
-const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-
-#[test]
-fn chat_template_renders_like_transformers() -> Result<()> {
-    let text =
-        apply_chat_template(SMOLLM2_TEMPLATE, &[ChatMessage::new("user", "Hi!")], true, "<|im_start|>", "<|im_end|>")?;
-    assert_eq!(
-        text,
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
-         <|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
-    );
-    let err = apply_chat_template("{{ raise_exception('no system role') }}", &[], false, "", "");
-    assert!(err.unwrap_err().to_string().contains("no system role"));
-    Ok(())
-}
-
-fn smollm2() -> Option<PathBuf> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if path.is_file() {
-        Some(path)
-    } else {
-        println!("skipped: {} is missing (fetch it with `bash scripts/fetch-model.sh`)", path.display());
-        None
-    }
-}
-
-/// The real model: its tokenizer, fixed greedy continuations (recorded from this code on the
-/// CPU in f32), and flash vs naive logits.
-#[test]
-fn smollm2_greedy_output_and_flash_vs_naive() -> Result<()> {
-    let Some(path) = smollm2() else { return Ok(()) };
-    let mut loaded = load(&path, DType::F32, &DEV, AttnImpl::Flash, &mut |_, _| {})?;
-    let cfg = loaded.model.config().clone();
-    assert_eq!(
-        (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
-        (30, 576, 9, 3, 64)
-    );
-    assert!(cfg.tie_word_embeddings);
-    let tok = loaded.tokenizer.take().expect("tokenizer in the GGUF");
-    let enc = |s: &str| tok.encode(s, true).map(|e| e.get_ids().to_vec()).map_err(candle_core::Error::wrap);
-    // No prefix space, digits split one by one (the SmolLM2 pre-tokenizer), specials atomic.
-    let toks: Vec<String> = enc("Hello world 2024")?.iter().map(|&i| tok.id_to_token(i).unwrap()).collect();
-    assert_eq!(toks, ["Hello", "Ġworld", "Ġ", "2", "0", "2", "4"]);
-    assert_eq!(enc("<|im_start|>user")?, [1, 4093]);
-    assert!(loaded.stop_token_ids.contains(&2)); // <|im_end|>
-
-    let template = loaded.chat_template.clone().expect("chat template");
-    let chat =
-        apply_chat_template(&template, &[ChatMessage::new("user", "What is the capital of France?")], true, "", "")?;
-    let cases = [
-        (
-            "Gravity is",
-            "a fundamental concept in physics that describes the curvature of spacetime caused by the presence of",
-        ),
-        (chat.as_str(), "The capital of France is Paris."),
-    ];
-    for (prompt, want) in cases {
-        let ids = enc(prompt)?;
-        let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
-        let out = loaded.model.generate(&ids, 16, &mut sampler, &loaded.stop_token_ids, |_| Ok(()))?;
-        let text = tok.decode(&out.tokens, true).map_err(candle_core::Error::wrap)?;
-        assert_eq!(text.trim(), want, "prompt {prompt:?}");
-    }
-
-    // Flash vs naive logits over a longer prompt (all positions).
-    let text = "The quick brown fox jumps over the lazy dog. ".repeat(12);
-    let ids = Tensor::new(enc(&text)?, &DEV)?.unsqueeze(0)?;
-    let flash = loaded.model.forward_all(&ids, None)?;
-    loaded.model.set_attn_impl(AttnImpl::Naive);
-    let naive = loaded.model.forward_all(&ids, None)?;
-    let (diff, scale) = (max_abs_diff(&flash, &naive), max_abs(&naive));
-    println!("SmolLM2 flash vs naive: {} positions, max |logit diff| {diff:.2e} (max |logit| {scale:.1})", ids.dim(1)?);
-    assert!(diff < 2e-3, "flash vs naive logits differ by {diff}");
-    let argmax = |t: &Tensor| t.argmax(2).unwrap().flatten_all().unwrap().to_vec1::<u32>().unwrap();
-    assert_eq!(argmax(&flash), argmax(&naive));
-    Ok(())
-}
-
-#[test]
-fn bad_inputs_are_errors() -> Result<()> {
-    let missing = load(Path::new("/nonexistent/model.gguf"), DType::F32, &DEV, AttnImpl::Flash, &mut |_, _| {});
-    assert!(missing.err().unwrap().to_string().contains("not found"));
-    let bad_json = LlamaConfig::from_hf_json("{\"model_type\": \"llama\"}");
-    assert!(bad_json.is_err());
-    let mut cfg = LlamaConfig::from_hf_json(&config_json(false))?;
+fn bad_model_inputs_are_errors() -> Result<()> {
+    let mut cfg = tiny_config(false);
+    cfg.validate()?;
     cfg.num_key_value_heads = 3;
     assert!(cfg.validate().is_err());
+    let vb = VarBuilder::from_tensors(tiny_weights(4, false), DType::F32, &DEV);
+    assert!(Llama::load(vb, &cfg, AttnImpl::Flash, &mut |_, _| {}).is_err());
     assert!("flashy".parse::<AttnImpl>().is_err());
     assert_eq!("naive".parse::<AttnImpl>()?, AttnImpl::Naive);
-    // A model with the wrong number of cache layers, an empty prompt.
-    let dir = scratch("bad");
-    write_safetensors_dir(&dir, &tiny_weights(4, true), true);
-    let m: Llama = load_tiny(&dir, AttnImpl::Flash).model;
+    // A cache with the wrong number of layers, an empty input.
+    let m = tiny_model(4, true, AttnImpl::Flash, &DEV)?;
     assert!(m.forward(&ids(&[1, 2]), Some(&mut Cache::new(1, 4))).is_err());
-    let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
-    assert!(m.generate(&[], 4, &mut sampler, &[], |_| Ok(())).is_err());
-    let _ = std::fs::remove_dir_all(&dir);
+    assert!(m.forward(&ids(&[]), None).is_err());
     Ok(())
 }
 
@@ -524,19 +294,321 @@ fn cuda_greedy_tokens_equal_cpu() -> Result<()> {
             return Ok(());
         }
     };
-    let dir = scratch("cuda-greedy");
-    let weights = tiny_weights(2, false);
-    write_gguf(&dir.join("tiny.gguf"), &weights, true);
-    let path = dir.join("tiny.gguf");
-    let run = |device: &Device, attn: AttnImpl| -> Result<Vec<u32>> {
-        let m = load(&path, DType::F32, device, attn, &mut |_, _| {})?;
-        let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
-        Ok(m.model.generate(&PROMPT[..5], 40, &mut sampler, &[], |_| Ok(()))?.tokens)
-    };
-    let cpu = run(&DEV, AttnImpl::Flash)?;
+    let cpu = greedy(&tiny_model(2, false, AttnImpl::Flash, &DEV)?, &PROMPT[..5], 40)?;
     for attn in [AttnImpl::Flash, AttnImpl::Naive] {
-        assert_eq!(run(&gpu, attn)?, cpu, "{attn:?} on CUDA vs flash on CPU");
+        assert_eq!(
+            greedy(&tiny_model(2, false, attn, &gpu)?, &PROMPT[..5], 40)?,
+            cpu,
+            "{attn:?} on CUDA vs flash on CPU"
+        );
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// The application side: files, tokenizer, sampling, generation, chat templates.
+#[cfg(feature = "llama")]
+mod app {
+    use super::*;
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    use candle_flash::llama::{
+        apply_chat_template, hf_to_gguf_name, load, ChatMessage, LoadedLlama, LogitsProcessor, Sampling,
+    };
+    use std::path::{Path, PathBuf};
+
+    /// A scratch folder per test (the tests of this file run in parallel).
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("candle-flash-llama-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn config_json(tied: bool) -> String {
+        serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": VOCAB,
+            "hidden_size": HIDDEN,
+            "intermediate_size": INTER,
+            "num_hidden_layers": LAYERS,
+            "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": THETA,
+            "rope_scaling": {
+                "rope_type": "llama3", "factor": ROPE_FACTOR, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": ORIG_CTX
+            },
+            "max_position_embeddings": 256,
+            "tie_word_embeddings": tied,
+            "eos_token_id": 3
+        })
+        .to_string()
+    }
+
+    fn write_safetensors_dir(dir: &Path, weights: &HashMap<String, Tensor>, tied: bool) {
+        std::fs::write(dir.join("config.json"), config_json(tied)).unwrap();
+        candle_core::safetensors::save(weights, dir.join("model.safetensors")).unwrap();
+    }
+
+    /// Llama 3 rope scaling as llama.cpp's converter stores it: one divisor per frequency in
+    /// `rope_freqs.weight` (written here from the formula independently of the library).
+    fn llama3_freq_factors() -> Vec<f32> {
+        let (low, high) = (1.0, 4.0);
+        let (low_wavelen, high_wavelen) = (ORIG_CTX as f64 / low, ORIG_CTX as f64 / high);
+        (0..HEAD_DIM / 2)
+            .map(|i| {
+                let freq = 1.0 / THETA.powf(2.0 * i as f64 / HEAD_DIM as f64);
+                let wavelen = 2.0 * std::f64::consts::PI / freq;
+                let f = if wavelen < high_wavelen {
+                    1.0
+                } else if wavelen > low_wavelen {
+                    ROPE_FACTOR
+                } else {
+                    let smooth = (ORIG_CTX as f64 / wavelen - low) / (high - low);
+                    1.0 / ((1.0 - smooth) / ROPE_FACTOR + smooth)
+                };
+                f as f32
+            })
+            .collect()
+    }
+
+    /// The same weights as llama.cpp's converter writes them: GGUF names, Q/K rows permuted for
+    /// the interleaved rotary (unless `permute` is false: the control that shows it matters),
+    /// f32 tensors, no tokenizer.
+    fn write_gguf(path: &Path, weights: &HashMap<String, Tensor>, permute: bool) {
+        let mut qtensors = vec![];
+        for (name, t) in weights {
+            let gname = hf_to_gguf_name(name).unwrap();
+            let t = if permute && gname.ends_with("attn_q.weight") {
+                permute_qk_rows(t, HEADS).unwrap()
+            } else if permute && gname.ends_with("attn_k.weight") {
+                permute_qk_rows(t, KV_HEADS).unwrap()
+            } else {
+                t.clone()
+            };
+            qtensors.push((gname, QTensor::quantize(&t, GgmlDType::F32).unwrap()));
+        }
+        let factors = Tensor::new(llama3_freq_factors(), &DEV).unwrap();
+        qtensors.push(("rope_freqs.weight".into(), QTensor::quantize(&factors, GgmlDType::F32).unwrap()));
+        use gguf_file::Value as V;
+        let md: Vec<(&str, V)> = vec![
+            ("general.architecture", V::String("llama".into())),
+            ("llama.vocab_size", V::U32(VOCAB as u32)),
+            ("llama.embedding_length", V::U32(HIDDEN as u32)),
+            ("llama.feed_forward_length", V::U32(INTER as u32)),
+            ("llama.block_count", V::U32(LAYERS as u32)),
+            ("llama.attention.head_count", V::U32(HEADS as u32)),
+            ("llama.attention.head_count_kv", V::U32(KV_HEADS as u32)),
+            ("llama.rope.dimension_count", V::U32(HEAD_DIM as u32)),
+            ("llama.rope.freq_base", V::F32(THETA as f32)),
+            ("llama.attention.layer_norm_rms_epsilon", V::F32(1e-5)),
+            ("llama.context_length", V::U32(256)),
+        ];
+        let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (*k, v)).collect();
+        let t_refs: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let mut f = std::fs::File::create(path).unwrap();
+        gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
+    }
+
+    fn load_tiny(path: &Path, attn: AttnImpl) -> LoadedLlama {
+        load(path, DType::F32, &DEV, attn, &mut |_, _| {}).unwrap()
+    }
+
+    #[test]
+    fn gguf_and_safetensors_load_the_same_model() -> Result<()> {
+        for tied in [false, true] {
+            let dir = scratch(&format!("formats-{tied}"));
+            let weights = tiny_weights(1, tied);
+            write_safetensors_dir(&dir, &weights, tied);
+            write_gguf(&dir.join("tiny.gguf"), &weights, true);
+            write_gguf(&dir.join("unpermuted.gguf"), &weights, false);
+
+            let st = load_tiny(&dir, AttnImpl::Flash);
+            let gg = load_tiny(&dir.join("tiny.gguf"), AttnImpl::Flash);
+            assert_eq!(st.model.config().tie_word_embeddings, tied);
+            assert_eq!(gg.model.config().tie_word_embeddings, tied);
+            assert_eq!(st.model.config(), &tiny_config(tied));
+            assert_eq!(st.stop_token_ids, vec![3]);
+            // Llama 3 scaling from config.json and llama.cpp's stored factors: same frequencies.
+            assert!(matches!(st.model.config().rope_scaling, RopeScaling::Llama3(_)));
+            assert!(matches!(gg.model.config().rope_scaling, RopeScaling::FreqFactors(_)));
+            let (a, b) = (RotaryEmbedding::new(st.model.config())?, RotaryEmbedding::new(gg.model.config())?);
+            for (x, y) in a.inv_freq().iter().zip(b.inv_freq()) {
+                assert!((x - y).abs() <= 1e-6 * x, "rope frequencies differ: {x} vs {y}");
+            }
+
+            let x = ids(PROMPT);
+            let l_st = st.model.forward_all(&x, None)?;
+            let l_gg = gg.model.forward_all(&x, None)?;
+            let diff = max_abs_diff(&l_st, &l_gg);
+            assert!(diff < 1e-4, "tied={tied}: GGUF vs safetensors logits differ by {diff}");
+
+            // The control: the same weights without llama.cpp's Q/K permutation, loaded through the
+            // GGUF path (which un-permutes), give a different model. So the permutation is real and
+            // the un-permutation is what makes the two formats agree.
+            let wrong = load_tiny(&dir.join("unpermuted.gguf"), AttnImpl::Flash);
+            let diff_wrong = max_abs_diff(&l_st, &wrong.model.forward_all(&x, None)?);
+            assert!(diff_wrong > 100.0 * diff.max(1e-6), "tied={tied}: unpermuted GGUF differs by only {diff_wrong}");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn greedy_tokens_flash_equal_naive() -> Result<()> {
+        let dir = scratch("greedy");
+        let weights = tiny_weights(2, false);
+        write_safetensors_dir(&dir, &weights, false);
+        write_gguf(&dir.join("tiny.gguf"), &weights, true);
+        let mut outputs = vec![];
+        for path in [dir.clone(), dir.join("tiny.gguf")] {
+            for attn in [AttnImpl::Flash, AttnImpl::Naive] {
+                let m = load_tiny(&path, attn);
+                let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
+                let out = m.model.generate(&PROMPT[..5], 40, &mut sampler, &[], |_| Ok(()))?;
+                assert_eq!(out.tokens.len(), 40);
+                outputs.push((path.display().to_string(), attn, out.tokens));
+            }
+        }
+        for o in &outputs[1..] {
+            assert_eq!(o.2, outputs[0].2, "{} {:?} vs {} {:?}", o.0, o.1, outputs[0].0, outputs[0].1);
+        }
+        // `generate` with greedy sampling is the library-only `greedy` on the model built from tensors.
+        assert_eq!(greedy(&tiny_model(2, false, AttnImpl::Flash, &DEV)?, &PROMPT[..5], 40)?, outputs[0].2);
+        // Not a degenerate model that repeats one token.
+        let distinct: std::collections::HashSet<_> = outputs[0].2.iter().collect();
+        assert!(distinct.len() > 3, "{:?}", outputs[0].2);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[test]
+    fn sampling_is_seeded_and_top_p_keeps_the_nucleus() -> Result<()> {
+        let logits: Vec<f32> = vec![1.0, 3.0, 2.9, -1.0, 0.5, 2.0];
+        assert_eq!(LogitsProcessor::new(Sampling::Greedy, 0).sample_slice(&logits)?, 1);
+        let draw = |sampling, seed| -> Vec<u32> {
+            let mut p = LogitsProcessor::new(sampling, seed);
+            (0..200).map(|_| p.sample_slice(&logits).unwrap()).collect()
+        };
+        let t = Sampling::Temperature { temperature: 1.0 };
+        assert_eq!(draw(t, 42), draw(t, 42));
+        assert_ne!(draw(t, 42), draw(t, 43));
+        let all: std::collections::HashSet<u32> = draw(t, 1).into_iter().collect();
+        assert!(all.len() >= 4, "temperature 1 should visit most tokens: {all:?}");
+        // Probabilities ~ [.05, .38, .35, .01, .03, .14]: top-p 0.5 keeps tokens 1 and 2 only.
+        let nucleus: std::collections::HashSet<u32> =
+            draw(Sampling::TopP { temperature: 1.0, top_p: 0.5 }, 1).into_iter().collect();
+        assert_eq!(nucleus, [1, 2].into_iter().collect());
+        assert_eq!(Sampling::from_args(0.0, Some(0.9)), Sampling::Greedy);
+        assert!(LogitsProcessor::new(t, 0).sample_slice(&[]).is_err());
+        Ok(())
+    }
+
+    const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    #[test]
+    fn chat_template_renders_like_transformers() -> Result<()> {
+        let text = apply_chat_template(
+            SMOLLM2_TEMPLATE,
+            &[ChatMessage::new("user", "Hi!")],
+            true,
+            "<|im_start|>",
+            "<|im_end|>",
+        )?;
+        assert_eq!(
+            text,
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let err = apply_chat_template("{{ raise_exception('no system role') }}", &[], false, "", "");
+        assert!(err.unwrap_err().to_string().contains("no system role"));
+        Ok(())
+    }
+
+    fn smollm2() -> Option<PathBuf> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if path.is_file() {
+            Some(path)
+        } else {
+            println!("skipped: {} is missing (fetch it with `bash scripts/fetch-model.sh`)", path.display());
+            None
+        }
+    }
+
+    /// The real model: its tokenizer, fixed greedy continuations (recorded from this code on the
+    /// CPU in f32), and flash vs naive logits.
+    #[test]
+    fn smollm2_greedy_output_and_flash_vs_naive() -> Result<()> {
+        let Some(path) = smollm2() else { return Ok(()) };
+        let mut loaded = load(&path, DType::F32, &DEV, AttnImpl::Flash, &mut |_, _| {})?;
+        let cfg = loaded.model.config().clone();
+        assert_eq!(
+            (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
+            (30, 576, 9, 3, 64)
+        );
+        assert!(cfg.tie_word_embeddings);
+        let tok = loaded.tokenizer.take().expect("tokenizer in the GGUF");
+        let enc = |s: &str| tok.encode(s, true).map(|e| e.get_ids().to_vec()).map_err(candle_core::Error::wrap);
+        // No prefix space, digits split one by one (the SmolLM2 pre-tokenizer), specials atomic.
+        let toks: Vec<String> = enc("Hello world 2024")?.iter().map(|&i| tok.id_to_token(i).unwrap()).collect();
+        assert_eq!(toks, ["Hello", "Ġworld", "Ġ", "2", "0", "2", "4"]);
+        assert_eq!(enc("<|im_start|>user")?, [1, 4093]);
+        assert!(loaded.stop_token_ids.contains(&2)); // <|im_end|>
+
+        let template = loaded.chat_template.clone().expect("chat template");
+        let chat = apply_chat_template(
+            &template,
+            &[ChatMessage::new("user", "What is the capital of France?")],
+            true,
+            "",
+            "",
+        )?;
+        let cases = [
+            (
+                "Gravity is",
+                "a fundamental concept in physics that describes the curvature of spacetime caused by the presence of",
+            ),
+            (chat.as_str(), "The capital of France is Paris."),
+        ];
+        for (prompt, want) in cases {
+            let ids = enc(prompt)?;
+            let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
+            let out = loaded.model.generate(&ids, 16, &mut sampler, &loaded.stop_token_ids, |_| Ok(()))?;
+            let text = tok.decode(&out.tokens, true).map_err(candle_core::Error::wrap)?;
+            assert_eq!(text.trim(), want, "prompt {prompt:?}");
+        }
+
+        // Flash vs naive logits over a longer prompt (all positions).
+        let text = "The quick brown fox jumps over the lazy dog. ".repeat(12);
+        let ids = Tensor::new(enc(&text)?, &DEV)?.unsqueeze(0)?;
+        let flash = loaded.model.forward_all(&ids, None)?;
+        loaded.model.set_attn_impl(AttnImpl::Naive);
+        let naive = loaded.model.forward_all(&ids, None)?;
+        let (diff, scale) = (max_abs_diff(&flash, &naive), max_abs(&naive));
+        println!(
+            "SmolLM2 flash vs naive: {} positions, max |logit diff| {diff:.2e} (max |logit| {scale:.1})",
+            ids.dim(1)?
+        );
+        assert!(diff < 2e-3, "flash vs naive logits differ by {diff}");
+        let argmax = |t: &Tensor| t.argmax(2).unwrap().flatten_all().unwrap().to_vec1::<u32>().unwrap();
+        assert_eq!(argmax(&flash), argmax(&naive));
+        Ok(())
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() -> Result<()> {
+        let missing = load(Path::new("/nonexistent/model.gguf"), DType::F32, &DEV, AttnImpl::Flash, &mut |_, _| {});
+        assert!(missing.err().unwrap().to_string().contains("not found"));
+        let bad_json = LlamaConfig::from_hf_json("{\"model_type\": \"llama\"}");
+        assert!(bad_json.is_err());
+        let mut json: serde_json::Value = serde_json::from_str(&config_json(false)).unwrap();
+        json["num_key_value_heads"] = 3.into();
+        assert!(LlamaConfig::from_hf_json(&json.to_string()).is_err());
+        // An empty prompt.
+        let m = tiny_model(4, true, AttnImpl::Flash, &DEV)?;
+        let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
+        assert!(m.generate(&[], 4, &mut sampler, &[], |_| Ok(())).is_err());
+        Ok(())
+    }
 }

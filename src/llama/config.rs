@@ -1,30 +1,11 @@
-//! The model hyper-parameters, read from a Hugging Face `config.json` or from GGUF metadata.
+//! The model hyper-parameters: filled in by the caller and checked with
+//! [`LlamaConfig::validate`], or (feature `llama`) read from a Hugging Face `config.json`
+//! (`LlamaConfig::from_hf_json`) or from GGUF metadata (`LlamaConfig::from_gguf`).
 
-use candle_core::quantized::gguf_file;
+use super::rotary::RopeScaling;
 use candle_core::{bail, Result};
-use serde::Deserialize;
-
-/// Llama 3.1's frequency-dependent rotary scaling (`rope_scaling.rope_type == "llama3"`):
-/// long wavelengths are slowed down by `factor`, short ones kept, and the band between is
-/// interpolated, so that the model reaches past its original context.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Llama3RopeScaling {
-    pub factor: f64,
-    pub low_freq_factor: f64,
-    pub high_freq_factor: f64,
-    pub original_max_position_embeddings: usize,
-}
-
-/// How the rotary frequencies `theta^(-2i/D)` are adjusted.
-#[derive(Clone, Debug, PartialEq, Default)]
-pub enum RopeScaling {
-    #[default]
-    None,
-    Llama3(Llama3RopeScaling),
-    /// One divisor per frequency, as llama.cpp stores Llama 3.1's scaling in GGUF files (the
-    /// `rope_freqs.weight` tensor, already evaluated from the formula above).
-    FreqFactors(Vec<f32>),
-}
+#[cfg(feature = "llama")]
+use {super::rotary::Llama3RopeScaling, candle_core::quantized::gguf_file, serde::Deserialize};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
@@ -74,7 +55,11 @@ impl LlamaConfig {
         }
         Ok(())
     }
+}
 
+/// Reading the config from model files (feature `llama`).
+#[cfg(feature = "llama")]
+impl LlamaConfig {
     /// From the text of a Hugging Face `config.json`.
     pub fn from_hf_json(text: &str) -> Result<Self> {
         let raw: HfConfig =
@@ -169,11 +154,13 @@ impl LlamaConfig {
     }
 }
 
+#[cfg(feature = "llama")]
 pub(crate) fn md<'a>(ct: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Value> {
     ct.metadata.get(key).ok_or_else(|| candle_core::Error::Msg(format!("gguf: missing metadata key {key:?}")))
 }
 
 /// GGUF writers are not consistent about integer widths (u32, i32, u64 all occur).
+#[cfg(feature = "llama")]
 pub(crate) fn value_to_usize(v: &gguf_file::Value) -> Result<usize> {
     use gguf_file::Value::*;
     let x: i128 = match v {
@@ -190,6 +177,7 @@ pub(crate) fn value_to_usize(v: &gguf_file::Value) -> Result<usize> {
     usize::try_from(x).map_err(|_| candle_core::Error::Msg(format!("gguf: expected a non-negative integer, got {x}")))
 }
 
+#[cfg(feature = "llama")]
 #[derive(Deserialize)]
 struct HfConfig {
     model_type: Option<String>,
@@ -209,6 +197,7 @@ struct HfConfig {
     mlp_bias: Option<bool>,
 }
 
+#[cfg(feature = "llama")]
 #[derive(Deserialize)]
 struct HfRopeScaling {
     rope_type: Option<String>,

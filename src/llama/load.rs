@@ -1,12 +1,14 @@
 //! Loading a [`Llama`] with its tokenizer and chat template from a GGUF file (architecture
-//! `llama`) or a Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`).
+//! `llama`) or a Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`)
+//! (feature `llama`).
 
 use super::attention::AttnImpl;
-use super::config::{value_to_usize, LlamaConfig, RopeScaling};
+use super::config::{value_to_usize, LlamaConfig};
 use super::model::Llama;
+use super::rotary::{unpermute_qk_rows, RopeScaling};
 use candle_core::quantized::gguf_file;
 use candle_core::quantized::tokenizer::TokenizerFromGguf;
-use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_core::{bail, DType, Device, Result};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -32,6 +34,24 @@ const END_MARKERS: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<
 
 /// A GGUF file (by its content) or a Hugging Face folder (or a file inside one).
 /// `progress(done, total)` reports tensors dequantized (GGUF) or layers built (safetensors).
+///
+/// ```no_run
+/// use candle_core::{DType, Device};
+/// use candle_flash::llama::{load, AttnImpl, LogitsProcessor, Sampling};
+/// let loaded = load(
+///     std::path::Path::new("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+///     DType::F32,
+///     &Device::Cpu,
+///     AttnImpl::Flash,
+///     &mut |_, _| {},
+/// )?;
+/// let tokenizer = loaded.tokenizer.as_ref().expect("the GGUF has a tokenizer");
+/// let prompt = tokenizer.encode("The capital of France is", true).map_err(candle_core::Error::wrap)?;
+/// let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
+/// let out = loaded.model.generate(prompt.get_ids(), 16, &mut sampler, &loaded.stop_token_ids, |_| Ok(()))?;
+/// println!("{}", tokenizer.decode(&out.tokens, true).map_err(candle_core::Error::wrap)?);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 pub fn load(
     path: &Path,
     dtype: DType,
@@ -103,29 +123,6 @@ pub fn hf_to_gguf_name(name: &str) -> Option<String> {
     let layer: usize = layer.parse().ok()?;
     let (g, _) = LAYER_NAMES.iter().find(|(_, hf)| *hf == suffix)?;
     Some(format!("blk.{layer}.{g}"))
-}
-
-fn qk_dims(w: &Tensor, n_head: usize) -> Result<(usize, usize, usize)> {
-    let (rows, cols) = w.dims2()?;
-    if n_head == 0 || !rows.is_multiple_of(n_head) || !(rows / n_head).is_multiple_of(2) {
-        bail!("q/k weight {:?} does not split into {n_head} heads of even size", w.dims())
-    }
-    Ok((rows, cols, rows / n_head / 2))
-}
-
-/// llama.cpp's conversion permutes the rows of Q and K (per head, the two halves of the head
-/// dim are interleaved) so that its interleaved rotary matches Hugging Face's "rotate half"
-/// rotary. This is that permutation (`convert_hf_to_gguf.py`'s `permute`): used to write GGUF.
-pub fn permute_qk_rows(w: &Tensor, n_head: usize) -> Result<Tensor> {
-    let (rows, cols, half) = qk_dims(w, n_head)?;
-    w.reshape((n_head, 2, half, cols))?.transpose(1, 2)?.reshape((rows, cols))
-}
-
-/// The inverse of [`permute_qk_rows`]: GGUF rows back to Hugging Face order, so that the
-/// model's non-interleaved rotary (`rope_thd`, in the flash layout) applies to GGUF weights.
-pub fn unpermute_qk_rows(w: &Tensor, n_head: usize) -> Result<Tensor> {
-    let (rows, cols, half) = qk_dims(w, n_head)?;
-    w.reshape((n_head, half, 2, cols))?.transpose(1, 2)?.reshape((rows, cols))
 }
 
 /// A GGUF file of architecture `llama`; every tensor is dequantized to `dtype` at load.

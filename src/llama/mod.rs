@@ -1,7 +1,16 @@
 //! A Llama-architecture language model on candle-nn whose attention runs through
-//! [`crate::flash_attn`]: the block ([`LlamaAttention`]), the full model ([`Llama`]), loading
-//! from GGUF files and Hugging Face safetensors folders ([`load`]), sampling
-//! ([`LogitsProcessor`]) and chat templates ([`apply_chat_template`]).
+//! [`crate::flash_attn`].
+//!
+//! Always built (no extra dependencies): the attention block ([`LlamaAttention`], in
+//! `attention.rs`), rotary embeddings ([`RotaryEmbedding`], [`apply_rope`], in `rotary.rs`),
+//! the KV cache ([`KvCache`], in `kv_cache.rs`), the config ([`LlamaConfig`]) and the full
+//! model's forward ([`Llama`], built from a `VarBuilder` with Hugging Face tensor names).
+//!
+//! With the cargo feature `llama` (which adds tokenizers, serde, serde_json and minijinja):
+//! loading from GGUF files and Hugging Face safetensors folders with the tokenizer (`load`),
+//! reading `config.json` / GGUF metadata (`LlamaConfig::from_hf_json`, `from_gguf`), sampling
+//! (`LogitsProcessor`), generation (`Llama::generate`) and chat templates
+//! (`apply_chat_template`). The `llama` example is that application.
 //!
 //! Layouts follow the flash kernels, not candle-transformers: activations stay `(B, S, H, D)`
 //! from the projections to the attention, so that no transpose or copy sits between them,
@@ -10,37 +19,69 @@
 //! layout); GGUF Q/K weights, which llama.cpp stores permuted for the interleaved variant,
 //! are un-permuted at load ([`unpermute_qk_rows`]).
 //!
-//! ```no_run
-//! use candle_core::{DType, Device};
-//! use candle_flash::llama::{load, AttnImpl, LogitsProcessor, Sampling};
-//! let loaded = load(
-//!     std::path::Path::new("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-//!     DType::F32,
-//!     &Device::Cpu,
+//! The block on its own, prefill then one decode step against its cache:
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_flash::llama::{AttnImpl, KvCache, LlamaAttention, RopeScaling, RotaryEmbedding};
+//! use candle_nn::Linear;
+//! let dev = Device::Cpu;
+//! let (hidden, heads, kv_heads, head_dim) = (64, 4, 2, 16);
+//! let proj = |out: usize, inp: usize| -> candle_core::Result<Linear> {
+//!     Ok(Linear::new(Tensor::randn(0f32, 0.1, (out, inp), &dev)?, None))
+//! };
+//! let block = LlamaAttention::new(
+//!     proj(heads * head_dim, hidden)?,
+//!     proj(kv_heads * head_dim, hidden)?,
+//!     proj(kv_heads * head_dim, hidden)?,
+//!     proj(hidden, heads * head_dim)?,
+//!     heads,
+//!     kv_heads,
 //!     AttnImpl::Flash,
-//!     &mut |_, _| {},
 //! )?;
-//! let tokenizer = loaded.tokenizer.as_ref().expect("the GGUF has a tokenizer");
-//! let prompt = tokenizer.encode("The capital of France is", true).map_err(candle_core::Error::wrap)?;
-//! let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
-//! let out = loaded.model.generate(prompt.get_ids(), 16, &mut sampler, &loaded.stop_token_ids, |_| Ok(()))?;
-//! println!("{}", tokenizer.decode(&out.tokens, true).map_err(candle_core::Error::wrap)?);
+//! let rotary = RotaryEmbedding::from_parts(head_dim, 10_000.0, &RopeScaling::None)?;
+//! let mut cache = KvCache::default();
+//! let x = Tensor::randn(0f32, 1., (1, 7, hidden), &dev)?;
+//! let y = block.forward(&x, &rotary.rope(0, 7, DType::F32, &dev)?, Some(&mut cache))?;
+//! let next = Tensor::randn(0f32, 1., (1, 1, hidden), &dev)?;
+//! let y1 = block.forward(&next, &rotary.rope(7, 1, DType::F32, &dev)?, Some(&mut cache))?;
+//! assert_eq!((y.dims(), y1.dims(), cache.len()), (&[1, 7, hidden][..], &[1, 1, hidden][..], 8));
 //! # Ok::<(), candle_core::Error>(())
 //! ```
+//!
+//! With the feature, `load` documents loading a model and generating text.
 
 mod attention;
-mod chat;
 mod config;
-mod load;
+mod kv_cache;
 mod model;
+mod rotary;
+
+#[cfg(feature = "llama")]
+mod chat;
+#[cfg(feature = "llama")]
+mod generate;
+#[cfg(feature = "llama")]
+mod load;
+#[cfg(feature = "llama")]
 mod sampling;
 
-pub use attention::{apply_rope, apply_rope_interleaved, AttnImpl, KvCache, LlamaAttention, Rope, RotaryEmbedding};
-pub use chat::{apply_chat_template, ChatMessage};
-pub use config::{Llama3RopeScaling, LlamaConfig, RopeScaling};
-pub use load::{
-    gguf_to_hf_name, hf_to_gguf_name, load, load_gguf, load_safetensors_dir, permute_qk_rows, tokenizer_from_gguf,
-    unpermute_qk_rows, LoadedLlama,
+pub use attention::{AttnImpl, LlamaAttention};
+pub use config::LlamaConfig;
+pub use kv_cache::KvCache;
+pub use model::{Cache, Llama};
+pub use rotary::{
+    apply_rope, apply_rope_interleaved, permute_qk_rows, unpermute_qk_rows, Llama3RopeScaling, Rope, RopeScaling,
+    RotaryEmbedding,
 };
-pub use model::{Cache, Generation, Llama};
+
+#[cfg(feature = "llama")]
+pub use chat::{apply_chat_template, ChatMessage};
+#[cfg(feature = "llama")]
+pub use generate::Generation;
+#[cfg(feature = "llama")]
+pub use load::{
+    gguf_to_hf_name, hf_to_gguf_name, load, load_gguf, load_safetensors_dir, tokenizer_from_gguf, LoadedLlama,
+};
+#[cfg(feature = "llama")]
 pub use sampling::{LogitsProcessor, Sampling};
