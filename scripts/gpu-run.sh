@@ -30,12 +30,17 @@ CANDLE_FLASH_DISABLE_SM90A=1 gpu-bin/tests/parity --test-threads=1 >> "$log" 2>&
 rc=$?
 summary+=("$(printf '%-10s rc=%-3s %s' parity-sm80 "$rc" "$(grep -E "^test result" "$log" | tail -n 1)")")
 
-# One small case under compute-sanitizer (memcheck): forward and backward, varlen with an empty
-# sequence, GQA, window and ALiBi on CUDA.
+# Under compute-sanitizer (memcheck): forward and backward, varlen with an empty sequence, GQA,
+# window and ALiBi on CUDA; and deliberately bad device seqlens (not checked on the host by
+# default: the kernels clamp them), which must never touch memory outside the tensors.
 san="$OUT/sanitizer.log"
 compute-sanitizer --tool memcheck --error-exitcode 1 gpu-bin/tests/parity varlen --test-threads=1 > "$san" 2>&1
 san_rc=$?
 summary+=("$(printf '%-10s rc=%-3s %s' sanitizer "$san_rc" "$(grep -E 'ERROR SUMMARY' "$san" | tail -n 1)")")
+san2="$OUT/sanitizer_bad_seqlens.log"
+compute-sanitizer --tool memcheck --error-exitcode 1 gpu-bin/tests/errors bad_seqlens --test-threads=1 --nocapture > "$san2" 2>&1
+san_rc=$?
+summary+=("$(printf '%-10s rc=%-3s %s %s' san-bad-sl "$san_rc" "$(grep -E 'ERROR SUMMARY' "$san2" | tail -n 1)" "$(grep -E '^test result' "$san2" | tail -n 1)")")
 
 echo
 echo "==== summary ($(cat "$OUT/gpu.txt"))"
