@@ -73,6 +73,21 @@ struct DkdvWork {
         Loader::template load<BN>(sK, kg + (int64_t)n0 * f.k_row_stride, f.k_row_stride, si.sk - n0, dch, tid, f.k);
         Loader::template load<BN>(sV, vg + (int64_t)n0 * f.v_row_stride, f.v_row_stride, si.sk - n0, dch, tid, f.v);
     }
+    // Step it into stage `stage` of the double-buffered Q / dO (D columns) and lse / dsum buffers.
+    template <typename Loader, int D>
+    __device__ __forceinline__ void issue_stage(const CfBwdParams& p, const BwdWs& ws, int it, int stage, T* sQ, T* sdO,
+                                                float* sL, float* sD, int tid) const {
+        issue_step<Loader>(p, ws, it, sQ + stage * BM * D, sdO + stage * BM * D, sL + stage * BM, sD + stage * BM, tid);
+    }
+    // The CTA's first cp.async group: its K and V rows and step 0 (stage 0).
+    template <typename Loader, int D>
+    __device__ __forceinline__ void prologue(const CfBwdParams& p, const BwdWs& ws, T* sK, T* sV, T* sQ, T* sdO, float* sL,
+                                             float* sD, int tid) const {
+        load_kv<Loader>(p.fwd, sK, sV, tid);
+        if (total_it > 0) issue_stage<Loader, D>(p, ws, 0, 0, sQ, sdO, sL, sD, tid);
+        cp_async_commit();
+    }
+
     // cp.async copies of step it: Q and dO rows, lse and dsum (f32, zero past the sequence).
     template <typename Loader>
     __device__ __forceinline__ void issue_step(const CfBwdParams& p, const BwdWs& ws, int it, T* sQ, T* sdO,

@@ -96,12 +96,35 @@ struct LogitInfo {
 };
 
 
+
 // Query block of this CTA in a grid of one CTA per query block (blockIdx.x): with causal-like
 // masks (right window bounded, left unbounded) the last query blocks see the most keys, so
 // they are started first.
 __device__ __forceinline__ int heavy_first_block(const CfFwdParams& p) {
     return (p.window_right >= 0 && p.window_left < 0) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
 }
+
+// What a CTA of a one-CTA-per-query-block grid (blockIdx = (query block, head, sequence)) works
+// on: rows [m0, m_last] of head h (KV head hk), which see keys [n_lo, n_hi). The forward and the
+// dQ kernels (sm80, SIMT) start from it.
+struct QueryBlockWork {
+    SeqInfo si;
+    MaskInfo mk;
+    int h, hk, m0, m_last, n_lo, n_hi;
+
+    __device__ __forceinline__ QueryBlockWork(const CfFwdParams& p, int block_m)
+        : si(p, blockIdx.z), mk(si.sq, si.sk, p.window_left, p.window_right) {
+        h = blockIdx.y;
+        hk = kv_head(p, h);
+        m0 = heavy_first_block(p) * block_m;
+        m_last = min(m0 + block_m, si.sq) - 1;
+        mk.key_range(m0, m_last, n_lo, n_hi);
+    }
+    // No row of this block exists in its sequence (return before touching anything).
+    __device__ __forceinline__ bool empty() const { return m0 >= si.sq; }
+    // The block's rows see no key (o = 0, lse = -inf in the forward; dq = 0).
+    __device__ __forceinline__ bool no_keys() const { return n_hi <= n_lo; }
+};
 
 // Logit and visibility of one score: -inf when key j is hidden from query i. The SIMT kernels
 // call it per element; mask_scores() below is the same rule over a tensor-core fragment.

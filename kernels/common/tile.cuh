@@ -90,6 +90,20 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, 
     }
 }
 
+// f32 SIMT kernels: rows [0, ROWS) x columns [0, d) of two row-major global tensors (same row
+// range) into padded shared tiles [ROWS][ld] (ld = d + 1: column reads hit distinct banks); rows
+// >= valid_rows are zero. b == nullptr: only the first.
+template <int ROWS, int NTHREADS>
+__device__ __forceinline__ void load_rows_f32(float* sa, const float* a, int64_t a_stride, float* sb, const float* b,
+                                              int64_t b_stride, int valid_rows, int d, int ld, int tid) {
+    for (int idx = tid; idx < ROWS * d; idx += NTHREADS) {
+        const int r = idx / d, c = idx % d;
+        const bool ok = r < valid_rows;
+        sa[r * ld + c] = ok ? a[(int64_t)r * a_stride + c] : 0.f;
+        if (b != nullptr) sb[r * ld + c] = ok ? b[(int64_t)r * b_stride + c] : 0.f;
+    }
+}
+
 // load_tile as a type (for code shared between kernels of different shared layouts).
 template <int C, int NTHREADS>
 struct TileLoader {

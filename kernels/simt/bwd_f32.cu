@@ -68,12 +68,8 @@ __global__ void __launch_bounds__(F32BwdTraits::kNThreads) bwd_dkdv_f32_kernel(c
 
     const float* kg = si.k<float>(f, hk);
     const float* vg = si.v<float>(f, hk);
-    for (int idx = tid; idx < BN * d; idx += NTH) {
-        const int jj = idx / d, c = idx % d;
-        const bool ok = n0 + jj < si.sk;
-        sK[jj * ld + c] = ok ? kg[(int64_t)(n0 + jj) * f.k_row_stride + c] : 0.f;
-        sV[jj * ld + c] = ok ? vg[(int64_t)(n0 + jj) * f.v_row_stride + c] : 0.f;
-    }
+    load_rows_f32<BN, NTH>(sK, kg + (int64_t)n0 * f.k_row_stride, f.k_row_stride, sV, vg + (int64_t)n0 * f.v_row_stride,
+                            f.v_row_stride, si.sk - n0, d, ld, tid);
     float dk[32], dv[32];
 #pragma unroll
     for (int m = 0; m < 32; ++m) dk[m] = dv[m] = 0.f;
@@ -86,6 +82,7 @@ __global__ void __launch_bounds__(F32BwdTraits::kNThreads) bwd_dkdv_f32_kernel(c
         const float* dp = ws.dsum_rows(si, hq);
         for (int m0 = (m_lo / BM) * BM; m0 < m_hi; m0 += BM) {
             __syncthreads();
+            // inline rather than load_rows_f32: at 128 registers this loop nest spills 4 bytes with it
             for (int idx = tid; idx < BM * d; idx += NTH) {
                 const int ii = idx / d, c = idx % d;
                 const bool ok = m0 + ii < si.sq;
@@ -161,29 +158,20 @@ __global__ void __launch_bounds__(F32DqTraits::kNThreads) bwd_dq_f32_kernel(cons
     float* sdS = sV + BN * ld;  // [BM][BN+1]
 
     const int tid = threadIdx.x, r = tid >> 3, sub = tid & 7;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const SeqInfo si(f, b);
-    const int m0 = heavy_first_block(f) * BM;
-    if (m0 >= si.sq) return;
-    const int hk = kv_head(f, h);
+    const QueryBlockWork w(f, BM);
+    if (w.empty()) return;
+    const SeqInfo& si = w.si;
+    const MaskInfo& mk = w.mk;
+    const int h = w.h, m0 = w.m0, n_lo = w.n_lo, n_hi = w.n_hi;
     const float* qg = si.q<float>(f, h);
     const float* dog = si.dout<float>(p, h);
-    const float* kg = si.k<float>(f, hk);
-    const float* vg = si.v<float>(f, hk);
+    const float* kg = si.k<float>(f, w.hk);
+    const float* vg = si.v<float>(f, w.hk);
     float* dqg = si.dq<float>(p, h);
+    const LogitInfo li(f, si.b, h);
 
-    const MaskInfo mk(si.sq, si.sk, f.window_left, f.window_right);
-    const int m_last = min(m0 + BM, si.sq) - 1;
-    int n_lo, n_hi;
-    mk.key_range(m0, m_last, n_lo, n_hi);
-    const LogitInfo li(f, b, h);
-
-    for (int idx = tid; idx < BM * d; idx += NTH) {
-        const int ii = idx / d, c = idx % d;
-        const bool ok = m0 + ii < si.sq;
-        sQ[ii * ld + c] = ok ? qg[(int64_t)(m0 + ii) * f.q_row_stride + c] : 0.f;
-        sdO[ii * ld + c] = ok ? dog[(int64_t)(m0 + ii) * p.do_row_stride + c] : 0.f;
-    }
+    load_rows_f32<BM, NTH>(sQ, qg + (int64_t)m0 * f.q_row_stride, f.q_row_stride, sdO, dog + (int64_t)m0 * p.do_row_stride,
+                            p.do_row_stride, si.sq - m0, d, ld, tid);
     const int i = m0 + r;
     float L = INFINITY, Dv = 0.f;
     if (i < si.sq) {
@@ -197,12 +185,8 @@ __global__ void __launch_bounds__(F32DqTraits::kNThreads) bwd_dq_f32_kernel(cons
     if (n_hi > n_lo) {
         for (int n0 = (n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
             __syncthreads();
-            for (int idx = tid; idx < BN * d; idx += NTH) {
-                const int jj = idx / d, c = idx % d;
-                const bool ok = n0 + jj < si.sk;
-                sK[jj * ld + c] = ok ? kg[(int64_t)(n0 + jj) * f.k_row_stride + c] : 0.f;
-                sV[jj * ld + c] = ok ? vg[(int64_t)(n0 + jj) * f.v_row_stride + c] : 0.f;
-            }
+            load_rows_f32<BN, NTH>(sK, kg + (int64_t)n0 * f.k_row_stride, f.k_row_stride, sV, vg + (int64_t)n0 * f.v_row_stride,
+                                    f.v_row_stride, si.sk - n0, d, ld, tid);
             __syncthreads();
 #pragma unroll
             for (int k = 0; k < 4; ++k) {

@@ -18,30 +18,22 @@ __global__ void __launch_bounds__(F32FwdTraits::kNThreads) fwd_f32_kernel(const 
     float* sP = sV + BN * ld;  // [BM][BN+1]
 
     const int tid = threadIdx.x, r = tid >> 3, sub = tid & 7;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const SeqInfo si(p, b);
-    const int m0 = heavy_first_block(p) * BM;
-    if (m0 >= si.sq) return;
-    const int hk = kv_head(p, h);
+    const QueryBlockWork w(p, BM);
+    if (w.empty()) return;
+    const SeqInfo& si = w.si;
+    const MaskInfo& mk = w.mk;
+    const int h = w.h, m0 = w.m0, n_lo = w.n_lo, n_hi = w.n_hi;
     const float* qg = si.q<float>(p, h);
-    const float* kg = si.k<float>(p, hk);
-    const float* vg = si.v<float>(p, hk);
+    const float* kg = si.k<float>(p, w.hk);
+    const float* vg = si.v<float>(p, w.hk);
     float* og = si.o<float>(p, h);
     float* lseg = si.lse(p, h);
-
-    const MaskInfo mk(si.sq, si.sk, p.window_left, p.window_right);
-    const int m_last = min(m0 + BM, si.sq) - 1;
-    int n_lo, n_hi;
-    mk.key_range(m0, m_last, n_lo, n_hi);
-    if (n_hi <= n_lo) {
-        write_empty_rows<float, BM, NTH>(og, p.o_row_stride, lseg, m0, m_last, d, tid);
+    if (w.no_keys()) {
+        write_empty_rows<float, BM, NTH>(og, p.o_row_stride, lseg, m0, w.m_last, d, tid);
         return;
     }
-    const LogitInfo li(p, b, h);
-    for (int idx = tid; idx < BM * d; idx += NTH) {
-        const int rr = idx / d, c = idx % d;
-        sQ[rr * ld + c] = (m0 + rr < si.sq) ? qg[(int64_t)(m0 + rr) * p.q_row_stride + c] : 0.f;
-    }
+    const LogitInfo li(p, si.b, h);
+    load_rows_f32<BM, NTH>(sQ, qg + (int64_t)m0 * p.q_row_stride, p.q_row_stride, nullptr, nullptr, 0, si.sq - m0, d, ld, tid);
     float o[32];
 #pragma unroll
     for (int m = 0; m < 32; ++m) o[m] = 0.f;
@@ -50,12 +42,8 @@ __global__ void __launch_bounds__(F32FwdTraits::kNThreads) fwd_f32_kernel(const 
 
     for (int n0 = (n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
         __syncthreads();
-        for (int idx = tid; idx < BN * d; idx += NTH) {
-            const int jj = idx / d, c = idx % d;
-            const bool ok = n0 + jj < si.sk;
-            sK[jj * ld + c] = ok ? kg[(int64_t)(n0 + jj) * p.k_row_stride + c] : 0.f;
-            sV[jj * ld + c] = ok ? vg[(int64_t)(n0 + jj) * p.v_row_stride + c] : 0.f;
-        }
+        load_rows_f32<BN, NTH>(sK, kg + (int64_t)n0 * p.k_row_stride, p.k_row_stride, sV, vg + (int64_t)n0 * p.v_row_stride,
+                                p.v_row_stride, si.sk - n0, d, ld, tid);
         __syncthreads();
         float sv[4];
 #pragma unroll

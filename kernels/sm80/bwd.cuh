@@ -48,12 +48,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
     const MaskInfo& mk = w.mk;
     const int b = w.b, hkv_i = w.hkv_i, split = w.split, n0 = w.n0, dch = w.dch, total_it = w.total_it;
     using Loader = TileLoader<C, NTH>;
-    w.template load_kv<Loader>(f, sK, sV, tid);
-    auto issue_q = [&](int it, int stage) {
-        w.template issue_step<Loader>(p, ws, it, sQ + stage * BM * D, sdO + stage * BM * D, sL + stage * BM, sD + stage * BM, tid);
-    };
-    if (total_it > 0) issue_q(0, 0);
-    cp_async_commit();
+    w.template prologue<Loader, D>(p, ws, sK, sV, sQ, sdO, sL, sD, tid);
+    auto issue_q = [&](int it, int stage) { w.template issue_stage<Loader, D>(p, ws, it, stage, sQ, sdO, sL, sD, tid); };
 
     float dk[BMT][BNT][4], dv[BMT][BNT][4];
 #pragma unroll
@@ -266,23 +262,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dq_tc_kernel(const CfBwd
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q4 = lane & 3;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const SeqInfo si(f, b);
-    const int m0 = heavy_first_block(f) * BM;
-    if (m0 >= si.sq) return;
-    const int hk = kv_head(f, h);
+    const QueryBlockWork w(f, BM);
+    if (w.empty()) return;
+    const SeqInfo& si = w.si;
+    const MaskInfo& mk = w.mk;
+    const int h = w.h, b = si.b, m0 = w.m0, n_lo = w.n_lo, n_hi = w.n_hi;
     const int dch = f.d >> 3;
 
     const T* qg = si.q<T>(f, h);
     const T* dog = si.dout<T>(p, h);
-    const T* kg = si.k<T>(f, hk);
-    const T* vg = si.v<T>(f, hk);
+    const T* kg = si.k<T>(f, w.hk);
+    const T* vg = si.v<T>(f, w.hk);
     T* dqg = si.dq<T>(p, h);
-
-    const MaskInfo mk(si.sq, si.sk, f.window_left, f.window_right);
-    const int m_last = min(m0 + BM, si.sq) - 1;
-    int n_lo, n_hi;
-    mk.key_range(m0, m_last, n_lo, n_hi);
     const int nb_lo = n_lo / BN, nb_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : nb_lo;
 
     load_tile<BM, C, NTH>(sQ, qg + (int64_t)m0 * f.q_row_stride, f.q_row_stride, si.sq - m0, dch, tid, f.q);

@@ -27,28 +27,23 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q4 = lane & 3;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const SeqInfo si(p, b);
-    const int m0 = heavy_first_block(p) * BM;
-    if (m0 >= si.sq) return;
-    const int hk = kv_head(p, h);
+    const QueryBlockWork w(p, BM);
+    if (w.empty()) return;
+    const SeqInfo& si = w.si;
+    const MaskInfo& mk = w.mk;
+    const int h = w.h, m0 = w.m0, n_lo = w.n_lo, n_hi = w.n_hi;
     const int dch = p.d >> 3;
 
     const T* qg = si.q<T>(p, h);
-    const T* kg = si.k<T>(p, hk);
-    const T* vg = si.v<T>(p, hk);
+    const T* kg = si.k<T>(p, w.hk);
+    const T* vg = si.v<T>(p, w.hk);
     T* og = si.o<T>(p, h);
     float* lseg = si.lse(p, h);
-
-    const MaskInfo mk(si.sq, si.sk, p.window_left, p.window_right);
-    const int m_last = min(m0 + BM, si.sq) - 1;
-    int n_lo, n_hi;
-    mk.key_range(m0, m_last, n_lo, n_hi);
-    if (n_hi <= n_lo) {
-        write_empty_rows<T, BM, NTH>(og, p.o_row_stride, lseg, m0, m_last, p.d, tid);
+    if (w.no_keys()) {
+        write_empty_rows<T, BM, NTH>(og, p.o_row_stride, lseg, m0, w.m_last, p.d, tid);
         return;
     }
-    const LogitInfo li(p, b, h);
+    const LogitInfo li(p, si.b, h);
     const float cmul = li.general ? kLog2e : li.c;  // general path: s holds natural logits
     const int nb_lo = n_lo / BN, nb_hi = (n_hi + BN - 1) / BN;
 

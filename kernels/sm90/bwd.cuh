@@ -48,12 +48,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
     const MaskInfo& mk = w.mk;
     const int b = w.b, hkv_i = w.hkv_i, split = w.split, n0 = w.n0, dch = w.dch, total_it = w.total_it;
     using Loader = PanelLoader<C, NTH>;
-    w.template load_kv<Loader>(f, sK, sV, tid);
-    auto issue_q = [&](int it, int stage) {
-        w.template issue_step<Loader>(p, ws, it, sQ + stage * BM * D, sdO + stage * BM * D, sL + stage * BM, sD + stage * BM, tid);
-    };
-    if (total_it > 0) issue_q(0, 0);
-    cp_async_commit();
+    w.template prologue<Loader, D>(p, ws, sK, sV, sQ, sdO, sL, sD, tid);
+    auto issue_q = [&](int it, int stage) { w.template issue_stage<Loader, D>(p, ws, it, stage, sQ, sdO, sL, sD, tid); };
 
     float dk[ND], dv[ND];
 #pragma unroll
