@@ -64,9 +64,9 @@ struct SplitTraits {
 // tile's loads overlap the current tile's last GEMMs and epilogue (otherwise one CTA per tile).
 // kSeparateO: the output is staged in its own buffer (the next tile's Q can be loaded
 // meanwhile) instead of in the consumers' rows of Q.
-// Shared memory (panel layout of wgmma.cuh, 1024-byte aligned tiles): Q [kBlockM][D]
-// (+ O [kBlockM][D]) + K [kStages][kBlockN][D] + V [kStages][kBlockN][D] + mbarriers, + 1 KB of
-// alignment slack. Only head-dim tiles 64 and 128 (the wgmma kernel is dispatched for those).
+// Shared memory: FwdSharedStorage (sm90/fwd.cu; panel layout of sm90/wgmma.cuh, 1024-byte
+// aligned tiles): Q [kBlockM][D] (+ O [kBlockM][D]) + K, V [kStages][kBlockN][D] + the pipeline
+// mbarriers; the launch asks for its sizeof and asserts it fits. Only head-dim tiles 64 and 128.
 template <typename T_, int kHeadDim_, int kBlockN_, int kNWarpGroups_, int kStages_, bool kPingPong_,
           bool kPersistent_, bool kSeparateO_>
 struct FwdSm90Traits {
@@ -83,21 +83,19 @@ struct FwdSm90Traits {
     static constexpr bool kPersistent = kPersistent_;
     static constexpr bool kSeparateO = kSeparateO_;
     static constexpr int kLaunchRegs = (65536 / kNThreads) & ~7;
-    // The producer only computes addresses (fewer than 40 spills); consumers get the rest.
+    // The producer only computes addresses (40 registers, spill-free: keep its code lean, e.g.
+    // MaskInfo's 32-bit math); consumers get the rest.
     static constexpr int kProducerRegs = 40;
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
     static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;
     static constexpr int kKVStageBytes = kBlockN * kHeadDim * 2;
-    static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);  // Q full / empty; K, V full / empty per stage
-    static constexpr int kSmemBytes = (kSeparateO ? 2 : 1) * kQBytes + 2 * kStages * kKVStageBytes + kBarrierBytes + 1024;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma forward: head-dim tiles 64 and 128");
     static_assert(kStages >= 2, "K/V ring");
     static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N (S = Q K^T)");
     static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "load_panels row passes (128 producer threads)");
     static_assert(kQBytes % 1024 == 0 && kKVStageBytes % 1024 == 0, "tiles stay 1024-byte aligned");
-    static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per CTA");
     static_assert(kConsumerRegs > kLaunchRegs, "setmaxnreg: consumers gain what the producer gives up");
     static_assert(kNWarpGroups <= 4, "named barriers 1..kNWarpGroups; ping-pong barriers count 256 threads");
 };
@@ -177,7 +175,7 @@ struct BwdDqTraits {
     static_assert(kSmemBytes <= 160 * 1024, "must fit sm_80's 163 KB");
 };
 
-// sm_90a dK/dV kernel (wgmma, flash_bwd_sm90.cuh): CTA = 2 warpgroups over kBlockN keys of one KV
+// sm_90a dK/dV kernel (wgmma, sm90/bwd.cuh): CTA = 2 warpgroups over kBlockN keys of one KV
 // head (64 keys each), looping over kBlockM query rows per step. Per step each warpgroup computes
 // S^T = K Q^T and dP^T = V dO^T for its keys (m64 x n kBlockM), then dV += P^T dO and dK += dS^T Q
 // with P^T / dS^T straight from registers; atomic mode: dS^T -> shared, dQ = dS K (m64 x n64 per

@@ -14,14 +14,16 @@ what=${1:-all}
 summary=()
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
+# Both libraries, in parallel (each build is skipped when it is up to date).
+python3 bench/kernel_check.py --build-only > "$OUT/build.log" 2>&1 &
+if [ -d .baseline/kernels ]; then
+  CF_KDIR=.baseline/kernels CF_BUILD_DIR=.baseline/out python3 .baseline/kernel_check_old.py --build-only \
+    > "$OUT/build_baseline.log" 2>&1 &
+fi
+wait
+tail -n 2 "$OUT/build.log"
+
 if [ "$what" = check ] || [ "$what" = all ]; then
-  python3 bench/kernel_check.py --build-only > "$OUT/build.log" 2>&1 &
-  if [ -d .baseline/kernels ]; then
-    CF_KDIR=.baseline/kernels CF_BUILD_DIR=.baseline/out python3 .baseline/kernel_check_old.py --build-only \
-      > "$OUT/build_baseline.log" 2>&1 &
-  fi
-  wait
-  tail -n 3 "$OUT/build.log"
   python3 bench/kernel_check.py --no-build --inspect > "$OUT/check.log" 2>&1
   summary+=("check (sm_90a):    rc=$? $(tail -n 1 "$OUT/check.log")")
   grep -E "SPILL|ptxas:" "$OUT/check.log" | head -5
