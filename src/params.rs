@@ -13,6 +13,10 @@ use crate::op::BwdInputs;
 use candle_core::{bail, DType, Device, Error, Tensor};
 use std::sync::OnceLock;
 
+/// On CUDA, max_seqlen_q + max_seqlen_k must stay below this (2^29): the kernels' mask
+/// arithmetic is 32-bit (`kernels/common/mask.cuh`, checked again in `kernels/dispatch.cu`).
+pub const MAX_CUDA_SEQLEN_SUM: usize = 1 << 29;
+
 /// Largest head dimension any path supports.
 pub const MAX_HEAD_DIM: usize = 256;
 
@@ -408,6 +412,13 @@ fn validate_inner(
         bail!(
             "candle-flash: batch {batch}, max_seqlen_q {max_seqlen_q} and max_seqlen_k {max_seqlen_k} must fit \
              the CUDA kernels' 32-bit sizes"
+        )
+    }
+    // The kernels' mask arithmetic is 32-bit (kernels/common/mask.cuh): |positions| < 2^30.
+    if q.device().is_cuda() && max_seqlen_q + max_seqlen_k >= MAX_CUDA_SEQLEN_SUM {
+        bail!(
+            "candle-flash: max_seqlen_q {max_seqlen_q} + max_seqlen_k {max_seqlen_k} must be below \
+             {MAX_CUDA_SEQLEN_SUM} on CUDA"
         )
     }
 

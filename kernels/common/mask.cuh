@@ -95,8 +95,6 @@ struct LogitInfo {
     }
 };
 
-
-
 // Query block of this CTA in a grid of one CTA per query block (blockIdx.x): with causal-like
 // masks (right window bounded, left unbounded) the last query blocks see the most keys, so
 // they are started first.
