@@ -37,7 +37,9 @@ pub mod op;
 pub mod params;
 pub mod reference;
 
-pub use params::{FlashAttnOptions, VarLen, CHECK_DEVICE_DATA_ENV, MAX_CUDA_SEQLEN_SUM, MAX_HEAD_DIM};
+pub use params::{
+    FlashAttnOptions, VarLen, CHECK_DEVICE_DATA_ENV, MAX_CUDA_GRID_YZ, MAX_CUDA_SEQLEN_SUM, MAX_HEAD_DIM,
+};
 
 use candle_core::{Result, Tensor};
 use op::{FlashAttnOp, LseSlot};

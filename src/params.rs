@@ -17,6 +17,9 @@ use std::sync::OnceLock;
 /// arithmetic is 32-bit (`kernels/common/mask.cuh`, checked again in `kernels/dispatch.cu`).
 pub const MAX_CUDA_SEQLEN_SUM: usize = 1 << 29;
 
+/// On CUDA, batch and query heads are at most this (the launch grids' y and z dimensions).
+pub const MAX_CUDA_GRID_YZ: usize = 65535;
+
 /// Largest head dimension any path supports.
 pub const MAX_HEAD_DIM: usize = 256;
 
@@ -413,6 +416,10 @@ fn validate_inner(
             "candle-flash: batch {batch}, max_seqlen_q {max_seqlen_q} and max_seqlen_k {max_seqlen_k} must fit \
              the CUDA kernels' 32-bit sizes"
         )
+    }
+    // Grid dimensions y / z of the CUDA launches (kernels/dispatch.cu checks them again).
+    if q.device().is_cuda() && (batch > MAX_CUDA_GRID_YZ || num_heads > MAX_CUDA_GRID_YZ) {
+        bail!("candle-flash: batch {batch} and heads {num_heads} must be at most {MAX_CUDA_GRID_YZ} on CUDA")
     }
     // The kernels' mask arithmetic is 32-bit (kernels/common/mask.cuh): |positions| < 2^30.
     if q.device().is_cuda() && max_seqlen_q + max_seqlen_k >= MAX_CUDA_SEQLEN_SUM {

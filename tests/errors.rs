@@ -299,3 +299,16 @@ fn bad_seqlens_on_cuda_never_fault() {
         println!("{dtype:?} good call after the bad ones: {summary}");
     }
 }
+
+/// The CUDA launch limits are clear errors from the validation, not launch failures: batch or
+/// heads above the grids' 65535. (The max_seqlen_q + max_seqlen_k < 2^29 limit needs tensors of
+/// 2^28 rows to reach, since varlen maxima are capped at the packed totals: not run here.)
+#[test]
+fn cuda_size_limits_are_errors() {
+    let Some(device) = common::cuda_device() else { return };
+    let big = candle_flash::MAX_CUDA_GRID_YZ + 1;
+    let q = Tensor::zeros((big, 1, 1, 8), DType::F16, &device).unwrap();
+    expect(flash_attn(&q, &q, &q, 1.0, false), &["batch", "65535"]);
+    let q = Tensor::zeros((1, 1, big, 8), DType::F16, &device).unwrap();
+    expect(flash_attn(&q, &q, &q, 1.0, false), &["heads", "65535"]);
+}
