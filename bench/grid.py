@@ -66,14 +66,7 @@ for dt, d, causal, N in points:
         fws = m.fwd_workspace(fp, dev) if hasattr(m, "fwd_workspace") else None
         fwp = fws.data_ptr() if fws is not None else None
         tf[n] = timeit(lambda: fwd_call(n, fp, fwp, stream))
-        bp = m.CfBwdParams()
-        bp.fwd = fp
-        bp.dout = do.data_ptr()
-        bp.do_batch_stride, bp.do_row_stride, bp.do_head_stride = kc.strides3(do, False)
-        bp.dq, bp.dk, bp.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
-        bp.dq_batch_stride, bp.dq_row_stride, bp.dq_head_stride = kc.strides3(dq, False)
-        bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride = kc.strides3(dk, False)
-        bp.dv_batch_stride, bp.dv_row_stride, bp.dv_head_stride = kc.strides3(dv, False)
+        bp = kc.bwd_params(fp, do, dq, dk, dv, False, cls=m.CfBwdParams)
         if hasattr(bp, "total_q"):
             bp.total_q, bp.total_k = B * N, B * N
         ws = torch.empty(libs[n].cf_bwd_workspace_size(ctypes.byref(bp)) // 4 + 64, dtype=torch.float32, device=dev)

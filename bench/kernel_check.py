@@ -345,6 +345,22 @@ def fwd_params(c, q, k, v, o, lse, slopes, cu_q, cu_k):
     return p
 
 
+def bwd_params(fp, do, dq, dk, dv, varlen, det=False, cls=None):
+    """CfBwdParams over the forward's parameters fp. cls: the struct of the harness that drives
+    the library (grid.py times builds of older interfaces with their own harness)."""
+    bp = (cls or CfBwdParams)()
+    bp.fwd = fp
+    bp.dout = do.data_ptr()
+    bp.dq, bp.dk, bp.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    for n, t in (("do", do), ("dq", dq), ("dk", dk), ("dv", dv)):
+        bs, rs, hs = strides3(t, varlen)
+        setattr(bp, f"{n}_batch_stride", bs)
+        setattr(bp, f"{n}_row_stride", rs)
+        setattr(bp, f"{n}_head_stride", hs)
+    bp.deterministic = 1 if det else 0
+    return bp
+
+
 def fwd_workspace(fp, dev):
     """The forward's scratch (cf_fwd_workspace_size bytes, NaN-filled), or None when it needs none."""
     n = lib.cf_fwd_workspace_size(ctypes.byref(fp))
@@ -392,15 +408,7 @@ def run_ours(c, q, k, v, do, slopes, det):
             dq, dk, dv = (torch.full(x.shape, float("nan"), dtype=dt, device=dev) for x in (q, k, v))
         else:  # same strides as the inputs (bhsd: strided outputs)
             dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
-        bp = CfBwdParams()
-        bp.fwd = fp
-        bp.dout = do.data_ptr()
-        bp.do_batch_stride, bp.do_row_stride, bp.do_head_stride = strides3(do, varlen)
-        bp.dq, bp.dk, bp.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
-        bp.dq_batch_stride, bp.dq_row_stride, bp.dq_head_stride = strides3(dq, varlen)
-        bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride = strides3(dk, varlen)
-        bp.dv_batch_stride, bp.dv_row_stride, bp.dv_head_stride = strides3(dv, varlen)
-        bp.deterministic = 1 if det else 0
+        bp = bwd_params(fp, do, dq, dk, dv, varlen, det)
         ws_size = lib.cf_bwd_workspace_size(ctypes.byref(bp))
         ws = torch.full((max(ws_size, 4) // 4 + 1,), float("nan"), dtype=torch.float32, device=dev)
         check(lib.cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream), "cf_bwd")
@@ -696,14 +704,7 @@ def bad_seqlens(dev):
                     fws = fwd_workspace(fp, dev)
                     st = call_fwd(fp, fws, stream)
                     dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
-                    bp = CfBwdParams()
-                    bp.fwd = fp
-                    bp.dout = do.data_ptr()
-                    bp.do_batch_stride, bp.do_row_stride, bp.do_head_stride = strides3(do, True)
-                    bp.dq, bp.dk, bp.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
-                    bp.dq_batch_stride, bp.dq_row_stride, bp.dq_head_stride = strides3(dq, True)
-                    bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride = strides3(dk, True)
-                    bp.dv_batch_stride, bp.dv_row_stride, bp.dv_head_stride = strides3(dv, True)
+                    bp = bwd_params(fp, do, dq, dk, dv, True)
                     ws = torch.full((lib.cf_bwd_workspace_size(ctypes.byref(bp)) // 4 + 1,), float("nan"),
                                     dtype=torch.float32, device=dev)
                     st_b = lib.cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream)
@@ -736,14 +737,7 @@ def bench(dev):
             fws = fwd_workspace(fp, dev)
             t_ours = timeit(lambda: call_fwd(fp, fws, stream))
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            bp = CfBwdParams()
-            bp.fwd = fp
-            bp.dout = do.data_ptr()
-            bp.do_batch_stride, bp.do_row_stride, bp.do_head_stride = strides3(do, False)
-            bp.dq, bp.dk, bp.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
-            bp.dq_batch_stride, bp.dq_row_stride, bp.dq_head_stride = strides3(dq, False)
-            bp.dk_batch_stride, bp.dk_row_stride, bp.dk_head_stride = strides3(dk, False)
-            bp.dv_batch_stride, bp.dv_row_stride, bp.dv_head_stride = strides3(dv, False)
+            bp = bwd_params(fp, do, dq, dk, dv, False)
             ws = torch.empty(lib.cf_bwd_workspace_size(ctypes.byref(bp)) // 4 + 64, dtype=torch.float32, device=dev)
             t_bwd = timeit(lambda: lib.cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream))
             bp.deterministic = 1
