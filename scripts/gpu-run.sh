@@ -23,6 +23,13 @@ for t in gpu-bin/tests/*; do
   summary+=("$(printf '%-10s rc=%-3s %s' "$name" "$rc" "$result")")
 done
 
+# The fuzzer with a larger budget (random shapes, strides, dtypes, options; CUDA vs CPU vs the
+# reference); its seed is printed, CANDLE_FLASH_SEED replays it.
+echo "=== fuzz (400 cases)" >> "$log"
+CANDLE_FLASH_FUZZ_CASES=400 gpu-bin/tests/fuzz --nocapture >> "$log" 2>&1
+rc=$?
+summary+=("$(printf '%-10s rc=%-3s %s %s' fuzz-400 "$rc" "$(grep -E "^test result" "$log" | tail -n 1)" "$(grep -E "^fuzz seed" "$log" | tail -n 1)")")
+
 # The sm_80 (mma.sync) kernels, which Hopper otherwise skips for the sm_90a (wgmma) ones: the
 # parity matrix once more with those turned off.
 echo "=== parity (CANDLE_FLASH_DISABLE_SM90A=1)" >> "$log"
