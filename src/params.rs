@@ -471,7 +471,9 @@ fn validate_inner(
     let kv_rank = if opts.paged.is_some() { 4 } else { q_rank };
     let q_layout = if opts.varlen.is_some() { "(total, heads, head_dim)" } else { "(batch, seq, heads, head_dim)" };
     let kv_layout = if opts.paged.is_some() { "(num_blocks, page_block_size, heads, head_dim)" } else { q_layout };
-    for (name, t, rank, layout) in [("q", q, q_rank, q_layout), ("k", k, kv_rank, kv_layout), ("v", v, kv_rank, kv_layout)] {
+    for (name, t, rank, layout) in
+        [("q", q, q_rank, q_layout), ("k", k, kv_rank, kv_layout), ("v", v, kv_rank, kv_layout)]
+    {
         if t.rank() != rank {
             bail!("candle-flash: {name} must have rank {rank} {layout}, got shape {:?}", t.dims())
         }
@@ -634,7 +636,9 @@ fn check_paged(paged: &PagedKv, k: &Tensor, batch: usize, device: &Device) -> ca
 /// that every page they use exists. Entries past a sequence's last page are not read.
 fn read_pages(paged: &PagedKv, num_blocks: usize, seqs: &[SeqSpan]) -> candle_core::Result<Vec<Vec<usize>>> {
     let rows: Vec<Vec<i64>> = match paged.block_table.dtype() {
-        DType::U32 => paged.block_table.to_vec2::<u32>()?.into_iter().map(|r| r.into_iter().map(i64::from).collect()).collect(),
+        DType::U32 => {
+            paged.block_table.to_vec2::<u32>()?.into_iter().map(|r| r.into_iter().map(i64::from).collect()).collect()
+        }
         _ => paged.block_table.to_vec2::<i32>()?.into_iter().map(|r| r.into_iter().map(i64::from).collect()).collect(),
     };
     let page = paged.page_block_size;
@@ -696,7 +700,12 @@ fn read_host_data(
             let ok = read_seqlens("seqlens_k", &vl.seqlens_k, packed_k, vl.max_seqlen_k)?;
             let k_start = |b: usize| if packed_k.is_some() { ok[b] } else { 0 };
             (0..batch)
-                .map(|b| SeqSpan { q_start: oq[b], q_len: oq[b + 1] - oq[b], k_start: k_start(b), k_len: ok[b + 1] - ok[b] })
+                .map(|b| SeqSpan {
+                    q_start: oq[b],
+                    q_len: oq[b + 1] - oq[b],
+                    k_start: k_start(b),
+                    k_len: ok[b + 1] - ok[b],
+                })
                 .collect()
         }
     };
@@ -753,4 +762,82 @@ pub fn validate_backward(
         )
     }
     Ok(())
+}
+
+/// What [`validate_cache_write`] found: the cache's slot count and row width (Hkv · D).
+#[derive(Clone, Copy, Debug)]
+pub struct CacheWriteShape {
+    pub slots: usize,
+    pub row_len: usize,
+}
+
+/// Checks a paged cache write ([`crate::write_paged_kv`]): caches `(num_blocks,
+/// page_block_size, Hkv, D)`, contiguous (the write goes through a flat view of their
+/// storage), new rows `(N, Hkv, D)` of the caches' dtype and device, and `slot_mapping` `[N]`
+/// u32 or i64. Its values (slots below `num_blocks * page_block_size`, or padding: u32::MAX,
+/// negative i64) are read on the CPU always, on CUDA only with `CANDLE_FLASH_CHECK_DEVICE_DATA=1`.
+pub fn validate_cache_write(
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    slot_mapping: &Tensor,
+) -> candle_core::Result<CacheWriteShape> {
+    let device = k_cache.device();
+    for (name, t) in [("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)] {
+        check_float_dtype(name, t, false)?;
+        check_same_device(name, t, device)?;
+        if t.dtype() != k_cache.dtype() {
+            bail!("candle-flash: {name} has dtype {:?} but k_cache has {:?}", t.dtype(), k_cache.dtype())
+        }
+    }
+    for (name, t) in [("k_cache", k_cache), ("v_cache", v_cache)] {
+        if t.rank() != 4 {
+            bail!(
+                "candle-flash: {name} must have rank 4 (num_blocks, page_block_size, heads, head_dim), got {:?}",
+                t.dims()
+            )
+        }
+        // A strided cache would be written through a copy, and the write lost.
+        if !t.is_contiguous() {
+            bail!("candle-flash: {name} must be contiguous to be written in place (strides {:?})", t.stride())
+        }
+    }
+    if v_cache.dims() != k_cache.dims() {
+        bail!("candle-flash: k_cache {:?} and v_cache {:?} differ in shape", k_cache.dims(), v_cache.dims())
+    }
+    let (num_blocks, page, hkv, d) = k_cache.dims4()?;
+    let n = slot_mapping.dims().first().copied().unwrap_or(0);
+    for (name, t) in [("k", k), ("v", v)] {
+        if t.dims() != [n, hkv, d] {
+            bail!("candle-flash: {name} must have shape [{n}, {hkv}, {d}] (slot_mapping's rows, the caches' heads and head dim), got {:?}", t.dims())
+        }
+    }
+    check_same_device("slot_mapping", slot_mapping, device)?;
+    if slot_mapping.rank() != 1 || !matches!(slot_mapping.dtype(), DType::U32 | DType::I64) {
+        bail!(
+            "candle-flash: slot_mapping must be a 1-D u32 or i64 tensor, got {:?} {:?}",
+            slot_mapping.dtype(),
+            slot_mapping.dims()
+        )
+    }
+    let slots = num_blocks * page;
+    if slots >= u32::MAX as usize {
+        bail!("candle-flash: the cache has {slots} slots, more than u32 slot indices address")
+    }
+    if !device.is_cuda() || check_device_data_env() {
+        let values: Vec<i64> = match slot_mapping.dtype() {
+            DType::U32 => {
+                slot_mapping.to_vec1::<u32>()?.into_iter().map(|s| if s == u32::MAX { -1 } else { s as i64 }).collect()
+            }
+            _ => slot_mapping.to_vec1::<i64>()?,
+        };
+        if let Some(i) = values.iter().position(|&s| s >= slots as i64) {
+            bail!(
+                "candle-flash: slot_mapping[{i}] = {} is past the cache's {num_blocks} pages of {page} rows ({slots} slots)",
+                values[i]
+            )
+        }
+    }
+    Ok(CacheWriteShape { slots, row_len: hkv * d })
 }
