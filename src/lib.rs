@@ -15,6 +15,10 @@
 //! [`CHECK_DEVICE_DATA_ENV`]`=1` (reading them would synchronise the stream on every call); bad
 //! unchecked offsets give unspecified values in the affected rows, never an out-of-bounds access.
 //!
+//! Paged K/V caches (serving): [`flash_attn_varlen_paged_windowed`] (candle-flash-attn's
+//! signature) or [`FlashAttnOptions::paged`], and [`write_paged_kv`] to append rows to the
+//! pages; forward only, CPU only for now. [`compat::v3`] has candle-flash-attn-v3's signatures.
+//!
 //! `Tensor::backward()` through any of these functions gives dq, dk, dv; see [`op`] for how
 //! the backward reaches the forward's log-sum-exp without recomputing the forward.
 //!
