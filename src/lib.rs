@@ -15,6 +15,10 @@
 //! [`CHECK_DEVICE_DATA_ENV`]`=1` (reading them would synchronise the stream on every call); bad
 //! unchecked offsets give unspecified values in the affected rows, never an out-of-bounds access.
 //!
+//! Paged K/V caches (serving): [`flash_attn_varlen_paged_windowed`] (candle-flash-attn's
+//! signature) or [`FlashAttnOptions::paged`], and [`write_paged_kv`] to append rows to the
+//! pages; forward only, CPU only for now. [`compat::v3`] has candle-flash-attn-v3's signatures.
+//!
 //! `Tensor::backward()` through any of these functions gives dq, dk, dv; see [`op`] for how
 //! the backward reaches the forward's log-sum-exp without recomputing the forward.
 //!
@@ -29,16 +33,19 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+pub mod compat;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod llama;
 pub mod op;
+pub mod paged;
 pub mod params;
 pub mod reference;
 
+pub use paged::write_paged_kv;
 pub use params::{
-    FlashAttnOptions, VarLen, CHECK_DEVICE_DATA_ENV, MAX_CUDA_GRID_YZ, MAX_CUDA_SEQLEN_SUM, MAX_HEAD_DIM,
+    FlashAttnOptions, PagedKv, VarLen, CHECK_DEVICE_DATA_ENV, MAX_CUDA_GRID_YZ, MAX_CUDA_SEQLEN_SUM, MAX_HEAD_DIM,
 };
 
 use candle_core::{Result, Tensor};
@@ -285,5 +292,46 @@ pub fn flash_attn_varlen_alibi_windowed_softcap(
         .alibi(alibi_slopes)
         .softcap(Some(softcap))
         .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k));
+    flash_attn_with_options(q, k, v, &opts)
+}
+
+/// Varlen flash attention over a paged K/V cache, candle-flash-attn 0.11.1's signature and
+/// semantics. q `(total_q, H, D)`; k/v `(num_blocks, page_block_size, Hkv, D)` pages; key j of
+/// sequence b is row `j % page_block_size` of page `block_table[b][j / page_block_size]`
+/// (`block_table` `(B, max_blocks)` u32 or i32); `seqlens_q`/`seqlens_k` cumulative u32 `[B+1]`,
+/// where `seqlens_k` only gives each sequence's cache length. `mm_prefix_ranges`: i32
+/// `(B, max_ranges, 2)` key-position ranges that attend to themselves bidirectionally whatever
+/// the causal/window mask ([`FlashAttnOptions::mm_prefix_ranges`]). As in candle-flash-attn, a
+/// window wider than `max_seqlen_k` is unbounded. `softcap`: `Some(c)`, c > 0 (unlike
+/// candle-flash-attn, `Some(0.0)` is an error, not "off": pass `None`).
+///
+/// Forward only (a backward through it is an error), and CPU only for now: on CUDA tensors it
+/// returns an error saying paged K/V is not yet supported there. The options form is
+/// [`FlashAttnOptions::paged`]; [`write_paged_kv`] appends rows to the pages.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_paged_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    block_table: &Tensor,
+    mm_prefix_ranges: Option<&Tensor>,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+    page_block_size: usize,
+    softcap: Option<f32>,
+) -> Result<Tensor> {
+    // candle-flash-attn passes a window above max_seqlen_k to the kernels as -1 (unbounded).
+    let bounded = |w: Option<usize>| w.filter(|&w| w <= max_seqlen_k);
+    let opts = FlashAttnOptions::new(softmax_scale)
+        .window(bounded(window_size_left), bounded(window_size_right))
+        .softcap(softcap)
+        .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k))
+        .paged(Some(PagedKv::new(block_table, page_block_size)))
+        .mm_prefix_ranges(mm_prefix_ranges);
     flash_attn_with_options(q, k, v, &opts)
 }

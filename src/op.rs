@@ -168,7 +168,7 @@ pub(crate) fn backward(
     opts: &FlashAttnOptions,
     x: BwdInputs<&Tensor>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    validate_backward(shape, &x)?;
+    validate_backward(shape, opts, &x)?;
     // Contiguous inputs keep the backward's addressing simple on every device (the gradient
     // candle hands us may be a broadcast view); copies are O(N) and only for strided inputs.
     let x = x.try_map(|_, t| t.contiguous())?;

@@ -8,6 +8,9 @@
 //! ([`FlashAttnOptions::check_device_data()`] or `CANDLE_FLASH_CHECK_DEVICE_DATA=1`), because
 //! reading them is a host copy that stalls the stream and breaks CUDA-graph capture. Unchecked
 //! bad offsets on CUDA are clamped by the kernels (never an access outside the tensors).
+//!
+//! Paged K/V ([`PagedKv`]) and `mm_prefix_ranges` are forward-only and CPU-only for now:
+//! [`validate`] rejects them on CUDA, [`validate_backward`] rejects any backward through them.
 
 use crate::op::BwdInputs;
 use candle_core::{bail, DType, Device, Error, Tensor};
@@ -33,6 +36,26 @@ pub struct VarLen {
     pub max_seqlen_k: usize,
 }
 
+/// A paged K/V cache (vLLM / FlashAttention-2 layout): k and v are `(num_blocks,
+/// page_block_size, Hkv, D)` pages, and sequence b's key j lives in page
+/// `block_table[b][j / page_block_size]` at row `j % page_block_size`. Needs the varlen layout:
+/// `seqlens_k` then gives each sequence's cache length (only the differences of consecutive
+/// entries are used; the offsets address nothing, the table does).
+#[derive(Clone, Debug)]
+pub struct PagedKv {
+    /// `(B, max_blocks)` u32 or i32 page indices; entries past a sequence's last page are not
+    /// read (servers pad them with anything, -1 included).
+    pub block_table: Tensor,
+    /// Rows per page; must equal dimension 1 of k and v.
+    pub page_block_size: usize,
+}
+
+impl PagedKv {
+    pub fn new(block_table: &Tensor, page_block_size: usize) -> Self {
+        Self { block_table: block_table.clone(), page_block_size }
+    }
+}
+
 /// Every option of every public `flash_attn*` function. The defaults are plain full attention.
 #[derive(Clone, Debug)]
 pub struct FlashAttnOptions {
@@ -50,6 +73,14 @@ pub struct FlashAttnOptions {
     pub alibi_slopes: Option<Tensor>,
     /// Packed variable-length sequences (q is `(total_q, H, D)`).
     pub varlen: Option<VarLen>,
+    /// Read k and v as a paged cache through a block table (forward only, CPU only for now).
+    pub paged: Option<PagedKv>,
+    /// i32 `(B, max_ranges, 2)` half-open key-position ranges `[start, end)` (candle-flash-attn's
+    /// multimodal prefixes, e.g. an image's tokens): a query whose position `i + Sk - Sq` lies in
+    /// a range also sees every key of that range (below Sk), whatever the causal/window mask
+    /// says, so the range attends to itself bidirectionally. Ranges with `start >= end` are
+    /// ignored. Forward only, CPU only for now.
+    pub mm_prefix_ranges: Option<Tensor>,
     /// Backward only: give bit-identical gradients run to run (no order-dependent atomics).
     pub deterministic: bool,
     /// CUDA: copy the varlen offsets and ALiBi slopes to the host and check their values on
@@ -78,6 +109,8 @@ impl FlashAttnOptions {
             softcap: None,
             alibi_slopes: None,
             varlen: None,
+            paged: None,
+            mm_prefix_ranges: None,
             deterministic: false,
             check_device_data: false,
         }
@@ -109,6 +142,16 @@ impl FlashAttnOptions {
 
     pub fn varlen(mut self, varlen: Option<VarLen>) -> Self {
         self.varlen = varlen;
+        self
+    }
+
+    pub fn paged(mut self, paged: Option<PagedKv>) -> Self {
+        self.paged = paged;
+        self
+    }
+
+    pub fn mm_prefix_ranges(mut self, ranges: Option<&Tensor>) -> Self {
+        self.mm_prefix_ranges = ranges.cloned();
         self
     }
 
@@ -163,8 +206,11 @@ pub struct AttnShape {
     pub max_seqlen_q: usize,
     pub max_seqlen_k: usize,
     pub total_q: usize,
+    /// Rows of k and v (paged: num_blocks * page_block_size, the whole cache).
     pub total_k: usize,
     pub is_varlen: bool,
+    /// Rows per page when k and v are a paged cache (see [`PagedKv`]).
+    pub page_block_size: Option<usize>,
     /// ALiBi slopes of shape `[B, H]` (false for `[H]` or no ALiBi).
     pub alibi_per_batch: bool,
     /// The checked values of the device-held options: always on the CPU (and for the
@@ -176,13 +222,29 @@ pub struct AttnShape {
 /// sequence lies (from the varlen offsets, or the batched shape) and the ALiBi slopes.
 #[derive(Clone, Debug)]
 pub struct HostData {
+    /// Paged K/V: `k_start` is 0 for every sequence (its rows are found through `pages`).
     pub seqs: Vec<SeqSpan>,
     /// `batch * num_heads` slopes, one per (b, h).
     alibi: Option<Vec<f32>>,
     num_heads: usize,
+    /// Paged K/V: the pages of each sequence, in logical order (only those its keys use).
+    pub pages: Option<Vec<Vec<usize>>>,
+    /// `mm_prefix_ranges` of each sequence as `[start, end)` pairs (empty ranges dropped).
+    prefix_ranges: Option<Vec<Vec<(i64, i64)>>>,
 }
 
 impl HostData {
+    /// The keys that query row `i` of sequence `b` sees because of `mm_prefix_ranges`: the
+    /// union of the ranges that hold the query's position, cut to `[0, k_len)`. Ranges that all
+    /// hold one position overlap, so the union is one interval. None when there is none.
+    pub fn prefix_keys(&self, b: usize, seq: &SeqSpan, i: usize) -> Option<(usize, usize)> {
+        let pos = i as i64 + seq.diag_offset() as i64;
+        let holding = self.prefix_ranges.as_ref()?[b].iter().filter(|&&(s, e)| s <= pos && pos < e);
+        let (lo, hi) = holding.fold((i64::MAX, i64::MIN), |(lo, hi), &(s, e)| (lo.min(s), hi.max(e)));
+        let (lo, hi) = (lo.max(0), hi.min(seq.k_len as i64));
+        (lo < hi).then_some((lo as usize, hi as usize))
+    }
+
     pub fn alibi_slope(&self, b: usize, h: usize) -> Option<f32> {
         self.alibi.as_ref().map(|s| s[b * self.num_heads + h])
     }
@@ -239,6 +301,13 @@ impl AttnShape {
         }
     }
 
+    /// Every key query row `i` of sequence `b` sees: the window's [`Self::key_range`] and, with
+    /// `mm_prefix_ranges`, the prefix interval that holds the query ([`HostData::prefix_keys`]).
+    pub fn row_keys(&self, opts: &FlashAttnOptions, host: &HostData, b: usize, i: usize) -> RowKeys {
+        let seq = &host.seqs[b];
+        RowKeys::union(self.key_range(opts, seq, i), host.prefix_keys(b, seq, i))
+    }
+
     /// The query range `[lo, hi)` that can see key row `j` of `seq` (possibly empty).
     pub fn query_range(&self, opts: &FlashAttnOptions, seq: &SeqSpan, j: usize) -> (usize, usize) {
         // Query i sees j iff pos(i) - wl <= j <= pos(i) + wr with pos(i) = i + offset.
@@ -256,6 +325,38 @@ impl AttnShape {
         } else {
             (lo as usize, hi as usize)
         }
+    }
+}
+
+/// The keys one query row sees: everything in `hull` except `gap` (the window and a prefix
+/// range that do not touch leave a gap between them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowKeys {
+    pub hull: (usize, usize),
+    pub gap: Option<(usize, usize)>,
+}
+
+impl RowKeys {
+    fn union(window: (usize, usize), prefix: Option<(usize, usize)>) -> Self {
+        let empty = |r: (usize, usize)| r.1 <= r.0;
+        match prefix {
+            None => Self { hull: window, gap: None },
+            Some(p) if empty(window) => Self { hull: p, gap: None },
+            Some(p) => {
+                let (first, second) = if p.0 < window.0 { (p, window) } else { (window, p) };
+                let hull = (first.0, first.1.max(second.1));
+                let gap = (first.1 < second.0).then_some((first.1, second.0));
+                Self { hull, gap }
+            }
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.hull.1 <= self.hull.0
+    }
+
+    pub fn contains(&self, j: usize) -> bool {
+        self.hull.0 <= j && j < self.hull.1 && !self.gap.is_some_and(|(lo, hi)| lo <= j && j < hi)
     }
 }
 
@@ -281,9 +382,9 @@ fn check_last_dim_contiguous(name: &str, t: &Tensor) -> candle_core::Result<()> 
     Ok(())
 }
 
-/// Reads cumulative seqlens to the host and checks them against the packed total and max
-/// (the shape-only checks of the tensor are done before).
-fn read_seqlens(name: &str, t: &Tensor, total: usize, max: usize) -> candle_core::Result<Vec<usize>> {
+/// Reads cumulative seqlens to the host and checks them against max and, when there is one,
+/// the packed total (paged k has none). The shape-only checks of the tensor are done before.
+fn read_seqlens(name: &str, t: &Tensor, total: Option<usize>, max: usize) -> candle_core::Result<Vec<usize>> {
     let offsets: Vec<usize> = t.to_vec1::<u32>()?.into_iter().map(|x| x as usize).collect();
     if offsets[0] != 0 {
         bail!("candle-flash: {name} must start at 0, got {offsets:?}")
@@ -296,8 +397,11 @@ fn read_seqlens(name: &str, t: &Tensor, total: usize, max: usize) -> candle_core
             bail!("candle-flash: sequence {b} of {name} has length {} > max_seqlen {max}", w[1] - w[0])
         }
     }
-    if *offsets.last().unwrap() != total {
-        bail!("candle-flash: {name} ends at {} but the packed tensor has {total} rows", offsets.last().unwrap())
+    match (offsets.last(), total) {
+        (Some(&end), Some(total)) if end != total => {
+            bail!("candle-flash: {name} ends at {end} but the packed tensor has {total} rows")
+        }
+        _ => {}
     }
     Ok(offsets)
 }
@@ -350,19 +454,35 @@ fn validate_inner(
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         bail!("candle-flash: dtype mismatch: q {:?}, k {:?}, v {:?}", q.dtype(), k.dtype(), v.dtype())
     }
-    let want_rank = if opts.varlen.is_some() { 3 } else { 4 };
-    let layout = if opts.varlen.is_some() { "(total, heads, head_dim)" } else { "(batch, seq, heads, head_dim)" };
-    for (name, t) in [("q", q), ("k", k), ("v", v)] {
-        if t.rank() != want_rank {
-            bail!("candle-flash: {name} must have rank {want_rank} {layout}, got shape {:?}", t.dims())
+    if q.device().is_cuda() {
+        // The CUDA kernels do not read pages or prefix ranges yet (issue 13); say so rather
+        // than hand them tensors they would misread.
+        if opts.paged.is_some() {
+            bail!("candle-flash: paged K/V is not yet supported on CUDA (only on the CPU for now)")
+        }
+        if opts.mm_prefix_ranges.is_some() {
+            bail!("candle-flash: mm_prefix_ranges is not yet supported on CUDA (only on the CPU for now)")
+        }
+    }
+    if opts.paged.is_some() && opts.varlen.is_none() {
+        bail!("candle-flash: paged K/V needs the varlen layout (q (total_q, heads, head_dim), seqlens_q, seqlens_k)")
+    }
+    let q_rank = if opts.varlen.is_some() { 3 } else { 4 };
+    let kv_rank = if opts.paged.is_some() { 4 } else { q_rank };
+    let q_layout = if opts.varlen.is_some() { "(total, heads, head_dim)" } else { "(batch, seq, heads, head_dim)" };
+    let kv_layout = if opts.paged.is_some() { "(num_blocks, page_block_size, heads, head_dim)" } else { q_layout };
+    for (name, t, rank, layout) in
+        [("q", q, q_rank, q_layout), ("k", k, kv_rank, kv_layout), ("v", v, kv_rank, kv_layout)]
+    {
+        if t.rank() != rank {
+            bail!("candle-flash: {name} must have rank {rank} {layout}, got shape {:?}", t.dims())
         }
     }
     if k.dims() != v.dims() {
         bail!("candle-flash: k and v must have the same shape, got k {:?} and v {:?}", k.dims(), v.dims())
     }
-    let r = want_rank;
-    let (num_heads, head_dim) = (q.dims()[r - 2], q.dims()[r - 1]);
-    let (num_kv_heads, kv_head_dim) = (k.dims()[r - 2], k.dims()[r - 1]);
+    let (num_heads, head_dim) = (q.dims()[q_rank - 2], q.dims()[q_rank - 1]);
+    let (num_kv_heads, kv_head_dim) = (k.dims()[kv_rank - 2], k.dims()[kv_rank - 1]);
     if kv_head_dim != head_dim {
         bail!("candle-flash: head dims differ: q has {head_dim}, k and v have {kv_head_dim}")
     }
@@ -394,13 +514,26 @@ fn validate_inner(
             (b, sq, sk, b * sq, b * sk)
         }
         Some(vl) => {
-            let (total_q, total_k) = (q.dims()[0], k.dims()[0]);
+            let total_q = q.dims()[0];
             let bq = seqlens_batch("seqlens_q", &vl.seqlens_q, q.device())?;
             let bk = seqlens_batch("seqlens_k", &vl.seqlens_k, q.device())?;
             if bq != bk {
                 bail!("candle-flash: seqlens_q has {} entries but seqlens_k has {}", bq + 1, bk + 1)
             }
-            for (name, total, max) in [("q", total_q, vl.max_seqlen_q), ("k", total_k, vl.max_seqlen_k)] {
+            // Packed k: its rows are the keys. Paged k: the whole cache, of which each
+            // sequence reads at most the pages of its block_table row.
+            let (total_k, k_capacity) = match &opts.paged {
+                None => (k.dims()[0], k.dims()[0]),
+                Some(paged) => {
+                    let max_blocks = check_paged(paged, k, bq, q.device())?;
+                    (k.dims()[0] * k.dims()[1], max_blocks * paged.page_block_size)
+                }
+            };
+            let mut packed = vec![("q", total_q, vl.max_seqlen_q)];
+            if opts.paged.is_none() {
+                packed.push(("k", total_k, vl.max_seqlen_k));
+            }
+            for (name, total, max) in packed {
                 if total > u32::MAX as usize {
                     bail!("candle-flash: {name} has {total} rows, more than u32 seqlens can address")
                 }
@@ -408,7 +541,7 @@ fn validate_inner(
                     bail!("candle-flash: max_seqlen_{name} is 0 but {name} has {total} rows")
                 }
             }
-            (bq, vl.max_seqlen_q.min(total_q), vl.max_seqlen_k.min(total_k), total_q, total_k)
+            (bq, vl.max_seqlen_q.min(total_q), vl.max_seqlen_k.min(k_capacity), total_q, total_k)
         }
     };
     if q.device().is_cuda() && [batch, max_seqlen_q, max_seqlen_k].iter().any(|&x| x > i32::MAX as usize) {
@@ -445,6 +578,16 @@ fn validate_inner(
         }
     }
 
+    if let Some(ranges) = &opts.mm_prefix_ranges {
+        check_same_device("mm_prefix_ranges", ranges, q.device())?;
+        if ranges.dtype() != DType::I32 {
+            bail!("candle-flash: mm_prefix_ranges must be i32, got {:?}", ranges.dtype())
+        }
+        if !matches!(ranges.dims(), [b, _, 2] if *b == batch) {
+            bail!("candle-flash: mm_prefix_ranges must have shape [{batch}, max_ranges, 2], got {:?}", ranges.dims())
+        }
+    }
+
     let host = if read_device_data { Some(read_host_data(q, k, opts, batch, num_heads)?) } else { None };
 
     Ok(AttnShape {
@@ -458,9 +601,82 @@ fn validate_inner(
         total_q,
         total_k,
         is_varlen: opts.varlen.is_some(),
+        page_block_size: opts.paged.as_ref().map(|p| p.page_block_size),
         alibi_per_batch: opts.alibi_slopes.as_ref().is_some_and(|s| s.rank() == 2),
         host,
     })
+}
+
+/// Shape-only checks of a paged cache (k is `(num_blocks, page_block_size, Hkv, D)`, rank
+/// checked before) and its block table; returns the table's width (pages per sequence).
+fn check_paged(paged: &PagedKv, k: &Tensor, batch: usize, device: &Device) -> candle_core::Result<usize> {
+    let page_rows = k.dims()[1];
+    if paged.page_block_size == 0 {
+        bail!("candle-flash: page_block_size must be at least 1, got 0")
+    }
+    if paged.page_block_size != page_rows {
+        bail!(
+            "candle-flash: page_block_size {} does not match the pages of k and v, {page_rows} rows each (k shape {:?})",
+            paged.page_block_size,
+            k.dims()
+        )
+    }
+    let table = &paged.block_table;
+    check_same_device("block_table", table, device)?;
+    if !matches!(table.dtype(), DType::U32 | DType::I32) {
+        bail!("candle-flash: block_table must be u32 or i32, got {:?}", table.dtype())
+    }
+    match table.dims() {
+        [b, max_blocks] if *b == batch => Ok(*max_blocks),
+        dims => bail!("candle-flash: block_table must have shape [{batch}, max_blocks], got {dims:?}"),
+    }
+}
+
+/// Reads the block table and checks, for each sequence, that its keys fit the table's row and
+/// that every page they use exists. Entries past a sequence's last page are not read.
+fn read_pages(paged: &PagedKv, num_blocks: usize, seqs: &[SeqSpan]) -> candle_core::Result<Vec<Vec<usize>>> {
+    let rows: Vec<Vec<i64>> = match paged.block_table.dtype() {
+        DType::U32 => {
+            paged.block_table.to_vec2::<u32>()?.into_iter().map(|r| r.into_iter().map(i64::from).collect()).collect()
+        }
+        _ => paged.block_table.to_vec2::<i32>()?.into_iter().map(|r| r.into_iter().map(i64::from).collect()).collect(),
+    };
+    let page = paged.page_block_size;
+    seqs.iter()
+        .zip(rows)
+        .enumerate()
+        .map(|(b, (seq, row))| {
+            let used = seq.k_len.div_ceil(page);
+            if used > row.len() {
+                bail!(
+                    "candle-flash: sequence {b} has {} keys but its block_table row holds {} pages of {page} rows ({} keys)",
+                    seq.k_len,
+                    row.len(),
+                    row.len() * page
+                )
+            }
+            row[..used]
+                .iter()
+                .enumerate()
+                .map(|(slot, &block)| match usize::try_from(block) {
+                    Ok(block) if block < num_blocks => Ok(block),
+                    _ => bail!(
+                        "candle-flash: block_table[{b}][{slot}] = {block} is not a page of the cache (0..{num_blocks})"
+                    ),
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Reads `mm_prefix_ranges` (shape checked before) as `[start, end)` pairs per sequence,
+/// dropping the empty ones (they select nothing).
+fn read_prefix_ranges(ranges: &Tensor) -> candle_core::Result<Vec<Vec<(i64, i64)>>> {
+    Ok(ranges
+        .to_vec3::<i32>()?
+        .into_iter()
+        .map(|seq| seq.into_iter().map(|r| (r[0] as i64, r[1] as i64)).filter(|(s, e)| s < e).collect())
+        .collect())
 }
 
 /// The values part of [`validate_inner`] (after every shape check): copies the varlen offsets
@@ -472,19 +688,32 @@ fn read_host_data(
     batch: usize,
     num_heads: usize,
 ) -> candle_core::Result<HostData> {
-    let seqs = match &opts.varlen {
+    let seqs: Vec<SeqSpan> = match &opts.varlen {
         None => {
             let (sq, sk) = (q.dims()[1], k.dims()[1]);
             (0..batch).map(|i| SeqSpan { q_start: i * sq, q_len: sq, k_start: i * sk, k_len: sk }).collect()
         }
         Some(vl) => {
-            let oq = read_seqlens("seqlens_q", &vl.seqlens_q, q.dims()[0], vl.max_seqlen_q)?;
-            let ok = read_seqlens("seqlens_k", &vl.seqlens_k, k.dims()[0], vl.max_seqlen_k)?;
+            let oq = read_seqlens("seqlens_q", &vl.seqlens_q, Some(q.dims()[0]), vl.max_seqlen_q)?;
+            // Paged: seqlens_k only gives lengths (the pages may hold any number of rows).
+            let packed_k = opts.paged.is_none().then(|| k.dims()[0]);
+            let ok = read_seqlens("seqlens_k", &vl.seqlens_k, packed_k, vl.max_seqlen_k)?;
+            let k_start = |b: usize| if packed_k.is_some() { ok[b] } else { 0 };
             (0..batch)
-                .map(|b| SeqSpan { q_start: oq[b], q_len: oq[b + 1] - oq[b], k_start: ok[b], k_len: ok[b + 1] - ok[b] })
+                .map(|b| SeqSpan {
+                    q_start: oq[b],
+                    q_len: oq[b + 1] - oq[b],
+                    k_start: k_start(b),
+                    k_len: ok[b + 1] - ok[b],
+                })
                 .collect()
         }
     };
+    let pages = match &opts.paged {
+        Some(paged) => Some(read_pages(paged, k.dims()[0], &seqs)?),
+        None => None,
+    };
+    let prefix_ranges = opts.mm_prefix_ranges.as_ref().map(read_prefix_ranges).transpose()?;
     let alibi = match &opts.alibi_slopes {
         None => None,
         Some(s) => {
@@ -496,11 +725,23 @@ fn read_host_data(
             Some(if s.rank() == 1 { values.repeat(batch) } else { values })
         }
     };
-    Ok(HostData { seqs, alibi, num_heads })
+    Ok(HostData { seqs, alibi, num_heads, pages, prefix_ranges })
 }
 
 /// Checks the extra tensors of a backward call (out, grad_out, lse) against the forward's shape.
-pub fn validate_backward(shape: &AttnShape, x: &BwdInputs<&Tensor>) -> candle_core::Result<()> {
+pub fn validate_backward(
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    x: &BwdInputs<&Tensor>,
+) -> candle_core::Result<()> {
+    // Serving reads pages and prefix ranges forward only; a backward would need dK/dV
+    // scattered back into pages, which nothing asks for yet.
+    if opts.paged.is_some() {
+        bail!("candle-flash: paged K/V is forward only: no backward (autograd or flash_attn_backward) through it")
+    }
+    if opts.mm_prefix_ranges.is_some() {
+        bail!("candle-flash: mm_prefix_ranges is forward only: no backward (autograd or flash_attn_backward) with it")
+    }
     let q = x.q;
     for (name, t) in [("out", x.out), ("grad_out", x.grad_out)] {
         check_same_device(name, t, q.device())?;
@@ -521,4 +762,83 @@ pub fn validate_backward(shape: &AttnShape, x: &BwdInputs<&Tensor>) -> candle_co
         )
     }
     Ok(())
+}
+
+/// What [`validate_cache_write`] found: the cache's slot count and row width (Hkv · D).
+#[derive(Clone, Copy, Debug)]
+pub struct CacheWriteShape {
+    pub slots: usize,
+    pub row_len: usize,
+}
+
+/// Checks a paged cache write ([`crate::write_paged_kv`]): caches `(num_blocks,
+/// page_block_size, Hkv, D)`, contiguous (the write goes through a flat view of their
+/// storage), new rows `(N, Hkv, D)` of the caches' dtype and device, and `slot_mapping` `[N]`
+/// u32 or i64. Its values (slots below `num_blocks * page_block_size`, or padding: u32::MAX,
+/// negative i64) are read on the CPU always, on CUDA only with `CANDLE_FLASH_CHECK_DEVICE_DATA=1`.
+pub fn validate_cache_write(
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    slot_mapping: &Tensor,
+) -> candle_core::Result<CacheWriteShape> {
+    let device = k_cache.device();
+    for (name, t) in [("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)] {
+        // f64 too: the reference (the tests' ground truth) keeps f64 caches.
+        check_float_dtype(name, t, true)?;
+        check_same_device(name, t, device)?;
+        if t.dtype() != k_cache.dtype() {
+            bail!("candle-flash: {name} has dtype {:?} but k_cache has {:?}", t.dtype(), k_cache.dtype())
+        }
+    }
+    for (name, t) in [("k_cache", k_cache), ("v_cache", v_cache)] {
+        if t.rank() != 4 {
+            bail!(
+                "candle-flash: {name} must have rank 4 (num_blocks, page_block_size, heads, head_dim), got {:?}",
+                t.dims()
+            )
+        }
+        // A strided cache would be written through a copy, and the write lost.
+        if !t.is_contiguous() {
+            bail!("candle-flash: {name} must be contiguous to be written in place (strides {:?})", t.stride())
+        }
+    }
+    if v_cache.dims() != k_cache.dims() {
+        bail!("candle-flash: k_cache {:?} and v_cache {:?} differ in shape", k_cache.dims(), v_cache.dims())
+    }
+    let (num_blocks, page, hkv, d) = k_cache.dims4()?;
+    let n = slot_mapping.dims().first().copied().unwrap_or(0);
+    for (name, t) in [("k", k), ("v", v)] {
+        if t.dims() != [n, hkv, d] {
+            bail!("candle-flash: {name} must have shape [{n}, {hkv}, {d}] (slot_mapping's rows, the caches' heads and head dim), got {:?}", t.dims())
+        }
+    }
+    check_same_device("slot_mapping", slot_mapping, device)?;
+    if slot_mapping.rank() != 1 || !matches!(slot_mapping.dtype(), DType::U32 | DType::I64) {
+        bail!(
+            "candle-flash: slot_mapping must be a 1-D u32 or i64 tensor, got {:?} {:?}",
+            slot_mapping.dtype(),
+            slot_mapping.dims()
+        )
+    }
+    let slots = num_blocks * page;
+    if slots >= u32::MAX as usize {
+        bail!("candle-flash: the cache has {slots} slots, more than u32 slot indices address")
+    }
+    if !device.is_cuda() || check_device_data_env() {
+        let values: Vec<i64> = match slot_mapping.dtype() {
+            DType::U32 => {
+                slot_mapping.to_vec1::<u32>()?.into_iter().map(|s| if s == u32::MAX { -1 } else { s as i64 }).collect()
+            }
+            _ => slot_mapping.to_vec1::<i64>()?,
+        };
+        if let Some(i) = values.iter().position(|&s| s >= slots as i64) {
+            bail!(
+                "candle-flash: slot_mapping[{i}] = {} is past the cache's {num_blocks} pages of {page} rows ({slots} slots)",
+                values[i]
+            )
+        }
+    }
+    Ok(CacheWriteShape { slots, row_len: hkv * d })
 }

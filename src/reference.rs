@@ -20,6 +20,40 @@ pub fn attention_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOp
     Ok((out, lse))
 }
 
+/// A paged cache's keys and values gathered into the packed varlen layout, with the options
+/// that read them there: `(k (total_k, Hkv, D), v, opts)`, where `total_k` is the sum of the
+/// sequences' key lengths and `opts.varlen.seqlens_k` their offsets. This is what "paged"
+/// means: the same attention as on these contiguous rows.
+pub fn unpage(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &FlashAttnOptions,
+) -> Result<(Tensor, Tensor, FlashAttnOptions)> {
+    let shape = validate_reference(q, k, v, opts)?;
+    let (host, page) = (shape.host()?, k.dim(1)?);
+    let (Some(pages), Some(varlen)) = (&host.pages, &opts.varlen) else {
+        candle_core::bail!("candle-flash: unpage needs paged K/V options")
+    };
+    // Row of key j of sequence b in the cache viewed as (num_blocks * page, Hkv, D).
+    let rows: Vec<u32> = host
+        .seqs
+        .iter()
+        .zip(pages)
+        .flat_map(|(seq, pages)| (0..seq.k_len).map(move |j| (pages[j / page] * page + j % page) as u32))
+        .collect();
+    let rows = Tensor::new(rows.as_slice(), k.device())?;
+    let gather = |t: &Tensor| t.flatten_to(1)?.index_select(&rows, 0);
+    let mut offsets = vec![0u32];
+    for seq in &host.seqs {
+        offsets.push(offsets[offsets.len() - 1] + seq.k_len as u32);
+    }
+    let mut varlen = varlen.clone();
+    varlen.seqlens_k = Tensor::new(offsets.as_slice(), k.device())?;
+    let opts = opts.clone().paged(None).varlen(Some(varlen));
+    Ok((gather(k)?, gather(v)?, opts))
+}
+
 fn attention_impl(
     q: &Tensor,
     k: &Tensor,
@@ -27,8 +61,16 @@ fn attention_impl(
     opts: &FlashAttnOptions,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    if opts.paged.is_some() {
+        let (k, v, opts) = unpage(q, k, v, opts)?;
+        return attention_impl(q, &k, &v, &opts, want_lse);
+    }
     let shape = validate_reference(q, k, v, opts)?;
     let host = shape.host()?;
+    let prefix_ranges = match &opts.mm_prefix_ranges {
+        Some(r) => Some(r.to_vec3::<i32>()?),
+        None => None,
+    };
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
     // Packed row views: (total, heads, D) for both layouts.
     let qp = q.reshape((shape.total_q, h, d))?;
@@ -40,7 +82,8 @@ fn attention_impl(
         let qs = qp.narrow(0, seq.q_start, seq.q_len)?;
         let ks = kp.narrow(0, seq.k_start, seq.k_len)?;
         let vs = vp.narrow(0, seq.k_start, seq.k_len)?;
-        let (o, lse) = sequence_attention(&qs, &ks, &vs, opts, (&shape, host), seq, b, want_lse)?;
+        let visible = Visible { opts, shape: &shape, seq, prefix_ranges: prefix_ranges.as_ref().map(|r| &r[b][..]) };
+        let (o, lse) = sequence_attention(&qs, &ks, &vs, opts, (&shape, host), &visible, b, want_lse)?;
         outs.push(o);
         lses.extend(lse);
     }
@@ -52,16 +95,37 @@ fn attention_impl(
     Ok((out, Some(lse)))
 }
 
+/// Which keys each query row of one sequence sees.
+struct Visible<'a> {
+    opts: &'a FlashAttnOptions,
+    shape: &'a AttnShape,
+    seq: &'a SeqSpan,
+    /// This sequence's `mm_prefix_ranges` rows, `[start, end]` pairs as given.
+    prefix_ranges: Option<&'a [Vec<i32>]>,
+}
+
+impl Visible<'_> {
+    /// The causal/window mask, or (candle-flash-attn's multimodal prefixes) query position and
+    /// key both inside one `[start, end)` range, the key below Sk.
+    fn get(&self, i: usize, j: usize) -> bool {
+        let (lo, hi) = self.shape.key_range(self.opts, self.seq, i);
+        let pos = i as i64 + self.seq.diag_offset() as i64;
+        let in_prefix = self.prefix_ranges.is_some_and(|ranges| {
+            ranges.iter().any(|r| {
+                let (start, end) = (r[0] as i64, r[1] as i64);
+                (start..end).contains(&pos) && (start..end).contains(&(j as i64))
+            })
+        });
+        (lo <= j && j < hi) || (in_prefix && j < self.seq.k_len)
+    }
+}
+
 /// The additive bias of one sequence, `(H or 1, Sq, Sk)` f32: ALiBi where set (per head),
 /// -inf where masked. None when every query sees every key without a bias.
-fn bias(
-    opts: &FlashAttnOptions,
-    (shape, host): (&AttnShape, &HostData),
-    seq: &SeqSpan,
-    b: usize,
-) -> Option<(Vec<f32>, usize)> {
+fn bias((shape, host): (&AttnShape, &HostData), visible: &Visible, b: usize) -> Option<(Vec<f32>, usize)> {
+    let seq = visible.seq;
     let (sq, sk) = (seq.q_len, seq.k_len);
-    let unmasked = (0..sq).all(|i| shape.key_range(opts, seq, i) == (0, sk));
+    let unmasked = (0..sq).all(|i| (0..sk).all(|j| visible.get(i, j)));
     if unmasked && !host.has_alibi() {
         return None;
     }
@@ -70,11 +134,10 @@ fn bias(
     for head in 0..heads {
         let slope = host.alibi_slope(b, head);
         for i in 0..sq {
-            let (lo, hi) = shape.key_range(opts, seq, i);
             let pos = i as isize + seq.diag_offset();
             let row = &mut out[(head * sq + i) * sk..(head * sq + i + 1) * sk];
             for (j, x) in row.iter_mut().enumerate() {
-                *x = if j < lo || j >= hi {
+                *x = if !visible.get(i, j) {
                     f32::NEG_INFINITY
                 } else if let Some(slope) = slope {
                     -slope * (pos - j as isize).unsigned_abs() as f32
@@ -95,10 +158,11 @@ fn sequence_attention(
     v: &Tensor,
     opts: &FlashAttnOptions,
     (shape, host): (&AttnShape, &HostData),
-    seq: &SeqSpan,
+    visible: &Visible,
     b: usize,
     want_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    let seq = visible.seq;
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
     let (sq, sk) = (seq.q_len, seq.k_len);
     let dtype = q.dtype();
@@ -120,14 +184,11 @@ fn sequence_attention(
     if let Some(c) = opts.softcap {
         s = ((s / c as f64)?.tanh()? * c as f64)?;
     }
-    if let Some((bias, heads)) = bias(opts, (shape, host), seq, b) {
+    if let Some((bias, heads)) = bias((shape, host), visible, b) {
         let bias = Tensor::from_vec(bias, (heads, sq, sk), q.device())?.to_dtype(dtype)?;
         s = s.broadcast_add(&bias)?;
     }
-    let no_empty_row = (0..sq).all(|i| {
-        let (lo, hi) = shape.key_range(opts, seq, i);
-        hi > lo
-    });
+    let no_empty_row = (0..sq).all(|i| (0..sk).any(|j| visible.get(i, j)));
     let tracked = [q, k, v].iter().any(|t| t.track_op());
     if !want_lse && !tracked && no_empty_row {
         // Inference without empty rows: candle's fused softmax (no backward, no LSE needed).

@@ -1,14 +1,18 @@
 //! CPU forward: one rayon task per (sequence, query head, Q tile); online softmax over K tiles.
+//! K/V rows come from packed tensors or a paged cache alike ([`KvRows`]).
 
+use super::kv::KvRows;
 use super::{dense_f32, exp_shifted_sum, logits_row, tile_matmul, MatRef, SharedMut, K_TILE, Q_TILE};
-use crate::params::{AttnShape, FlashAttnOptions, HostData};
+use crate::params::{AttnShape, FlashAttnOptions, HostData, RowKeys};
 use candle_core::{CpuStorage, Layout, Result};
 use rayon::prelude::*;
 
 /// Per-worker scratch, O(tile): the packed Q tile, scores, output accumulator, running max
-/// and sum.
+/// and sum, and (paged K/V only) the K and V tiles copied out of their pages.
 struct Scratch {
     q_pack: Vec<f32>,
+    k_tile: Vec<f32>,
+    v_tile: Vec<f32>,
     scores: Vec<f32>,
     acc: Vec<f32>,
     row_max: Vec<f32>,
@@ -16,9 +20,12 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(d: usize, rows: usize) -> Self {
+    fn new(d: usize, rows: usize, paged: bool) -> Self {
+        let kv_tile = if paged { K_TILE * d } else { 0 };
         Self {
             q_pack: vec![0.0; rows * d],
+            k_tile: vec![0.0; kv_tile],
+            v_tile: vec![0.0; kv_tile],
             scores: vec![0.0; rows * K_TILE],
             acc: vec![0.0; rows * d],
             row_max: vec![0.0; rows],
@@ -41,7 +48,8 @@ pub(crate) fn forward(
     (v, v_l): (&CpuStorage, &Layout),
 ) -> Result<(CpuStorage, Vec<f32>)> {
     let host = shape.host()?;
-    let (q, k, v) = (dense_f32(q, q_l)?, dense_f32(k, k_l)?, dense_f32(v, v_l)?);
+    let q = dense_f32(q, q_l)?;
+    let (k, v) = (KvRows::new(shape, host, k, k_l)?, KvRows::new(shape, host, v, v_l)?);
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
     // NaN until written: every (row, head) slot is written below, masked rows included.
     let mut out = vec![f32::NAN; shape.total_q * h * d];
@@ -59,7 +67,7 @@ pub(crate) fn forward(
         .collect();
     let (out_ptr, lse_ptr) = (SharedMut(out.as_mut_ptr()), SharedMut(lse.as_mut_ptr()));
     tasks.par_iter().for_each_init(
-        || Scratch::new(d, rows_per_head * group),
+        || Scratch::new(d, rows_per_head * group, shape.page_block_size.is_some()),
         |scratch, &(b, kv_head, i0)| {
             let rows = rows_per_head.min(host.seqs[b].q_len - i0);
             // SAFETY: the task (b, kv_head, i0) writes only the out and lse slots of rows
@@ -79,31 +87,28 @@ unsafe fn forward_tile(
     shape: &AttnShape,
     host: &HostData,
     opts: &FlashAttnOptions,
-    (q, k, v): (&[f32], &[f32], &[f32]),
+    (q, k, v): (&[f32], &KvRows, &KvRows),
     (out, lse): (SharedMut, SharedMut),
     (b, kv_head, i0, q_rows): (usize, usize, usize, usize),
     scratch: &mut Scratch,
 ) {
-    let (h, hkv, d, group) = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.group_size());
+    let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
     let seq = &host.seqs[b];
-    let (q_rs, kv_rs) = (h * d, hkv * d);
-    let k_base = k.as_ptr().add(seq.k_start * kv_rs + kv_head * d);
-    let v_base = v.as_ptr().add(seq.k_start * kv_rs + kv_head * d);
+    let q_rs = h * d;
     // Packed row p is query row i0 + p % q_rows of head kv_head*group + p / q_rows.
     let rows = q_rows * group;
     let row_of = |p: usize| (kv_head * group + p / q_rows, i0 + p % q_rows);
-    let Scratch { q_pack, scores, acc, row_max, row_sum } = scratch;
+    let Scratch { q_pack, k_tile, v_tile, scores, acc, row_max, row_sum } = scratch;
     for p in 0..rows {
         let (head, i) = row_of(p);
         let src = (seq.q_start + i) * q_rs + head * d;
         q_pack[p * d..(p + 1) * d].copy_from_slice(&q[src..src + d]);
     }
 
-    let ranges: Vec<(usize, usize)> = (0..rows).map(|p| shape.key_range(opts, seq, row_of(p).1)).collect();
-    // Key ranges move monotonically with the row, so the tile's keys are one interval;
-    // K tiles outside it are skipped entirely.
-    let k_lo = ranges.iter().filter(|r| r.1 > r.0).map(|r| r.0).min().unwrap_or(0);
-    let k_hi = ranges.iter().map(|r| r.1).max().unwrap_or(0);
+    let ranges: Vec<RowKeys> = (0..rows).map(|p| shape.row_keys(opts, host, b, row_of(p).1)).collect();
+    // Each row's keys lie in its hull; K tiles outside the union of the hulls are skipped.
+    let k_lo = ranges.iter().filter(|r| !r.is_empty()).map(|r| r.hull.0).min().unwrap_or(0);
+    let k_hi = ranges.iter().map(|r| r.hull.1).max().unwrap_or(0);
 
     acc[..rows * d].fill(0.0);
     row_max[..rows].fill(f32::NEG_INFINITY);
@@ -111,6 +116,7 @@ unsafe fn forward_tile(
 
     for j0 in (k_lo..k_hi).step_by(K_TILE) {
         let cols = K_TILE.min(k_hi - j0);
+        let (k_ptr, k_rs) = k.tile(host, (b, kv_head, d), (j0, cols), k_tile);
         // S = Q Kᵀ for this tile.
         tile_matmul(
             (rows, cols, d),
@@ -118,14 +124,19 @@ unsafe fn forward_tile(
             K_TILE,
             false,
             MatRef::rows(q_pack.as_ptr(), d),
-            MatRef::transposed(k_base.add(j0 * kv_rs), kv_rs),
+            MatRef::transposed(k_ptr, k_rs),
             1.0,
         );
         for r in 0..rows {
             let row = &mut scores[r * K_TILE..r * K_TILE + cols];
             let (head, i) = row_of(r);
             let alibi = host.alibi_slope(b, head).map(|s| (s, i as isize + seq.diag_offset()));
-            logits_row(row, j0, ranges[r], opts.softmax_scale, opts.softcap, alibi);
+            logits_row(row, j0, ranges[r].hull, opts.softmax_scale, opts.softcap, alibi);
+            if let Some((lo, hi)) = ranges[r].gap {
+                // Keys between the window and an mm-prefix range stay masked.
+                let (lo, hi) = (lo.clamp(j0, j0 + cols) - j0, hi.clamp(j0, j0 + cols) - j0);
+                row[lo..hi].fill(f32::NEG_INFINITY);
+            }
             let new_max = row_max[r].max(super::row_max(row));
             if new_max == f32::NEG_INFINITY {
                 // Nothing visible to this row yet: its probabilities are all zero.
@@ -142,13 +153,14 @@ unsafe fn forward_tile(
             row_max[r] = new_max;
         }
         // O += P V.
+        let (v_ptr, v_rs) = v.tile(host, (b, kv_head, d), (j0, cols), v_tile);
         tile_matmul(
             (rows, d, cols),
             acc.as_mut_ptr(),
             d,
             true,
             MatRef::rows(scores.as_ptr(), K_TILE),
-            MatRef::rows(v_base.add(j0 * kv_rs), kv_rs),
+            MatRef::rows(v_ptr, v_rs),
             1.0,
         );
     }

@@ -8,6 +8,7 @@
 
 mod bwd;
 mod fwd;
+mod kv;
 
 pub(crate) use bwd::backward;
 pub(crate) use fwd::forward;

@@ -1,0 +1,566 @@
+//! Paged K/V: the CPU forward read through shuffled block tables against the reference (f64
+//! truth, tolerance relative to the naive same-dtype error) and against the contiguous op on
+//! the same logical cache (bitwise), page sizes 1, 3, 16 and 256, prefill and decode, GQA,
+//! windows, softcap, ALiBi, empty sequences, mm_prefix_ranges; cache writes; bad input;
+//! candle-flash-attn / candle-flash-attn-v3 snippets; CUDA's clear error.
+
+mod common;
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_flash::{reference, write_paged_kv, FlashAttnOptions, PagedKv};
+use common::{floor, make_inputs, max_err, options, Case};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// A paged copy of packed K/V rows: caches, block table, page size.
+struct PagedCache {
+    k: Tensor,
+    v: Tensor,
+    table: Tensor,
+    page: usize,
+}
+
+/// Pages `k`/`v` `(total_k, Hkv, D)` (sequences of `k_lens` keys) into a cache of shuffled
+/// pages plus spare ones, through [`write_paged_kv`]. Every cache row no key was written to is
+/// NaN and every table entry past a sequence's pages is garbage, so reading either fails the
+/// checks.
+fn page_out(
+    k: &Tensor,
+    v: &Tensor,
+    k_lens: &[usize],
+    page: usize,
+    table_dtype: DType,
+    rng: &mut StdRng,
+) -> Result<PagedCache> {
+    let (_, hkv, d) = k.dims3()?;
+    let used: Vec<usize> = k_lens.iter().map(|l| l.div_ceil(page)).collect();
+    let num_blocks = used.iter().sum::<usize>() + 3;
+    let mut physical: Vec<usize> = (0..num_blocks).collect();
+    physical.shuffle(rng);
+    let width = used.iter().max().copied().unwrap_or(0) + 1;
+    let garbage = if table_dtype == DType::I32 { -1i64 } else { 7_777_777 };
+    let mut table = vec![];
+    let mut slots = vec![];
+    let mut next = physical.iter();
+    for (&len, &n) in k_lens.iter().zip(&used) {
+        let pages: Vec<usize> = next.by_ref().take(n).copied().collect();
+        slots.extend((0..len).map(|j| (pages[j / page] * page + j % page) as u32));
+        table.extend(pages.iter().map(|&p| p as i64).chain(std::iter::repeat(garbage)).take(width));
+    }
+    let table = Tensor::new(table, &Device::Cpu)?.reshape((k_lens.len(), width))?.to_dtype(table_dtype)?;
+    let cache = || Tensor::full(f32::NAN, (num_blocks, page, hkv, d), &Device::Cpu)?.to_dtype(k.dtype());
+    let (k_cache, v_cache) = (cache()?, cache()?);
+    write_paged_kv(&k_cache, &v_cache, k, v, &Tensor::new(slots, &Device::Cpu)?)?;
+    Ok(PagedCache { k: k_cache, v: v_cache, table, page })
+}
+
+/// One paged parity case: the case's varlen sequences, paged with `page` rows per page.
+fn check_paged(
+    case: &Case,
+    page: usize,
+    prefix_ranges: Option<&[[i32; 2]]>,
+    rng: &mut StdRng,
+    seed: u64,
+) -> Result<String> {
+    let x = make_inputs(case, rng)?;
+    let k_lens: Vec<usize> = case.varlen.iter().map(|s| s.1).collect();
+    let table_dtype = if rng.random::<bool>() { DType::U32 } else { DType::I32 };
+    let ctx = format!("{case:?} page {page} {table_dtype:?} ranges {prefix_ranges:?} (seed {seed})");
+    let ranges = match prefix_ranges {
+        Some(r) => {
+            let per_seq: Vec<i32> = (0..case.batch).flat_map(|_| r.iter().flatten().copied()).collect();
+            Some(Tensor::new(per_seq, &Device::Cpu)?.reshape((case.batch, r.len(), 2))?)
+        }
+        None => None,
+    };
+    let contiguous_opts = options(case, &x, &Device::Cpu)?.mm_prefix_ranges(ranges.as_ref());
+    // One page layout for every run of the case (truth, naive, flash), drawn from the case's rng.
+    let layout_seed: u64 = rng.random();
+    let run = |dtype: DType, flash: bool, paged: bool| -> Result<(Tensor, Tensor)> {
+        let to = |t: &Tensor| t.to_dtype(dtype);
+        let (q, k, v) = (to(&x.q)?, to(&x.k)?, to(&x.v)?);
+        let (k, v, opts) = if paged {
+            let cache = page_out(&k, &v, &k_lens, page, table_dtype, &mut StdRng::seed_from_u64(layout_seed))?;
+            let opts = contiguous_opts.clone().paged(Some(PagedKv::new(&cache.table, cache.page)));
+            (cache.k, cache.v, opts)
+        } else {
+            (k, v, contiguous_opts.clone())
+        };
+        if flash {
+            candle_flash::flash_attn_with_lse(&q, &k, &v, &opts)
+        } else {
+            reference::attention_with_lse(&q, &k, &v, &opts)
+        }
+    };
+    let truth = run(DType::F64, false, true)?;
+    let naive = run(case.dtype, false, true)?;
+    let paged = run(case.dtype, true, true)?;
+    let contiguous = run(case.dtype, true, false)?;
+
+    // Same values, same tiles, same arithmetic: only where the rows are read from differs.
+    for (what, a, b) in [("out", &paged.0, &contiguous.0), ("lse", &paged.1, &contiguous.1)] {
+        let (a, b) = (
+            a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+            b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+        );
+        let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "paged and contiguous {what} differ: {ctx}");
+    }
+    let (ef, en) = (max_err(&paged.0, &truth.0), max_err(&naive.0, &truth.0));
+    let tol = 2.0 * en + floor(case.dtype, false);
+    assert!(ef <= tol, "forward error {ef:.3e} > {tol:.3e} (naive {en:.3e}): {ctx}");
+    let el = max_err(&paged.1, &truth.1);
+    assert!(el <= 1e-3 + 2.0 * max_err(&naive.1, &truth.1), "lse error {el:.3e}: {ctx}");
+    Ok(format!("fwd {ef:.1e} (naive {en:.1e})"))
+}
+
+fn sweep(cases: &[(Case, usize)], prefix_ranges: Option<&[[i32; 2]]>) {
+    let (mut rng, seed) = common::rng();
+    for (case, page) in cases {
+        let summary = check_paged(case, *page, prefix_ranges, &mut rng, seed)
+            .unwrap_or_else(|e| panic!("{case:?} page {page}: {e}"));
+        println!("{case:?} page {page}: {summary}");
+    }
+}
+
+/// Prefill: many query rows per sequence (Sq ≠ Sk, an empty cache, an empty query), every
+/// page size, GQA, masks, softcap, ALiBi.
+#[test]
+fn prefill_matches_reference_and_contiguous() {
+    let seqs = [(17, 30), (0, 5), (40, 40), (3, 0), (1, 70)];
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        for page in [1, 3, 16, 256] {
+            cases.push((Case::new(dtype, (0, 0), (4, 2), 32).varlen(&seqs).causal(), page));
+        }
+        cases.push((Case::new(dtype, (0, 0), (4, 1), 64).varlen(&seqs).window(Some(7), Some(2)).softcap(5.0), 16));
+        cases.push((Case::new(dtype, (0, 0), (6, 2), 24).varlen(&seqs).alibi(2), 3));
+        cases.push((Case::new(dtype, (0, 0), (2, 2), 16).varlen(&seqs), 1));
+    }
+    sweep(&cases, None);
+}
+
+/// Decode: one query row per sequence against caches that span many pages (and one empty).
+#[test]
+fn decode_matches_reference_and_contiguous() {
+    let seqs = [(1, 300), (1, 0), (1, 513), (1, 17)];
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        for page in [1, 16, 256] {
+            cases.push((Case::new(dtype, (0, 0), (8, 2), 64).varlen(&seqs).causal(), page));
+        }
+        cases.push((Case::new(dtype, (0, 0), (8, 1), 64).varlen(&seqs).window(Some(100), Some(0)).softcap(20.0), 3));
+    }
+    sweep(&cases, None);
+}
+
+/// mm_prefix_ranges: ranges that overlap the window, lie outside it, are empty or reach past
+/// the cache, under causal and sliding-window masks.
+#[test]
+fn mm_prefix_ranges_match_reference() {
+    let seqs = [(40, 40), (12, 50), (1, 33)];
+    let ranges: &[[i32; 2]] = &[[4, 20], [30, 45], [9, 9], [-3, 2]];
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        cases.push((Case::new(dtype, (0, 0), (4, 2), 32).varlen(&seqs).causal(), 16));
+        cases.push((Case::new(dtype, (0, 0), (4, 2), 32).varlen(&seqs).window(Some(3), Some(0)), 3));
+    }
+    sweep(&cases, Some(ranges));
+}
+
+/// The same prefix range makes a difference: rows inside it see later keys of the range.
+#[test]
+fn mm_prefix_ranges_unmask_the_range() -> Result<()> {
+    let dev = Device::Cpu;
+    let (q, kv) = (Tensor::randn(0f32, 1., (8, 1, 8), &dev)?, Tensor::randn(0f32, 1., (8, 1, 8), &dev)?);
+    let seqlens = Tensor::new(&[0u32, 8], &dev)?;
+    let table = Tensor::new(&[[0u32, 1]], &dev)?;
+    let (k, v) = (kv.reshape((2, 4, 1, 8))?, kv.reshape((2, 4, 1, 8))?);
+    let ranges = Tensor::new(&[[[2i32, 6]]], &dev)?;
+    let call = |r: Option<&Tensor>| {
+        candle_flash::flash_attn_varlen_paged_windowed(
+            &q,
+            &k,
+            &v,
+            &seqlens,
+            &seqlens,
+            &table,
+            r,
+            8,
+            8,
+            0.3,
+            None,
+            Some(0),
+            4,
+            None,
+        )
+    };
+    let (causal, prefixed) = (call(None)?, call(Some(&ranges))?);
+    let full = candle_flash::flash_attn_varlen(&q, &kv, &kv, &seqlens, &seqlens, 8, 8, 0.3, false)?;
+    for i in 0..8 {
+        let row = |t: &Tensor| t.narrow(0, i, 1);
+        // Rows 2..6 see keys 0..6; rows 2, 3 and 4 gain keys by it, row 5 saw them causally.
+        let changed = max_err(&row(&causal)?, &row(&prefixed)?) > 0.0;
+        assert_eq!(changed, (2..5).contains(&i), "row {i}");
+    }
+    // Outside the range, nothing changes; the last row sees everything either way.
+    assert_eq!(max_err(&causal.narrow(0, 7, 1)?, &full.narrow(0, 7, 1)?), 0.0);
+    Ok(())
+}
+
+/// Upstream's window rule: a window wider than max_seqlen_k is unbounded, which differs from a
+/// bounded right window when Sq > Sk + 1 (early rows would otherwise see no key).
+#[test]
+fn windows_wider_than_max_seqlen_k_are_unbounded() -> Result<()> {
+    let dev = Device::Cpu;
+    let q = Tensor::randn(0f32, 1., (10, 2, 8), &dev)?;
+    let kv = Tensor::randn(0f32, 1., (1, 4, 2, 8), &dev)?;
+    let (seqlens_q, seqlens_k) = (Tensor::new(&[0u32, 10], &dev)?, Tensor::new(&[0u32, 4], &dev)?);
+    let table = Tensor::new(&[[0i32]], &dev)?;
+    let out = candle_flash::flash_attn_varlen_paged_windowed(
+        &q,
+        &kv,
+        &kv,
+        &seqlens_q,
+        &seqlens_k,
+        &table,
+        None,
+        10,
+        4,
+        0.5,
+        Some(9),
+        Some(5),
+        4,
+        None,
+    )?;
+    let full = candle_flash::flash_attn_varlen(
+        &q,
+        &kv.squeeze(0)?,
+        &kv.squeeze(0)?,
+        &seqlens_q,
+        &seqlens_k,
+        10,
+        4,
+        0.5,
+        false,
+    )?;
+    assert_eq!(max_err(&out, &full), 0.0);
+    Ok(())
+}
+
+/// Written exactly as a candle-flash-attn 0.11.1 user calls its paged function (shuffled pages
+/// of 32 rows in a larger pool, causal within a 1024-token window); only the `use` differs.
+#[test]
+fn candle_flash_attn_snippet() -> Result<()> {
+    use candle_flash as candle_flash_attn;
+    let device = Device::Cpu;
+    let (seq_len, n_heads, n_kv_heads, head_dim, block_size) = (96usize, 4usize, 2usize, 64usize, 32usize);
+    let num_blocks = seq_len.div_ceil(block_size);
+    let pool_blocks = num_blocks + 5;
+    let perm: Vec<u32> = (0..num_blocks).map(|i| ((i * 5 + 3) % pool_blocks) as u32).collect();
+    let q = Tensor::randn(0f32, 1., (seq_len, n_heads, head_dim), &device)?.to_dtype(DType::BF16)?;
+    let k_seq = Tensor::randn(0f32, 1., (seq_len, n_kv_heads, head_dim), &device)?.to_dtype(DType::BF16)?;
+    let v_seq = Tensor::randn(0f32, 1., (seq_len, n_kv_heads, head_dim), &device)?.to_dtype(DType::BF16)?;
+    let pool = || Tensor::zeros((pool_blocks, block_size, n_kv_heads, head_dim), DType::BF16, &device);
+    let (k_paged, v_paged) = (pool()?, pool()?);
+    let slots: Vec<u32> =
+        (0..seq_len).map(|j| perm[j / block_size] * block_size as u32 + (j % block_size) as u32).collect();
+    candle_flash::write_paged_kv(&k_paged, &v_paged, &k_seq, &v_seq, &Tensor::new(slots, &device)?)?;
+    let seqlens = Tensor::new(&[0u32, seq_len as u32], &device)?;
+    let block_table = Tensor::new(perm.clone(), &device)?.reshape((1, num_blocks))?;
+
+    let ys = candle_flash_attn::flash_attn_varlen_paged_windowed(
+        &q,
+        &k_paged,
+        &v_paged,
+        &seqlens,
+        &seqlens,
+        &block_table,
+        None,
+        seq_len,
+        seq_len,
+        1.0,
+        Some(1024),
+        Some(0),
+        block_size,
+        None,
+    )?
+    .to_dtype(DType::F32)?;
+
+    let causal = candle_flash::flash_attn_varlen(&q, &k_seq, &v_seq, &seqlens, &seqlens, seq_len, seq_len, 1.0, true)?;
+    assert_eq!(ys.dims(), &[seq_len, n_heads, head_dim]);
+    assert_eq!(max_err(&ys, &causal), 0.0);
+    Ok(())
+}
+
+/// candle-flash-attn-v3's signatures through `compat::v3`: the packing flag changes nothing.
+#[test]
+fn candle_flash_attn_v3_snippet() -> Result<()> {
+    use candle_flash::compat::v3 as candle_flash_attn_v3;
+    let dev = Device::Cpu;
+    let q = Tensor::randn(0f32, 1., (1, 20, 8, 64), &dev)?.to_dtype(DType::F16)?;
+    let k = Tensor::randn(0f32, 1., (1, 20, 2, 64), &dev)?.to_dtype(DType::F16)?;
+    let v = Tensor::randn(0f32, 1., (1, 20, 2, 64), &dev)?.to_dtype(DType::F16)?;
+    let ours = candle_flash::flash_attn(&q, &k, &v, 0.125, true)?;
+    for packing in [false, true] {
+        let out = candle_flash_attn_v3::flash_attn(&q, &k, &v, 0.125, true, packing)?;
+        assert_eq!(max_err(&out, &ours), 0.0);
+        let win = candle_flash_attn_v3::flash_attn_windowed(&q, &k, &v, 0.125, None, Some(0), packing)?;
+        assert_eq!(max_err(&win, &ours), 0.0);
+    }
+    let (qv, kv, vv) = (q.squeeze(0)?, k.squeeze(0)?, v.squeeze(0)?);
+    let seqlens = Tensor::new(&[0u32, 20], &dev)?;
+    let varlen = candle_flash_attn_v3::flash_attn_varlen(&qv, &kv, &vv, &seqlens, &seqlens, 20, 20, 0.125, true, true)?;
+    assert_eq!(max_err(&varlen, &ours.squeeze(0)?), 0.0);
+    let slopes = Tensor::new(&[0.1f32, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], &dev)?;
+    let alibi = candle_flash_attn_v3::flash_attn_varlen_alibi_windowed(
+        &qv,
+        &kv,
+        &vv,
+        &slopes,
+        &seqlens,
+        &seqlens,
+        20,
+        20,
+        0.125,
+        Some(4),
+        Some(0),
+        false,
+    )?;
+    let expected = candle_flash::flash_attn_varlen_alibi_windowed(
+        &qv,
+        &kv,
+        &vv,
+        &slopes,
+        &seqlens,
+        &seqlens,
+        20,
+        20,
+        0.125,
+        Some(4),
+        Some(0),
+    )?;
+    assert_eq!(max_err(&alibi, &expected), 0.0);
+    Ok(())
+}
+
+/// Cache writes land in the caller's tensors at their slots, skip padding rows (u32::MAX,
+/// negative i64), and leave every other row alone.
+#[test]
+fn write_paged_kv_writes_in_place() -> Result<()> {
+    let dev = Device::Cpu;
+    for dtype in DTYPES {
+        let k_cache = Tensor::zeros((4, 3, 2, 5), dtype, &dev)?;
+        let v_cache = Tensor::zeros((4, 3, 2, 5), dtype, &dev)?;
+        let k = Tensor::randn(0f32, 1., (3, 2, 5), &dev)?.to_dtype(dtype)?;
+        let v = Tensor::randn(0f32, 1., (3, 2, 5), &dev)?.to_dtype(dtype)?;
+        for slots in [Tensor::new(&[7u32, u32::MAX, 0], &dev)?, Tensor::new(&[7i64, -1, 0], &dev)?] {
+            write_paged_kv(&k_cache, &v_cache, &k, &v, &slots)?;
+            for (cache, rows) in [(&k_cache, &k), (&v_cache, &v)] {
+                let flat = cache.flatten_to(1)?;
+                assert_eq!(max_err(&flat.get(7)?, &rows.get(0)?), 0.0);
+                assert_eq!(max_err(&flat.get(0)?, &rows.get(2)?), 0.0);
+                let untouched: Vec<usize> = (0..12).filter(|s| ![0, 7].contains(s)).collect();
+                for s in untouched {
+                    assert_eq!(
+                        flat.get(s)?.abs()?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?,
+                        0.0,
+                        "slot {s}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn err_text(r: Result<impl std::fmt::Debug>) -> String {
+    match r {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn expect_err(r: Result<impl std::fmt::Debug>, needles: &[&str]) {
+    let msg = err_text(r);
+    for n in needles {
+        assert!(msg.contains(n), "error {msg:?} does not mention {n:?}");
+    }
+}
+
+/// A small valid paged call (2 sequences, pages of 4) for the bad-input tests to break.
+struct Small {
+    q: Tensor,
+    k: Tensor,
+    seqlens_q: Tensor,
+    seqlens_k: Tensor,
+    table: Tensor,
+}
+
+fn small() -> Result<Small> {
+    let dev = Device::Cpu;
+    Ok(Small {
+        q: Tensor::randn(0f32, 1., (3, 4, 8), &dev)?,
+        k: Tensor::randn(0f32, 1., (5, 4, 2, 8), &dev)?,
+        seqlens_q: Tensor::new(&[0u32, 1, 3], &dev)?,
+        seqlens_k: Tensor::new(&[0u32, 6, 9], &dev)?,
+        table: Tensor::new(&[[4u32, 0, 9], [2, 3, 9]], &dev)?,
+    })
+}
+
+fn call(s: &Small, k: &Tensor, seqlens_k: &Tensor, table: &Tensor, page: usize) -> Result<Tensor> {
+    candle_flash::flash_attn_varlen_paged_windowed(
+        &s.q,
+        k,
+        k,
+        &s.seqlens_q,
+        seqlens_k,
+        table,
+        None,
+        2,
+        9,
+        0.3,
+        None,
+        Some(0),
+        page,
+        None,
+    )
+}
+
+#[test]
+fn bad_paged_inputs_are_errors() -> Result<()> {
+    let s = small()?;
+    let dev = Device::Cpu;
+    call(&s, &s.k, &s.seqlens_k, &s.table, 4)?;
+    // A table entry past the cache, negative (i32) and past (u32).
+    expect_err(
+        call(&s, &s.k, &s.seqlens_k, &Tensor::new(&[[4u32, 5, 9], [2, 3, 9]], &dev)?, 4),
+        &["block_table[0][1] = 5", "0..5"],
+    );
+    expect_err(
+        call(&s, &s.k, &s.seqlens_k, &Tensor::new(&[[4i32, 0, 0], [-1, 3, 0]], &dev)?, 4),
+        &["block_table[1][0] = -1"],
+    );
+    // Page size that does not match the pages, and zero.
+    expect_err(call(&s, &s.k, &s.seqlens_k, &s.table, 8), &["page_block_size 8", "4 rows"]);
+    expect_err(call(&s, &s.k.narrow(1, 0, 0)?, &s.seqlens_k, &s.table, 0), &["page_block_size must be at least 1"]);
+    // A sequence longer than its table row holds (2 pages of 4 = 8 keys, 9 asked).
+    let narrow_table = s.table.narrow(1, 0, 2)?;
+    expect_err(
+        call(&s, &s.k, &Tensor::new(&[0u32, 9, 12], &dev)?, &narrow_table, 4),
+        &["sequence 0 has 9 keys", "2 pages of 4 rows"],
+    );
+    // Table dtype, shape, device-independent shape checks.
+    expect_err(call(&s, &s.k, &s.seqlens_k, &s.table.to_dtype(DType::F32)?, 4), &["block_table must be u32 or i32"]);
+    expect_err(
+        call(&s, &s.k, &s.seqlens_k, &s.table.narrow(0, 0, 1)?, 4),
+        &["block_table must have shape [2, max_blocks]"],
+    );
+    // k/v of the packed rank, and paged options without varlen.
+    expect_err(call(&s, &s.k.flatten_to(1)?, &s.seqlens_k, &s.table, 4), &["k must have rank 4", "num_blocks"]);
+    let batched_q = s.q.unsqueeze(0)?;
+    let opts = FlashAttnOptions::new(0.3).paged(Some(PagedKv::new(&s.table, 4)));
+    expect_err(
+        candle_flash::flash_attn_with_options(&batched_q, &s.k, &s.k, &opts),
+        &["paged K/V needs the varlen layout"],
+    );
+    // mm_prefix_ranges of the wrong dtype or shape.
+    let bad_ranges = [Tensor::new(&[[[1u32, 2]], [[0, 1]]], &dev)?, Tensor::new(&[[[1i32, 2, 3]], [[0, 1, 2]]], &dev)?];
+    for ranges in &bad_ranges {
+        let r = candle_flash::flash_attn_varlen_paged_windowed(
+            &s.q,
+            &s.k,
+            &s.k,
+            &s.seqlens_q,
+            &s.seqlens_k,
+            &s.table,
+            Some(ranges),
+            2,
+            9,
+            0.3,
+            None,
+            Some(0),
+            4,
+            None,
+        );
+        expect_err(r, &["mm_prefix_ranges must"]);
+    }
+    Ok(())
+}
+
+/// Paged K/V is forward only: autograd and the explicit backward both refuse it clearly.
+#[test]
+fn backward_through_paged_is_an_error() -> Result<()> {
+    let s = small()?;
+    let q = Var::from_tensor(&s.q)?;
+    let out = call(&Small { q: q.as_tensor().clone(), ..small()? }, &s.k, &s.seqlens_k, &s.table, 4)?;
+    expect_err(out.sum_all()?.backward(), &["paged K/V is forward only"]);
+    let opts = FlashAttnOptions::new(0.3)
+        .varlen(Some(candle_flash::VarLen {
+            seqlens_q: s.seqlens_q.clone(),
+            seqlens_k: s.seqlens_k.clone(),
+            max_seqlen_q: 2,
+            max_seqlen_k: 9,
+        }))
+        .paged(Some(PagedKv::new(&s.table, 4)));
+    let (out, lse) = candle_flash::flash_attn_with_lse(&s.q, &s.k, &s.k, &opts)?;
+    expect_err(
+        candle_flash::flash_attn_backward(&s.q, &s.k, &s.k, &out, &out, &lse, &opts),
+        &["paged K/V is forward only"],
+    );
+    Ok(())
+}
+
+#[test]
+fn bad_cache_writes_are_errors() -> Result<()> {
+    let dev = Device::Cpu;
+    let cache = Tensor::zeros((2, 4, 2, 8), DType::F32, &dev)?;
+    let rows = Tensor::zeros((3, 2, 8), DType::F32, &dev)?;
+    let slots = Tensor::new(&[0u32, 1, 2], &dev)?;
+    expect_err(
+        write_paged_kv(&cache, &cache.clone(), &rows, &rows, &Tensor::new(&[0u32, 8, 2], &dev)?),
+        &["slot_mapping[1] = 8", "8 slots"],
+    );
+    expect_err(
+        write_paged_kv(&cache, &cache, &rows, &rows, &Tensor::new(&[0f32, 1., 2.], &dev)?),
+        &["slot_mapping must be a 1-D u32 or i64"],
+    );
+    expect_err(write_paged_kv(&cache, &cache, &rows.narrow(0, 0, 2)?, &rows, &slots), &["k must have shape [3, 2, 8]"]);
+    let strided = Tensor::zeros((2, 2, 4, 8), DType::F32, &dev)?.transpose(1, 2)?;
+    expect_err(write_paged_kv(&strided, &strided, &rows, &rows, &slots), &["k_cache must be contiguous"]);
+    expect_err(write_paged_kv(&cache, &cache, &rows.to_dtype(DType::F16)?, &rows, &slots), &["k has dtype F16"]);
+    Ok(())
+}
+
+/// On CUDA the paged function is a clear error for now (the kernels come later), and cache
+/// writes go through candle's in-place scatter, equal to the CPU's.
+#[test]
+fn cuda_paged_is_a_clear_error() -> Result<()> {
+    let Some(gpu) = common::cuda_device() else { return Ok(()) };
+    let s = small()?;
+    let to = |t: &Tensor| t.to_dtype(DType::BF16)?.to_device(&gpu);
+    let on_gpu = Small {
+        q: to(&s.q)?,
+        k: to(&s.k)?,
+        seqlens_q: s.seqlens_q.to_device(&gpu)?,
+        seqlens_k: s.seqlens_k.to_device(&gpu)?,
+        table: s.table.to_device(&gpu)?,
+    };
+    expect_err(
+        call(&on_gpu, &on_gpu.k, &on_gpu.seqlens_k, &on_gpu.table, 4),
+        &["paged K/V is not yet supported on CUDA"],
+    );
+
+    let rows = Tensor::randn(0f32, 1., (3, 2, 8), &Device::Cpu)?;
+    let slots = Tensor::new(&[5i64, -1, 0], &Device::Cpu)?;
+    let write = |dev: &Device| -> Result<Tensor> {
+        let cache = Tensor::zeros((2, 4, 2, 8), DType::F32, dev)?;
+        let (rows, slots) = (rows.to_device(dev)?, slots.to_device(dev)?);
+        write_paged_kv(&cache, &cache.zeros_like()?, &rows, &rows, &slots)?;
+        cache.to_device(&Device::Cpu)
+    };
+    assert_eq!(max_err(&write(&gpu)?, &write(&Device::Cpu)?), 0.0);
+    Ok(())
+}
