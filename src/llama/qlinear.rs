@@ -74,6 +74,25 @@ impl BlockWeight {
         &self.data[r * rb..(r + 1) * rb]
     }
 
+    /// `out[j]` = row `r0 + j` · `x`.
+    fn dot_rows(&self, r0: usize, x: &[XBlock], out: &mut [f32]) {
+        let rb = self.cols / QK * self.kind.bytes();
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            while done + 4 <= out.len() {
+                let rows = &self.data[(r0 + done) * rb..(r0 + done + 4) * rb];
+                // SAFETY: the CPU supports the features the function is compiled for.
+                let v = unsafe { dot4_avx2(self.kind, rows, rb, x) };
+                out[done..done + 4].copy_from_slice(&v);
+                done += 4;
+            }
+        }
+        for (j, o) in out.iter_mut().enumerate().skip(done) {
+            *o = dot(self.kind, self.row(r0 + j), x);
+        }
+    }
+
     fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         dequantize_row(self.kind, self.row(r), out)
     }
@@ -246,6 +265,50 @@ fn dot(kind: BlockKind, row: &[u8], x: &[XBlock]) -> f32 {
     dot_scalar(kind, row, x)
 }
 
+/// Four consecutive weight rows (`rows` holds them, `rb` bytes each) dotted with `x`. One row
+/// at a time is bound by the latency of its accumulation chain (about 30 cycles per block);
+/// four independent chains that share the activation loads keep the core busy instead.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_avx2(kind: BlockKind, rows: &[u8], rb: usize, x: &[XBlock]) -> [f32; 4] {
+    use std::arch::x86_64::*;
+    let nb = x.len().min(rb / kind.bytes()).min(rows.len() / 4 / kind.bytes());
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut off = [0f32; 4];
+    let p = rows.as_ptr();
+    match kind {
+        BlockKind::Q4_1 => {
+            let nib = _mm256_set1_epi8(0xF);
+            for (i, xb) in x.iter().enumerate().take(nb) {
+                let y = _mm256_load_si256(xb.qs.as_ptr() as *const __m256i);
+                for r in 0..4 {
+                    let b = p.add(r * rb + i * 20);
+                    let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(b.add(4) as *const __m128i));
+                    // Low lane: the low nibbles (values 0..16); high lane: the high nibbles.
+                    let w = _mm256_and_si256(_mm256_blend_epi32(q, _mm256_srli_epi16(q, 4), 0xF0), nib);
+                    let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(w, y), ones);
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_avx(b) * xb.d), _mm256_cvtepi32_ps(prod), acc[r]);
+                    off[r] += f16_avx(b.add(2)) * xb.s;
+                }
+            }
+        }
+        BlockKind::Q8_0 => {
+            for (i, xb) in x.iter().enumerate().take(nb) {
+                let y = _mm256_load_si256(xb.qs.as_ptr() as *const __m256i);
+                for r in 0..4 {
+                    let b = p.add(r * rb + i * 34);
+                    let w = _mm256_loadu_si256(b.add(2) as *const __m256i);
+                    let prod =
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w)), ones);
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_avx(b) * xb.d), _mm256_cvtepi32_ps(prod), acc[r]);
+                }
+            }
+        }
+    }
+    [hsum(acc[0]) + off[0], hsum(acc[1]) + off[1], hsum(acc[2]) + off[2], hsum(acc[3]) + off[3]]
+}
+
 #[inline(always)]
 fn dot_f32_body(a: &[f32], b: &[f32]) -> f32 {
     // Eight independent partial sums, so that the compiler can keep one vector of them.
@@ -279,24 +342,30 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 /// a core busy with other work does not hold the product back, but not so many that the
 /// scheduling costs more than the rows.
 fn rows_per_task(n: usize) -> usize {
-    (n / (rayon::current_num_threads() * 4)).max(16)
+    // A multiple of 4 for the four-row kernels.
+    (n / (rayon::current_num_threads() * 4)).max(16).next_multiple_of(4)
 }
 
-/// `dst (m, n) = x (m, k) · Wᵀ` for few rows `m`, `row_dot(r, i)` being the dot product of weight
-/// row `r` with activation row `i`: parallel over weight rows, each read once for all `m` rows.
-fn small_m_product(m: usize, n: usize, row_dot: impl Fn(usize, usize) -> f32 + Sync) -> Vec<f32> {
+/// `dst (m, n) = x (m, k) · Wᵀ` for few rows `m`, `fill(r0, i, out)` writing the dot products of
+/// weight rows `r0..r0 + out.len()` with activation row `i`: parallel over weight rows, each
+/// task's rows read from memory once and then from cache for the other activation rows.
+fn small_m_product(m: usize, n: usize, fill: impl Fn(usize, usize, &mut [f32]) + Sync) -> Vec<f32> {
+    let per = rows_per_task(n);
+    if m == 1 {
+        let mut out = vec![0f32; n];
+        out.par_chunks_mut(per).enumerate().for_each(|(c, o)| fill(c * per, 0, o));
+        return out;
+    }
     let mut out_t = vec![0f32; n * m]; // (n, m): each task writes a contiguous run
-    out_t.par_chunks_mut(rows_per_task(n) * m).enumerate().for_each(|(c, chunk)| {
-        let r0 = c * rows_per_task(n);
-        for (j, o) in chunk.chunks_exact_mut(m).enumerate() {
-            for (i, v) in o.iter_mut().enumerate() {
-                *v = row_dot(r0 + j, i);
+    out_t.par_chunks_mut(per * m).enumerate().for_each(|(c, chunk)| {
+        let mut tmp = vec![0f32; chunk.len() / m];
+        for i in 0..m {
+            fill(c * per, i, &mut tmp);
+            for (j, v) in tmp.iter().enumerate() {
+                chunk[j * m + i] = *v;
             }
         }
     });
-    if m == 1 {
-        return out_t;
-    }
     let mut out = vec![0f32; m * n];
     for (r, o) in out_t.chunks_exact(m).enumerate() {
         for (i, v) in o.iter().enumerate() {
@@ -454,7 +523,7 @@ impl QLinear {
                 for (row, q) in xs.chunks_exact(k).zip(xq.chunks_exact_mut(nb)) {
                     quantize_row(row, q);
                 }
-                small_m_product(m, n, |r, i| dot(w.kind, w.row(r), &xq[i * nb..(i + 1) * nb]))
+                small_m_product(m, n, |r0, i, out| w.dot_rows(r0, &xq[i * nb..(i + 1) * nb], out))
             } else {
                 let mut out = vec![0f32; m * n];
                 let slab_rows = (SLAB_VALUES / k).clamp(1, n);
@@ -497,7 +566,11 @@ impl QLinear {
             with_cpu_f32(&x, |xs| {
                 let m = xs.len() / k;
                 if m <= SMALL_M {
-                    small_m_product(m, n, |r, i| dot_f32(&ws[r * k..(r + 1) * k], &xs[i * k..(i + 1) * k]))
+                    small_m_product(m, n, |r0, i, out| {
+                        for (j, o) in out.iter_mut().enumerate() {
+                            *o = dot_f32(&ws[(r0 + j) * k..(r0 + j + 1) * k], &xs[i * k..(i + 1) * k]);
+                        }
+                    })
                 } else {
                     let mut out = vec![0f32; m * n];
                     gemm_xwt(m, n, k, xs, ws, &mut out, n);
