@@ -59,19 +59,95 @@ impl BlockKind {
     }
 }
 
-/// A `(rows, cols)` weight in Q4_1 or Q8_0 blocks, row-major (each row is `cols / 32` blocks).
+/// A `(rows, cols)` weight in Q4_1 or Q8_0 blocks: row-major (each row is `cols / 32` blocks,
+/// as in the file) or, where the CPU has AVX2 and `rows % 8 == 0`, packed by groups of 8 rows
+/// (see [`pack8`]), the same bytes reordered so that one 256-bit register holds four values of
+/// each of 8 rows.
 #[derive(Debug)]
 pub struct BlockWeight {
     kind: BlockKind,
     rows: usize,
     cols: usize,
+    packed: bool,
     data: Vec<u8>,
 }
 
+/// Rows per packed group.
+const GROUP: usize = 8;
+
+/// The 8-row interleaved layout of one block of 8 rows (the same bytes as 8 blocks).
+///
+/// Q4_1: `d[8]: f16`, `m[8]: f16`, then 4 chunks of 32 bytes, chunk `c` holding bytes
+/// `4c..4c+4` of each row's `qs` (row `r` at `4r`): low nibbles are values `4c..4c+4`, high
+/// nibbles `16+4c..16+4c+4`. Q8_0: `d[8]: f16`, then 8 chunks of 32 bytes, chunk `c` holding
+/// values `4c..4c+4` of each row. A 32-bit lane of a chunk is one row, so the integer dot
+/// products accumulate per lane against the activation's 4 values broadcast, and the scales of
+/// the 8 rows convert with one instruction: the one-row kernel spends most of its time on
+/// per-block scalar work (scale conversion, broadcasts, horizontal sums) that this amortizes.
+fn pack8(kind: BlockKind, rows: usize, cols: usize, data: &[u8]) -> Vec<u8> {
+    let (bb, nb) = (kind.bytes(), cols / QK);
+    let mut out = vec![0u8; data.len()];
+    for g in 0..rows / GROUP {
+        for b in 0..nb {
+            let dst = &mut out[(g * nb + b) * GROUP * bb..][..GROUP * bb];
+            for r in 0..GROUP {
+                let src = &data[((g * GROUP + r) * nb + b) * bb..][..bb];
+                dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                match kind {
+                    BlockKind::Q4_1 => {
+                        dst[16 + 2 * r..18 + 2 * r].copy_from_slice(&src[2..4]);
+                        for c in 0..4 {
+                            dst[32 + 32 * c + 4 * r..][..4].copy_from_slice(&src[4 + 4 * c..8 + 4 * c]);
+                        }
+                    }
+                    BlockKind::Q8_0 => {
+                        for c in 0..8 {
+                            dst[16 + 32 * c + 4 * r..][..4].copy_from_slice(&src[2 + 4 * c..6 + 4 * c]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
 impl BlockWeight {
-    fn row(&self, r: usize) -> &[u8] {
-        let rb = self.cols / QK * self.kind.bytes();
-        &self.data[r * rb..(r + 1) * rb]
+    fn new(kind: BlockKind, rows: usize, cols: usize, data: Vec<u8>) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() && rows.is_multiple_of(GROUP) {
+            let data = pack8(kind, rows, cols, &data);
+            return Self { kind, rows, cols, packed: true, data };
+        }
+        Self { kind, rows, cols, packed: false, data }
+    }
+
+    /// Row `r` in the file's block layout.
+    fn row(&self, r: usize) -> std::borrow::Cow<'_, [u8]> {
+        let (bb, nb) = (self.kind.bytes(), self.cols / QK);
+        if !self.packed {
+            return std::borrow::Cow::Borrowed(&self.data[r * nb * bb..(r + 1) * nb * bb]);
+        }
+        let (g, i) = (r / GROUP, r % GROUP);
+        let mut row = vec![0u8; nb * bb];
+        for (b, dst) in row.chunks_exact_mut(bb).enumerate() {
+            let src = &self.data[(g * nb + b) * GROUP * bb..][..GROUP * bb];
+            dst[0..2].copy_from_slice(&src[2 * i..2 * i + 2]);
+            match self.kind {
+                BlockKind::Q4_1 => {
+                    dst[2..4].copy_from_slice(&src[16 + 2 * i..18 + 2 * i]);
+                    for c in 0..4 {
+                        dst[4 + 4 * c..8 + 4 * c].copy_from_slice(&src[32 + 32 * c + 4 * i..][..4]);
+                    }
+                }
+                BlockKind::Q8_0 => {
+                    for c in 0..8 {
+                        dst[2 + 4 * c..6 + 4 * c].copy_from_slice(&src[16 + 32 * c + 4 * i..][..4]);
+                    }
+                }
+            }
+        }
+        std::borrow::Cow::Owned(row)
     }
 
     /// `out[j]` = row `r0 + j` · `x`.
@@ -79,7 +155,17 @@ impl BlockWeight {
         let rb = self.cols / QK * self.kind.bytes();
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
+        if self.packed && r0.is_multiple_of(GROUP) {
+            while done + GROUP <= out.len() {
+                let group = &self.data[(r0 + done) * rb..(r0 + done + GROUP) * rb];
+                // SAFETY: packed weights exist only where the CPU has AVX2 (`new`), and `out`
+                // has the 8 values written.
+                unsafe { dot8_packed_avx2(self.kind, group, x, out[done..done + GROUP].as_mut_ptr()) };
+                done += GROUP;
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() && !self.packed {
             while done + 4 <= out.len() {
                 let rows = &self.data[(r0 + done) * rb..(r0 + done + 4) * rb];
                 // SAFETY: the CPU supports the features the function is compiled for.
@@ -89,12 +175,12 @@ impl BlockWeight {
             }
         }
         for (j, o) in out.iter_mut().enumerate().skip(done) {
-            *o = dot(self.kind, self.row(r0 + j), x);
+            *o = dot(self.kind, &self.row(r0 + j), x);
         }
     }
 
     fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        dequantize_row(self.kind, self.row(r), out)
+        dequantize_row(self.kind, &self.row(r), out)
     }
 }
 
@@ -256,6 +342,60 @@ unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
 }
 
+/// 8 packed rows (one group, [`pack8`]) dotted with `x`, written to `out[0..8]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot8_packed_avx2(kind: BlockKind, group: &[u8], x: &[XBlock], out: *mut f32) {
+    use std::arch::x86_64::*;
+    let gb = GROUP * kind.bytes();
+    let nb = x.len().min(group.len() / gb);
+    let p = group.as_ptr();
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    // The activation's 4 values `4c..4c+4` of block `xb`, in every 32-bit lane.
+    let x4 =
+        |xb: &XBlock, c: usize| _mm256_set1_epi32(std::ptr::read_unaligned(xb.qs.as_ptr().add(4 * c) as *const i32));
+    match kind {
+        BlockKind::Q4_1 => {
+            let nib = _mm256_set1_epi8(0xF);
+            for (b, xb) in x.iter().enumerate().take(nb) {
+                let blk = p.add(b * gb);
+                // Eight u8 (0..16) x i8 products of pairs, each at most 2·15·127 in magnitude:
+                // their sum (< 2^15) stays in i16 until one widening at the end of the block.
+                let mut s16 = _mm256_setzero_si256();
+                for c in 0..4 {
+                    let v = _mm256_loadu_si256(blk.add(32 + 32 * c) as *const __m256i);
+                    let lo = _mm256_and_si256(v, nib);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, x4(xb, c)));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, x4(xb, 4 + c)));
+                }
+                let isum = _mm256_madd_epi16(s16, ones);
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+                let m = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i));
+                acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
+                acc = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.s), acc);
+            }
+        }
+        BlockKind::Q8_0 => {
+            for (b, xb) in x.iter().enumerate().take(nb) {
+                let blk = p.add(b * gb);
+                let mut isum = _mm256_setzero_si256();
+                for c in 0..8 {
+                    let v = _mm256_loadu_si256(blk.add(16 + 32 * c) as *const __m256i);
+                    // |w| times x with w's sign moved onto x; pairs reach 2·128·127, so widen
+                    // every chunk.
+                    let prod = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x4(xb, c), v));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, ones));
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+                acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
+            }
+        }
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
 fn dot(kind: BlockKind, row: &[u8], x: &[XBlock]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
@@ -342,8 +482,8 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 /// a core busy with other work does not hold the product back, but not so many that the
 /// scheduling costs more than the rows.
 fn rows_per_task(n: usize) -> usize {
-    // A multiple of 4 for the four-row kernels.
-    (n / (rayon::current_num_threads() * 4)).max(16).next_multiple_of(4)
+    // A multiple of the 8-row groups of the packed kernels.
+    (n / (rayon::current_num_threads() * 4)).max(16).next_multiple_of(GROUP)
 }
 
 /// `dst (m, n) = x (m, k) · Wᵀ` for few rows `m`, `fill(r0, i, out)` writing the dot products of
@@ -450,7 +590,7 @@ impl QLinear {
                 if data.len() != rows * cols / QK * kind.bytes() {
                     bail!("quantized weight {rows}x{cols}: {} bytes of {kind:?} blocks", data.len())
                 }
-                Ok(Self(Inner::Blocks(Arc::new(BlockWeight { kind, rows, cols, data }))))
+                Ok(Self(Inner::Blocks(Arc::new(BlockWeight::new(kind, rows, cols, data)))))
             }
             (_, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
                 let dev = w.device();
@@ -484,14 +624,16 @@ impl QLinear {
                 let mut rows = 0;
                 for p in parts {
                     match &p.0 {
-                        Inner::Blocks(b) if b.kind == b0.kind && b.cols == b0.cols => {
+                        // Packed groups of 8 rows concatenate as they are.
+                        Inner::Blocks(b) if b.kind == b0.kind && b.cols == b0.cols && b.packed == b0.packed => {
                             data.extend_from_slice(&b.data);
                             rows += b.rows;
                         }
                         _ => return Ok(None),
                     }
                 }
-                Ok(Some(Self(Inner::Blocks(Arc::new(BlockWeight { kind: b0.kind, rows, cols: b0.cols, data })))))
+                let w = BlockWeight { kind: b0.kind, rows, cols: b0.cols, packed: b0.packed, data };
+                Ok(Some(Self(Inner::Blocks(Arc::new(w)))))
             }
             Inner::Dense(_) => {
                 let mut ws = vec![];
@@ -739,9 +881,10 @@ mod tests {
     /// matrix-vector path (m <= SMALL_M) and the gemm path, and the scalar dot against AVX2.
     #[test]
     fn quantized_products_match_dequantized_matmul() -> Result<()> {
-        let (n, k) = (70, 96);
-        let wf = Tensor::from_vec(pseudo_random(n * k, 1), (n, k), &Device::Cpu)?;
-        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+        // 72 rows are packed by groups of 8 (on AVX2 CPUs), 70 are not.
+        for (n, dtype) in [(72, GgmlDType::Q4_1), (72, GgmlDType::Q8_0), (70, GgmlDType::Q4_1), (70, GgmlDType::Q8_0)] {
+            let k = 96;
+            let wf = Tensor::from_vec(pseudo_random(n * k, 1), (n, k), &Device::Cpu)?;
             let q = QTensor::quantize(&wf, dtype)?;
             let deq = q.dequantize(&Device::Cpu)?;
             let lin = QLinear::from_qtensor(q, DType::F32)?;
@@ -762,7 +905,7 @@ mod tests {
                 let mut xq = vec![XBlock { qs: [0; QK], d: 0.0, s: 0.0 }; k / QK];
                 quantize_row(&pseudo_random(k, 9), &mut xq);
                 for r in 0..n {
-                    let (a, b) = (dot(w.kind, w.row(r), &xq), dot_scalar(w.kind, w.row(r), &xq));
+                    let (a, b) = (dot(w.kind, &w.row(r), &xq), dot_scalar(w.kind, &w.row(r), &xq));
                     assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{dtype:?} row {r}: {a} vs {b}");
                 }
             } else {
