@@ -134,7 +134,11 @@ impl LlamaAttention {
             None => (k, v),
         };
         let y = match self.attn_impl {
-            AttnImpl::Flash => crate::flash_attn(&q, &k, &v, self.softmax_scale, true)?,
+            // One query position on the CPU (decode): see `decode_attn` for why not the tiled kernel.
+            AttnImpl::Flash => match super::decode_attn::decode_attention(&q, &k, &v, self.softmax_scale)? {
+                Some(y) => y,
+                None => crate::flash_attn(&q, &k, &v, self.softmax_scale, true)?,
+            },
             AttnImpl::Naive => {
                 reference::attention(&q, &k, &v, &FlashAttnOptions::new(self.softmax_scale).causal(true))?
             }

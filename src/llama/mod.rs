@@ -53,6 +53,7 @@
 
 mod attention;
 mod config;
+mod decode_attn;
 mod kv_cache;
 mod model;
 mod qlinear;

@@ -469,7 +469,7 @@ unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
     dot_f32_body(a, b)
 }
 
-fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU supports the features the function is compiled for.
