@@ -9,6 +9,8 @@
 //! rounding order (the tests compare cached decoding against a full flash forward).
 
 use super::qlinear::dot_f32;
+#[cfg(target_arch = "x86_64")]
+use super::qlinear::hsum;
 use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
 use rayon::prelude::*;
 
@@ -69,36 +71,99 @@ pub(crate) fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -
 /// One head: `o = softmax(scale · K q) V` with key/value rows `j` at `keys[j * row + off..][..d]`.
 fn head(q: &[f32], keys: &[f32], values: &[f32], row: usize, off: usize, scale: f32, o: &mut [f32]) {
     let d = q.len();
-    let mut p: Vec<f32> = keys.chunks_exact(row).map(|kr| dot_f32(q, &kr[off..off + d]) * scale).collect();
+    let mut p = vec![0f32; keys.len() / row];
+    #[cfg(target_arch = "x86_64")]
+    let simd = d.is_multiple_of(8)
+        && d <= 8 * MAX_CHUNKS
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = false;
+    if simd {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX2 and FMA, d is a multiple of 8 within MAX_CHUNKS vectors, and
+        // every row `j < p.len()` of keys/values holds `off + d <= row` values.
+        unsafe {
+            scores_avx2(q, keys, row, off, scale, &mut p)
+        };
+    } else {
+        for (s, kr) in p.iter_mut().zip(keys.chunks_exact(row)) {
+            *s = dot_f32(q, &kr[off..off + d]) * scale;
+        }
+    }
     let max = crate::cpu::row_max(&p);
     let sum = crate::cpu::exp_shifted_sum(&mut p, max);
-    weighted_rows(&p, values, row, off, o);
+    if simd {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        unsafe {
+            weighted_rows_avx2(&p, values, row, off, o)
+        };
+    } else {
+        o.fill(0.0);
+        for (pj, vr) in p.iter().zip(values.chunks_exact(row)) {
+            for (x, v) in o.iter_mut().zip(&vr[off..]) {
+                *x = pj.mul_add(*v, *x);
+            }
+        }
+    }
     let inv = 1.0 / sum;
     o.iter_mut().for_each(|x| *x *= inv);
 }
 
-#[inline(always)]
-fn weighted_rows_body(p: &[f32], values: &[f32], row: usize, off: usize, o: &mut [f32]) {
-    for (pj, vr) in p.iter().zip(values.chunks_exact(row)) {
-        for (x, v) in o.iter_mut().zip(&vr[off..]) {
-            *x = pj.mul_add(*v, *x);
+/// Head dims up to 8 · this take the AVX2 path.
+const MAX_CHUNKS: usize = 32;
+
+/// `p[j] = scale · q · keys[j * row + off..][..d]`, one whole row of scores per call (a call
+/// per key cost more than its 64 multiply-adds).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores_avx2(q: &[f32], keys: &[f32], row: usize, off: usize, scale: f32, p: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let nc = q.len() / 8;
+    let mut qv = [_mm256_setzero_ps(); MAX_CHUNKS];
+    for (c, v) in qv.iter_mut().enumerate().take(nc) {
+        *v = _mm256_loadu_ps(q.as_ptr().add(8 * c));
+    }
+    for (j, s) in p.iter_mut().enumerate() {
+        let kr = keys.as_ptr().add(j * row + off);
+        // Two accumulators halve the FMA latency chain.
+        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut c = 0;
+        while c + 1 < nc {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kr.add(8 * c)), qv[c], a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(kr.add(8 * c + 8)), qv[c + 1], a1);
+            c += 2;
         }
+        if c < nc {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kr.add(8 * c)), qv[c], a0);
+        }
+        *s = hsum(_mm256_add_ps(a0, a1)) * scale;
     }
 }
 
-/// The same loop compiled for AVX2/FMA so that the row update vectorizes with 256-bit FMAs.
+/// `o = Σ_j p[j] · values[j * row + off..][..o.len()]`, 8 output lanes at a time with four
+/// independent accumulators over the keys.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn weighted_rows_avx2(p: &[f32], values: &[f32], row: usize, off: usize, o: &mut [f32]) {
-    weighted_rows_body(p, values, row, off, o)
-}
-
-/// `o = Σ_j p[j] · values[j * row + off..][..o.len()]`.
-fn weighted_rows(p: &[f32], values: &[f32], row: usize, off: usize, o: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports the features the function is compiled for.
-        return unsafe { weighted_rows_avx2(p, values, row, off, o) };
+    use std::arch::x86_64::*;
+    let n = p.len();
+    for c in 0..o.len() / 8 {
+        let base = values.as_ptr().add(off + 8 * c);
+        let mut a = [_mm256_setzero_ps(); 4];
+        let mut j = 0;
+        while j + 4 <= n {
+            for (i, acc) in a.iter_mut().enumerate() {
+                *acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j + i]), _mm256_loadu_ps(base.add((j + i) * row)), *acc);
+            }
+            j += 4;
+        }
+        while j < n {
+            a[0] = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(base.add(j * row)), a[0]);
+            j += 1;
+        }
+        let sum = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+        _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), sum);
     }
-    weighted_rows_body(p, values, row, off, o)
 }

@@ -335,7 +335,7 @@ unsafe fn f16_avx(p: *const u8) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
+pub(crate) unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
     use std::arch::x86_64::*;
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
