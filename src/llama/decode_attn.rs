@@ -142,28 +142,35 @@ unsafe fn scores_avx2(q: &[f32], keys: &[f32], row: usize, off: usize, scale: f3
     }
 }
 
-/// `o = Σ_j p[j] · values[j * row + off..][..o.len()]`, 8 output lanes at a time with four
-/// independent accumulators over the keys.
+/// `o = Σ_j p[j] · values[j * row + off..][..o.len()]`: up to 64 output lanes at a time held in
+/// eight registers, so that the value rows stream through once, in order (a pass per 8 lanes
+/// read each row eight times, strided, and took longer than the scores).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn weighted_rows_avx2(p: &[f32], values: &[f32], row: usize, off: usize, o: &mut [f32]) {
     use std::arch::x86_64::*;
-    let n = p.len();
-    for c in 0..o.len() / 8 {
-        let base = values.as_ptr().add(off + 8 * c);
-        let mut a = [_mm256_setzero_ps(); 4];
-        let mut j = 0;
-        while j + 4 <= n {
-            for (i, acc) in a.iter_mut().enumerate() {
-                *acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j + i]), _mm256_loadu_ps(base.add((j + i) * row)), *acc);
+    let nc = o.len() / 8;
+    for c0 in (0..nc).step_by(8) {
+        let width = (nc - c0).min(8);
+        let base = values.as_ptr().add(off + 8 * c0);
+        let mut a = [_mm256_setzero_ps(); 8];
+        if width == 8 {
+            for (j, pj) in p.iter().enumerate() {
+                let (w, v) = (_mm256_set1_ps(*pj), base.add(j * row));
+                for (c, acc) in a.iter_mut().enumerate() {
+                    *acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(v.add(8 * c)), *acc);
+                }
             }
-            j += 4;
+        } else {
+            for (j, pj) in p.iter().enumerate() {
+                let (w, v) = (_mm256_set1_ps(*pj), base.add(j * row));
+                for (c, acc) in a.iter_mut().enumerate().take(width) {
+                    *acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(v.add(8 * c)), *acc);
+                }
+            }
         }
-        while j < n {
-            a[0] = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(base.add(j * row)), a[0]);
-            j += 1;
+        for (c, acc) in a.iter().enumerate().take(width) {
+            _mm256_storeu_ps(o.as_mut_ptr().add(8 * (c0 + c)), *acc);
         }
-        let sum = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
-        _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), sum);
     }
 }
