@@ -422,26 +422,26 @@ unsafe fn dot4_avx2(kind: BlockKind, rows: &[u8], rb: usize, x: &[XBlock]) -> [f
             let nib = _mm256_set1_epi8(0xF);
             for (i, xb) in x.iter().enumerate().take(nb) {
                 let y = _mm256_load_si256(xb.qs.as_ptr() as *const __m256i);
-                for r in 0..4 {
+                for (r, (a, o)) in acc.iter_mut().zip(off.iter_mut()).enumerate() {
                     let b = p.add(r * rb + i * 20);
                     let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(b.add(4) as *const __m128i));
                     // Low lane: the low nibbles (values 0..16); high lane: the high nibbles.
                     let w = _mm256_and_si256(_mm256_blend_epi32(q, _mm256_srli_epi16(q, 4), 0xF0), nib);
                     let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(w, y), ones);
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_avx(b) * xb.d), _mm256_cvtepi32_ps(prod), acc[r]);
-                    off[r] += f16_avx(b.add(2)) * xb.s;
+                    *a = _mm256_fmadd_ps(_mm256_set1_ps(f16_avx(b) * xb.d), _mm256_cvtepi32_ps(prod), *a);
+                    *o += f16_avx(b.add(2)) * xb.s;
                 }
             }
         }
         BlockKind::Q8_0 => {
             for (i, xb) in x.iter().enumerate().take(nb) {
                 let y = _mm256_load_si256(xb.qs.as_ptr() as *const __m256i);
-                for r in 0..4 {
+                for (r, a) in acc.iter_mut().enumerate() {
                     let b = p.add(r * rb + i * 34);
                     let w = _mm256_loadu_si256(b.add(2) as *const __m256i);
                     let prod =
                         _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w)), ones);
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16_avx(b) * xb.d), _mm256_cvtepi32_ps(prod), acc[r]);
+                    *a = _mm256_fmadd_ps(_mm256_set1_ps(f16_avx(b) * xb.d), _mm256_cvtepi32_ps(prod), *a);
                 }
             }
         }
@@ -456,8 +456,8 @@ fn dot_f32_body(a: &[f32], b: &[f32]) -> f32 {
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
     for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] = x[i].mul_add(y[i], acc[i]);
+        for ((a, x), y) in acc.iter_mut().zip(x).zip(y) {
+            *a = x.mul_add(*y, *a);
         }
     }
     acc.iter().sum::<f32>() + tail
