@@ -537,6 +537,12 @@ mod app {
         }
     }
 
+    /// The model's chat template applied to one fixed user question.
+    fn france_chat(loaded: &LoadedLlama) -> Result<String> {
+        let template = loaded.chat_template.clone().expect("chat template");
+        apply_chat_template(&template, &[ChatMessage::new("user", "What is the capital of France?")], true, "", "")
+    }
+
     /// The real model: its tokenizer, fixed greedy continuations (recorded from this code on the
     /// CPU in f32 with dequantized weights), and flash vs naive logits.
     #[test]
@@ -557,14 +563,7 @@ mod app {
         assert_eq!(enc("<|im_start|>user")?, [1, 4093]);
         assert!(loaded.stop_token_ids.contains(&2)); // <|im_end|>
 
-        let template = loaded.chat_template.clone().expect("chat template");
-        let chat = apply_chat_template(
-            &template,
-            &[ChatMessage::new("user", "What is the capital of France?")],
-            true,
-            "",
-            "",
-        )?;
+        let chat = france_chat(&loaded)?;
         let cases = [
             (
                 "Gravity is",
@@ -606,14 +605,7 @@ mod app {
         let deq = load_with(&path, DType::F32, &DEV, AttnImpl::Flash, GgufWeights::Dequantized, &mut |_, _| {})?;
         let q = load_with(&path, DType::F32, &DEV, AttnImpl::Flash, GgufWeights::Quantized, &mut |_, _| {})?;
         let tok = deq.tokenizer.as_ref().expect("tokenizer in the GGUF");
-        let template = deq.chat_template.clone().expect("chat template");
-        let chat = apply_chat_template(
-            &template,
-            &[ChatMessage::new("user", "What is the capital of France?")],
-            true,
-            "",
-            "",
-        )?;
+        let chat = france_chat(&deq)?;
         let prompts = ["Gravity is", "The quick brown fox jumps over the lazy dog. The capital of France is", &chat];
         let (mut agree, mut total, mut worst) = (0, 0, 0f32);
         for prompt in prompts {
