@@ -67,12 +67,40 @@ impl Mlp {
             GateUp::Separate(g, u) => (g.forward(x)?, u.forward(x)?),
             GateUp::Fused(gu, i) => {
                 let y = gu.forward(x)?;
+                if let Some(h) = silu_mul_halves(&y, *i)? {
+                    return self.down_proj.forward(&h);
+                }
                 let last = y.rank() - 1;
                 (y.narrow(last, 0, *i)?, y.narrow(last, *i, *i)?)
             }
         };
         self.down_proj.forward(&(candle_nn::ops::silu(&gate)? * up)?)
     }
+}
+
+/// `silu(gate) * up` for the fused `[gate | up]` rows of a CPU f32 tensor `(.., 2i)` → `(.., i)`
+/// in one pass (None otherwise). Through candle this is two strided narrows, a silu and a
+/// product: four ops and three temporaries per layer, which at one token per step cost more
+/// than the arithmetic.
+fn silu_mul_halves(y: &Tensor, i: usize) -> Result<Option<Tensor>> {
+    if !y.device().is_cpu() || y.dtype() != DType::F32 || y.dims().last() != Some(&(2 * i)) {
+        return Ok(None);
+    }
+    let (storage, layout) = y.storage_and_layout();
+    let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) =
+        (&*storage, layout.contiguous_offsets())
+    else {
+        return Ok(None);
+    };
+    let out: Vec<f32> = v[a..b]
+        .chunks_exact(2 * i)
+        .flat_map(|r| r[..i].iter().zip(&r[i..]).map(|(g, u)| g / (1.0 + (-g).exp()) * u))
+        .collect();
+    let mut dims = y.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = i;
+    }
+    Ok(Some(Tensor::from_vec(out, dims, &Device::Cpu)?))
 }
 
 #[derive(Clone, Debug)]
