@@ -515,18 +515,28 @@ fn small_m_product(m: usize, n: usize, fill: impl Fn(usize, usize, &mut [f32]) +
     out
 }
 
-/// `dst (m, n) += x (m, k) · w (n, k)ᵀ` with `gemm`, on all rayon threads.
-fn gemm_xwt(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], dst: &mut [f32], dst_rs: usize) {
+thread_local! {
+    /// Each thread's dequantization buffer for the gemm path, kept between calls (at most
+    /// SLAB_VALUES f32).
+    static SLAB: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `dst (m, n) = x (m, k) · w (n, k)ᵀ` with `gemm`, on all rayon threads when `parallel`.
+///
+/// # Safety
+/// `x` holds (m, k) and `w` (n, k) row-major; `dst` is valid for m rows of stride `dst_rs >= n`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_xwt(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], dst: *mut f32, dst_rs: usize, parallel: bool) {
     let threads = rayon::current_num_threads();
-    let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    // SAFETY: x is (m, k) row-major, w (n, k) row-major read as its transpose (k, n) with column
-    // stride k, and dst has m rows of stride dst_rs >= n; the callers check the lengths.
+    let par = if parallel && threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    // SAFETY: w (n, k) row-major is read as its transpose (k, n) with column stride k; the rest
+    // is the caller's contract.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             dst_rs as isize,
             false,
@@ -668,18 +678,25 @@ impl QLinear {
                 small_m_product(m, n, |r0, i, out| w.dot_rows(r0, &xq[i * nb..(i + 1) * nb], out))
             } else {
                 let mut out = vec![0f32; m * n];
-                let slab_rows = (SLAB_VALUES / k).clamp(1, n);
-                let mut slab = vec![0f32; slab_rows * k];
-                for r0 in (0..n).step_by(slab_rows) {
-                    let rows = slab_rows.min(n - r0);
-                    let chunk = rows_per_task(rows);
-                    slab[..rows * k].par_chunks_mut(chunk * k).enumerate().for_each(|(c, s)| {
-                        for (j, o) in s.chunks_exact_mut(k).enumerate() {
-                            w.dequantize_row(r0 + c * chunk + j, o);
+                // Each task dequantizes a slab of weight rows into its thread's buffer and
+                // multiplies it right away (single-threaded gemm into its own output columns),
+                // while the slab is still in cache: one parallel section per product instead of
+                // a parallel dequantization followed by a parallel gemm reading it back.
+                let per = rows_per_task(n).min((SLAB_VALUES / k).max(GROUP));
+                let dst = out.as_mut_ptr() as usize;
+                (0..n.div_ceil(per)).into_par_iter().for_each(|c| {
+                    let (r0, rows) = (c * per, per.min(n - c * per));
+                    SLAB.with(|slab| {
+                        let mut slab = slab.borrow_mut();
+                        slab.resize(rows * k, 0.0);
+                        for (j, o) in slab.chunks_exact_mut(k).enumerate() {
+                            w.dequantize_row(r0 + j, o);
                         }
+                        // SAFETY: `out` is (m, n); this task writes columns r0..r0 + rows of it,
+                        // which no other task writes, and `out` outlives the parallel section.
+                        unsafe { gemm_xwt(m, rows, k, xs, &slab, (dst as *mut f32).add(r0), n, false) };
                     });
-                    gemm_xwt(m, rows, k, xs, &slab[..rows * k], &mut out[r0..], n);
-                }
+                });
                 out
             }
         });
@@ -715,7 +732,8 @@ impl QLinear {
                     })
                 } else {
                     let mut out = vec![0f32; m * n];
-                    gemm_xwt(m, n, k, xs, ws, &mut out, n);
+                    // SAFETY: xs is (m, k), ws (n, k), out (m, n).
+                    unsafe { gemm_xwt(m, n, k, xs, ws, out.as_mut_ptr(), n, true) };
                     out
                 }
             })
