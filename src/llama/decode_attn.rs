@@ -24,6 +24,9 @@ pub(crate) fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -
     let (bk, sk, hkv, dk) = k.dims4()?;
     let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
     if s != 1
+        || b == 0
+        || h == 0
+        || d == 0
         || sk == 0
         || bk != b
         || dk != d

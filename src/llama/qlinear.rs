@@ -490,6 +490,9 @@ fn rows_per_task(n: usize) -> usize {
 /// weight rows `r0..r0 + out.len()` with activation row `i`: parallel over weight rows, each
 /// task's rows read from memory once and then from cache for the other activation rows.
 fn small_m_product(m: usize, n: usize, fill: impl Fn(usize, usize, &mut [f32]) + Sync) -> Vec<f32> {
+    if m == 0 || n == 0 {
+        return vec![];
+    }
     let per = rows_per_task(n);
     if m == 1 {
         let mut out = vec![0f32; n];
@@ -595,7 +598,7 @@ impl QLinear {
             _ => None,
         };
         match (kind, w.dtype()) {
-            (Some(kind), _) if w.device().is_cpu() && cols.is_multiple_of(QK) => {
+            (Some(kind), _) if w.device().is_cpu() && cols > 0 && cols.is_multiple_of(QK) => {
                 let data = w.data()?.into_owned();
                 if data.len() != rows * cols / QK * kind.bytes() {
                     bail!("quantized weight {rows}x{cols}: {} bytes of {kind:?} blocks", data.len())
@@ -717,8 +720,8 @@ impl QLinear {
         let (n, k) = w.dims2()?;
         let mut out_dims = x.dims().to_vec();
         match out_dims.last_mut() {
-            Some(last) if *last == k => *last = n,
-            _ => return Ok(None), // candle reports the shape error
+            Some(last) if *last == k && k > 0 => *last = n,
+            _ => return Ok(None), // candle reports the shape error (or handles k = 0)
         }
         let x = x.contiguous()?;
         let out = with_cpu_f32(w, |ws| {
@@ -960,6 +963,10 @@ mod tests {
         assert!(emb.forward(&Tensor::new(&[[10u32]], &Device::Cpu)?).is_err());
         let lin = QLinear::from_qtensor(QTensor::quantize(&wf, GgmlDType::Q4_1)?, DType::F32)?;
         assert!(lin.forward(&Tensor::zeros((1, 32), DType::F32, &Device::Cpu)?).is_err());
+        // No rows in, no rows out (both the few-rows and the dense path).
+        assert_eq!(lin.forward(&Tensor::zeros((0, h), DType::F32, &Device::Cpu)?)?.dims(), &[0, v]);
+        let dense = QLinear::from(Linear::new(wf.clone(), None));
+        assert_eq!(dense.forward(&Tensor::zeros((2, 0, h), DType::F32, &Device::Cpu)?)?.dims(), &[2, 0, v]);
         Ok(())
     }
 }
