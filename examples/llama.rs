@@ -8,7 +8,9 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
-use candle_flash::llama::{apply_chat_template, load, AttnImpl, ChatMessage, LogitsProcessor, Sampling};
+use candle_flash::llama::{
+    apply_chat_template, load_with, AttnImpl, ChatMessage, GgufWeights, LogitsProcessor, Sampling,
+};
 use clap::Parser;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -49,6 +51,9 @@ struct Args {
     /// cpu or cuda
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// GGUF weights: quantized (kept in their formats, CPU f32) or dequantized (to --dtype)
+    #[arg(long, default_value = "quantized")]
+    weights: String,
     /// flash or naive
     #[arg(long, default_value = "flash")]
     attn: String,
@@ -118,7 +123,8 @@ fn main() -> Result<()> {
     // Progress in tenths, redrawn in place on a terminal and one line each otherwise.
     let tty = std::io::stderr().is_terminal();
     let mut shown = usize::MAX;
-    let loaded = load(&args.model, dtype, &device, attn, &mut |done, total| {
+    let weights: GgufWeights = args.weights.parse()?;
+    let loaded = load_with(&args.model, dtype, &device, attn, weights, &mut |done, total| {
         let tenth = done * 10 / total.max(1);
         if tenth != shown {
             shown = tenth;

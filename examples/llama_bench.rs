@@ -8,11 +8,17 @@
 //! Peak memory is the peak of heap bytes allocated above what was live before the step (this
 //! binary counts allocations; CPU only): for the prefill it includes the KV cache buffers
 //! (identical for both implementations) and every activation, so the difference between the
-//! rows is the attention's own working memory.
+//! rows is the attention's own working memory. The process's peak RSS (VmHWM) is printed last.
+//!
+//! GGUF weights stay quantized unless `--weights dequantized`. Each measurement runs
+//! `--repeats` times; the table shows the median and the best. With `--llama-cpp-python PYTHON`
+//! (an interpreter with `llama-cpp-python` installed), `bench/llama_cpp_bench.py` then measures
+//! llama.cpp on the same GGUF file and the same prompt tokens, with `--threads` threads, in the
+//! same run (method: bench/NOTES.md).
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
-use candle_flash::llama::{load, AttnImpl, Cache, Llama, LogitsProcessor, Sampling};
+use candle_flash::llama::{load_with, AttnImpl, Cache, GgufWeights, Llama, LogitsProcessor, Sampling};
 use clap::Parser;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -44,6 +50,18 @@ struct Args {
     /// cpu or cuda
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// GGUF weights: quantized (kept in their formats) or dequantized (to --dtype at load)
+    #[arg(long, default_value = "quantized")]
+    weights: String,
+    /// CPU threads (the rayon pool, built once here); 0: one per logical CPU
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Runs of each measurement (the table shows the median and the best)
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// A Python interpreter with llama-cpp-python: also measure llama.cpp on the same tokens
+    #[arg(long)]
+    llama_cpp_python: Option<PathBuf>,
 }
 
 /// Runs `f` and returns its result, its seconds and its peak heap growth in MB (CPU only).
@@ -59,12 +77,81 @@ fn measure<T>(device: &Device, f: impl FnOnce() -> Result<T>) -> Result<(T, f64,
 }
 
 struct Row {
-    attn: AttnImpl,
+    name: String,
     prompt: usize,
-    prefill_tps: f64,
+    /// (median, best) tokens/s.
+    prefill_tps: (f64, f64),
     prefill_peak: Option<f64>,
-    decode_tps: f64,
+    decode_tps: (f64, f64),
     decode_peak: Option<f64>,
+}
+
+/// (median, best) of the runs' tokens/s.
+fn median_best(mut xs: Vec<f64>) -> (f64, f64) {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    let median = if n % 2 == 1 { xs[n / 2] } else { (xs[n / 2 - 1] + xs[n / 2]) / 2.0 };
+    (median, xs[n - 1])
+}
+
+/// The process's peak resident set (VmHWM) in MB, where /proc tells it.
+fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = status.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024.0 / 1e6)
+}
+
+/// llama.cpp through `bench/llama_cpp_bench.py` on the same prompts; its rows and peak RSS.
+fn llama_cpp_rows(
+    python: &std::path::Path,
+    args: &Args,
+    warmup: &[u32],
+    prompts: &[Vec<u32>],
+) -> Result<(Vec<Row>, Option<f64>)> {
+    let tokens = std::env::temp_dir().join(format!("llama_bench_tokens_{}.json", std::process::id()));
+    std::fs::write(&tokens, serde_json::json!({ "warmup": warmup, "prompts": prompts }).to_string())?;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/llama_cpp_bench.py");
+    let threads = if args.threads == 0 { rayon::current_num_threads() } else { args.threads };
+    let out = std::process::Command::new(python)
+        .arg(&script)
+        .args(["--model", &args.model.to_string_lossy(), "--tokens", &tokens.to_string_lossy()])
+        .args(["--threads", &threads.to_string(), "--decode-tokens", &args.decode_tokens.to_string()])
+        .args(["--repeats", &args.repeats.to_string()])
+        .output()
+        .with_context(|| format!("running {}", python.display()))?;
+    let _ = std::fs::remove_file(&tokens);
+    if !out.status.success() {
+        bail!("llama_cpp_bench.py failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr))
+    }
+    let (mut rows, mut rss) = (vec![], None);
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("llama_cpp_bench.py printed {line:?}"))?;
+        println!("{v}");
+        let f = |k: &str| v.get(k).and_then(|x| x.as_f64());
+        if let Some(r) = f("peak_rss_mb") {
+            rss = Some(r);
+            continue;
+        }
+        let (Some(n), Some(pm), Some(pb), Some(dm), Some(db)) = (
+            f("prompt_tokens"),
+            f("prefill_tokens_per_s_median"),
+            f("prefill_tokens_per_s_best"),
+            f("decode_tokens_per_s_median"),
+            f("decode_tokens_per_s_best"),
+        ) else {
+            bail!("llama_cpp_bench.py printed {line:?}")
+        };
+        rows.push(Row {
+            name: "llama.cpp".into(),
+            prompt: n as usize,
+            prefill_tps: (pm, pb),
+            prefill_peak: None,
+            decode_tps: (dm, db),
+            decode_peak: None,
+        });
+    }
+    Ok((rows, rss))
 }
 
 /// A prompt of exactly `n` tokens: ordinary text, tokenized and repeated.
@@ -99,20 +186,30 @@ fn main() -> Result<()> {
     if !args.model.exists() {
         bail!("model not found: {} (fetch the default one with `bash scripts/fetch-model.sh`)", args.model.display())
     }
+    if args.repeats == 0 {
+        bail!("--repeats must be at least 1")
+    }
+    // The thread pool is set up once, here: our CPU products run on rayon's global pool (and
+    // never ask candle for its thread count, which candle-core 0.11 recomputes from
+    // /proc/cpuinfo on every matmul).
+    if args.threads > 0 {
+        rayon::ThreadPoolBuilder::new().num_threads(args.threads).build_global()?;
+    }
     let device = cli::device(&args.device)?;
     let dtype = cli::dtype(&args.dtype)?;
+    let weights: GgufWeights = args.weights.parse()?;
     let impls: Vec<AttnImpl> = args.attn.split(',').map(|s| s.trim().parse()).collect::<candle_core::Result<_>>()?;
     let lengths: Vec<usize> =
         args.prompts.split(',').map(|s| s.trim().parse().context("--prompts")).collect::<Result<_>>()?;
 
-    let loaded = load(&args.model, dtype, &device, AttnImpl::Flash, &mut |_, _| {})?;
+    let loaded = load_with(&args.model, dtype, &device, AttnImpl::Flash, weights, &mut |_, _| {})?;
     let mut model = loaded.model;
     let tokenizer = loaded.tokenizer.context("the model has no tokenizer")?;
     let text = "FlashAttention computes exact attention tile by tile, keeping a running maximum and sum \
                 so that the full score matrix never exists in memory. ";
     let base = tokenizer.encode(text, false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
     eprintln!(
-        "model {} ({dtype:?} on {}), weights and buffers live: {:.0} MB; {} threads",
+        "model {} ({dtype:?} on {}, {weights:?} weights), weights and buffers live: {:.0} MB; {} threads",
         args.model.display(),
         args.device,
         peak_alloc::live() as f64 / 1e6,
@@ -126,41 +223,71 @@ fn main() -> Result<()> {
     for &n in &lengths {
         for &attn in &impls {
             model.set_attn_impl(attn);
-            let (prefill_tps, prefill_peak, decode_tps, decode_peak) =
-                run(&model, &prompt_tokens(&base, n), args.decode_tokens, &device)?;
+            let (mut pre, mut dec, mut prefill_peak, mut decode_peak) = (vec![], vec![], None, None);
+            for _ in 0..args.repeats {
+                let (p, pp, d, dp) = run(&model, &prompt_tokens(&base, n), args.decode_tokens, &device)?;
+                pre.push(p);
+                dec.push(d);
+                (prefill_peak, decode_peak) = (pp, dp);
+            }
+            let (prefill_tps, decode_tps) = (median_best(pre), median_best(dec));
+            let name = format!("{attn:?}").to_lowercase();
             println!(
                 "{}",
                 serde_json::json!({
-                    "attn": format!("{attn:?}").to_lowercase(), "prompt_tokens": n, "dtype": args.dtype,
-                    "device": args.device, "prefill_tokens_per_s": prefill_tps, "prefill_peak_mb": prefill_peak,
-                    "decode_tokens": args.decode_tokens, "decode_tokens_per_s": decode_tps, "decode_peak_mb": decode_peak,
+                    "attn": name, "prompt_tokens": n, "dtype": args.dtype, "weights": args.weights,
+                    "device": args.device, "prefill_tokens_per_s_median": prefill_tps.0,
+                    "prefill_tokens_per_s_best": prefill_tps.1, "prefill_peak_mb": prefill_peak,
+                    "decode_tokens": args.decode_tokens, "decode_tokens_per_s_median": decode_tps.0,
+                    "decode_tokens_per_s_best": decode_tps.1, "decode_peak_mb": decode_peak,
                 })
             );
-            rows.push(Row { attn, prompt: n, prefill_tps, prefill_peak, decode_tps, decode_peak });
+            rows.push(Row { name, prompt: n, prefill_tps, prefill_peak, decode_tps, decode_peak });
         }
     }
+    let ours_rss = peak_rss_mb();
+    let theirs = match &args.llama_cpp_python {
+        Some(python) => {
+            let prompts: Vec<Vec<u32>> = lengths.iter().map(|&n| prompt_tokens(&base, n)).collect();
+            Some(llama_cpp_rows(python, &args, &prompt_tokens(&base, 16), &prompts)?)
+        }
+        None => None,
+    };
 
     let mb = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.0}"));
     println!(
-        "\n| attn | prompt | prefill tok/s | prefill peak MB | decode tok/s ({} steps) | decode peak MB | prefill vs naive |",
+        "\n| impl | prompt | prefill tok/s (median / best) | prefill peak MB | decode tok/s ({} steps, median / best) | decode peak MB | prefill vs naive | prefill / decode vs llama.cpp |",
         args.decode_tokens
     );
-    println!("|---|---|---|---|---|---|---|");
-    for r in &rows {
-        let naive = rows.iter().find(|o| o.attn == AttnImpl::Naive && o.prompt == r.prompt);
-        let speedup = match (r.attn, naive) {
-            (AttnImpl::Flash, Some(n)) => format!("{:.2}x", r.prefill_tps / n.prefill_tps),
+    println!("|---|---|---|---|---|---|---|---|");
+    let cpp_rows = theirs.as_ref().map_or(&[][..], |t| &t.0[..]);
+    for r in rows.iter().chain(cpp_rows) {
+        let naive = rows.iter().find(|o| o.name == "naive" && o.prompt == r.prompt);
+        let speedup = match naive {
+            Some(n) if r.name == "flash" => format!("{:.2}x", r.prefill_tps.0 / n.prefill_tps.0),
+            _ => String::new(),
+        };
+        let vs_cpp = match cpp_rows.iter().find(|c| c.prompt == r.prompt) {
+            Some(c) if r.name != "llama.cpp" => {
+                format!("{:.2}x / {:.2}x", r.prefill_tps.0 / c.prefill_tps.0, r.decode_tps.0 / c.decode_tps.0)
+            }
             _ => String::new(),
         };
         println!(
-            "| {} | {} | {:.1} | {} | {:.1} | {} | {speedup} |",
-            format!("{:?}", r.attn).to_lowercase(),
+            "| {} | {} | {:.1} / {:.1} | {} | {:.1} / {:.1} | {} | {speedup} | {vs_cpp} |",
+            r.name,
             r.prompt,
-            r.prefill_tps,
+            r.prefill_tps.0,
+            r.prefill_tps.1,
             mb(r.prefill_peak),
-            r.decode_tps,
+            r.decode_tps.0,
+            r.decode_tps.1,
             mb(r.decode_peak),
         );
+    }
+    println!("\npeak RSS: ours {} MB", mb(ours_rss));
+    if let Some((_, rss)) = &theirs {
+        println!("peak RSS: llama.cpp {} MB (its Python process)", mb(*rss));
     }
     Ok(())
 }

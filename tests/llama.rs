@@ -311,7 +311,8 @@ mod app {
     use super::*;
     use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
     use candle_flash::llama::{
-        apply_chat_template, hf_to_gguf_name, load, ChatMessage, LoadedLlama, LogitsProcessor, Sampling,
+        apply_chat_template, hf_to_gguf_name, load, load_with, ChatMessage, GgufWeights, LoadedLlama, LogitsProcessor,
+        Sampling,
     };
     use std::path::{Path, PathBuf};
 
@@ -536,12 +537,18 @@ mod app {
         }
     }
 
+    /// The model's chat template applied to one fixed user question.
+    fn france_chat(loaded: &LoadedLlama) -> Result<String> {
+        let template = loaded.chat_template.clone().expect("chat template");
+        apply_chat_template(&template, &[ChatMessage::new("user", "What is the capital of France?")], true, "", "")
+    }
+
     /// The real model: its tokenizer, fixed greedy continuations (recorded from this code on the
-    /// CPU in f32), and flash vs naive logits.
+    /// CPU in f32 with dequantized weights), and flash vs naive logits.
     #[test]
     fn smollm2_greedy_output_and_flash_vs_naive() -> Result<()> {
         let Some(path) = smollm2() else { return Ok(()) };
-        let mut loaded = load(&path, DType::F32, &DEV, AttnImpl::Flash, &mut |_, _| {})?;
+        let mut loaded = load_with(&path, DType::F32, &DEV, AttnImpl::Flash, GgufWeights::Dequantized, &mut |_, _| {})?;
         let cfg = loaded.model.config().clone();
         assert_eq!(
             (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
@@ -556,14 +563,7 @@ mod app {
         assert_eq!(enc("<|im_start|>user")?, [1, 4093]);
         assert!(loaded.stop_token_ids.contains(&2)); // <|im_end|>
 
-        let template = loaded.chat_template.clone().expect("chat template");
-        let chat = apply_chat_template(
-            &template,
-            &[ChatMessage::new("user", "What is the capital of France?")],
-            true,
-            "",
-            "",
-        )?;
+        let chat = france_chat(&loaded)?;
         let cases = [
             (
                 "Gravity is",
@@ -593,6 +593,42 @@ mod app {
         assert!(diff < 2e-3, "flash vs naive logits differ by {diff}");
         let argmax = |t: &Tensor| t.argmax(2).unwrap().flatten_all().unwrap().to_vec1::<u32>().unwrap();
         assert_eq!(argmax(&flash), argmax(&naive));
+        Ok(())
+    }
+
+    /// Weights kept quantized (Q4_1/Q8_0 kernels, 8-bit activations for few rows) against the
+    /// same weights dequantized to f32, on fixed prompts: logits of every prompt position
+    /// (prefill, the gemm path) and of greedy decode steps (the matrix-vector path).
+    #[test]
+    fn smollm2_quantized_matches_dequantized() -> Result<()> {
+        let Some(path) = smollm2() else { return Ok(()) };
+        let deq = load_with(&path, DType::F32, &DEV, AttnImpl::Flash, GgufWeights::Dequantized, &mut |_, _| {})?;
+        let q = load_with(&path, DType::F32, &DEV, AttnImpl::Flash, GgufWeights::Quantized, &mut |_, _| {})?;
+        let tok = deq.tokenizer.as_ref().expect("tokenizer in the GGUF");
+        let chat = france_chat(&deq)?;
+        let prompts = ["Gravity is", "The quick brown fox jumps over the lazy dog. The capital of France is", &chat];
+        let (mut agree, mut total, mut worst) = (0, 0, 0f32);
+        for prompt in prompts {
+            let ids = tok.encode(prompt, true).map_err(candle_core::Error::wrap)?.get_ids().to_vec();
+            let (mut cd, mut cq) = (deq.model.new_cache(), q.model.new_cache());
+            let mut input = Tensor::new(ids.as_slice(), &DEV)?.unsqueeze(0)?;
+            for step in 0..8 {
+                let ld = deq.model.forward_all(&input, Some(&mut cd))?;
+                let lq = q.model.forward_all(&input, Some(&mut cq))?;
+                let diff = max_abs_diff(&ld, &lq);
+                worst = worst.max(diff);
+                let top = |t: &Tensor| t.argmax(2).unwrap().flatten_all().unwrap().to_vec1::<u32>().unwrap();
+                let (td, tq) = (top(&ld), top(&lq));
+                agree += td.iter().zip(&tq).filter(|(a, b)| a == b).count();
+                total += td.len();
+                // Logits are O(10-30) here; 8-bit activation rounding moves them by up to ~1.2.
+                assert!(diff < 2.5, "{prompt:?} step {step}: quantized vs dequantized logits differ by {diff}");
+                // Both continue with the dequantized model's token, so that the inputs stay equal.
+                input = Tensor::new(&[*td.last().unwrap()], &DEV)?.unsqueeze(0)?;
+            }
+        }
+        println!("SmolLM2 quantized vs dequantized: top-1 agreement {agree}/{total}, max |logit diff| {worst:.3}");
+        assert!(agree * 10 >= total * 9, "top-1 agreement {agree}/{total}");
         Ok(())
     }
 

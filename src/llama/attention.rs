@@ -4,10 +4,12 @@
 
 use super::config::LlamaConfig;
 use super::kv_cache::KvCache;
+use super::qlinear::QLinear;
+use super::qlinear::WeightSource;
 use super::rotary::{apply_rope, Rope};
 use crate::{reference, FlashAttnOptions};
 use candle_core::{bail, Module, Result, Tensor};
-use candle_nn::{Linear, VarBuilder};
+use candle_nn::VarBuilder;
 use std::str::FromStr;
 
 /// Which attention computes `softmax(QKᵀ/√D)·V` inside the block. Both take the same
@@ -36,10 +38,8 @@ impl FromStr for AttnImpl {
 /// causal attention with grouped K/V heads, optional KV cache.
 #[derive(Clone, Debug)]
 pub struct LlamaAttention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    proj: Projections,
+    o_proj: QLinear,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -48,50 +48,53 @@ pub struct LlamaAttention {
 }
 
 impl LlamaAttention {
-    /// From the four projections (weights `(out, in)` as in `candle_nn::Linear`); the head dim
-    /// follows from q's rows. Checks that the shapes fit together.
+    /// From the four projections (weights `(out, in)` as in `candle_nn::Linear`, dense or
+    /// quantized); the head dim follows from q's rows. Checks that the shapes fit together.
     pub fn new(
-        q_proj: Linear,
-        k_proj: Linear,
-        v_proj: Linear,
-        o_proj: Linear,
+        q_proj: impl Into<QLinear>,
+        k_proj: impl Into<QLinear>,
+        v_proj: impl Into<QLinear>,
+        o_proj: impl Into<QLinear>,
         num_heads: usize,
         num_kv_heads: usize,
         attn_impl: AttnImpl,
     ) -> Result<Self> {
-        let (q_out, hidden) = q_proj.weight().dims2()?;
+        let (q_proj, k_proj, v_proj, o_proj) = (q_proj.into(), k_proj.into(), v_proj.into(), o_proj.into());
+        let (q_out, hidden) = q_proj.dims()?;
         if num_heads == 0
             || num_kv_heads == 0
             || !num_heads.is_multiple_of(num_kv_heads)
             || !q_out.is_multiple_of(num_heads)
         {
-            bail!(
-                "llama attention: {num_heads} heads / {num_kv_heads} kv heads do not fit q_proj {:?}",
-                q_proj.weight().dims()
-            )
+            bail!("llama attention: {num_heads} heads / {num_kv_heads} kv heads do not fit q_proj {:?}", q_proj.dims()?)
         }
         let head_dim = q_out / num_heads;
         for (name, p, rows) in
             [("k_proj", &k_proj, num_kv_heads * head_dim), ("v_proj", &v_proj, num_kv_heads * head_dim)]
         {
-            if p.weight().dims() != [rows, hidden] {
-                bail!("llama attention: {name} is {:?}, expected [{rows}, {hidden}]", p.weight().dims())
+            if p.dims()? != (rows, hidden) {
+                bail!("llama attention: {name} is {:?}, expected [{rows}, {hidden}]", p.dims()?)
             }
         }
-        if o_proj.weight().dims2()?.1 != q_out {
-            bail!("llama attention: o_proj is {:?}, expected [_, {q_out}]", o_proj.weight().dims())
+        if o_proj.dims()?.1 != q_out {
+            bail!("llama attention: o_proj is {:?}, expected [_, {q_out}]", o_proj.dims()?)
         }
         let softmax_scale = 1.0 / (head_dim as f32).sqrt();
-        Ok(Self { q_proj, k_proj, v_proj, o_proj, num_heads, num_kv_heads, head_dim, softmax_scale, attn_impl })
+        let proj = Projections::new(q_proj, k_proj, v_proj)?;
+        Ok(Self { proj, o_proj, num_heads, num_kv_heads, head_dim, softmax_scale, attn_impl })
     }
 
     /// From Hugging Face names under `vb` (`q_proj.weight`, ...).
     pub fn load(vb: VarBuilder, cfg: &LlamaConfig, attn_impl: AttnImpl) -> Result<Self> {
+        Self::load_from(&WeightSource::new(vb, None), cfg, attn_impl)
+    }
+
+    pub(crate) fn load_from(ws: &WeightSource, cfg: &LlamaConfig, attn_impl: AttnImpl) -> Result<Self> {
         let (h, hkv, d, hidden) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size);
-        let q = candle_nn::linear_no_bias(hidden, h * d, vb.pp("q_proj"))?;
-        let k = candle_nn::linear_no_bias(hidden, hkv * d, vb.pp("k_proj"))?;
-        let v = candle_nn::linear_no_bias(hidden, hkv * d, vb.pp("v_proj"))?;
-        let o = candle_nn::linear_no_bias(h * d, hidden, vb.pp("o_proj"))?;
+        let q = ws.linear(hidden, h * d, "q_proj")?;
+        let k = ws.linear(hidden, hkv * d, "k_proj")?;
+        let v = ws.linear(hidden, hkv * d, "v_proj")?;
+        let o = ws.linear(h * d, hidden, "o_proj")?;
         Self::new(q, k, v, o, h, hkv, attn_impl)
     }
 
@@ -117,9 +120,10 @@ impl LlamaAttention {
     pub fn forward(&self, x: &Tensor, rope: &Rope, cache: Option<&mut KvCache>) -> Result<Tensor> {
         let (b, s, _hidden) = x.dims3()?;
         let (h, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = apply_rope(&self.q_proj.forward(x)?.reshape((b, s, h, d))?, rope)?;
-        let k = apply_rope(&self.k_proj.forward(x)?.reshape((b, s, hkv, d))?, rope)?;
-        let v = self.v_proj.forward(x)?.reshape((b, s, hkv, d))?;
+        let (q, k, v) = self.proj.forward(x)?;
+        let q = apply_rope(&q.reshape((b, s, h, d))?, rope)?;
+        let k = apply_rope(&k.reshape((b, s, hkv, d))?, rope)?;
+        let v = v.reshape((b, s, hkv, d))?;
         let (k, v) = match cache {
             Some(cache) => {
                 if cache.len() != rope.start {
@@ -130,11 +134,51 @@ impl LlamaAttention {
             None => (k, v),
         };
         let y = match self.attn_impl {
-            AttnImpl::Flash => crate::flash_attn(&q, &k, &v, self.softmax_scale, true)?,
+            // One query position on the CPU (decode): see `decode_attn` for why not the tiled kernel.
+            AttnImpl::Flash => match super::decode_attn::decode_attention(&q, &k, &v, self.softmax_scale)? {
+                Some(y) => y,
+                None => crate::flash_attn(&q, &k, &v, self.softmax_scale, true)?,
+            },
             AttnImpl::Naive => {
                 reference::attention(&q, &k, &v, &FlashAttnOptions::new(self.softmax_scale).causal(true))?
             }
         };
         self.o_proj.forward(&y.reshape((b, s, h * d))?)
+    }
+}
+
+/// The q/k/v projections. Quantized weights are fused into one `(q + 2·kv, hidden)` matrix: one
+/// product per layer instead of three (on the CPU each product is a parallel section with its
+/// own scheduling cost, which matters at one token per step). Dense weights stay separate so
+/// that autograd sees the three weights the caller gave.
+#[derive(Clone, Debug)]
+enum Projections {
+    Separate { q: QLinear, k: QLinear, v: QLinear },
+    Fused { qkv: QLinear, q_out: usize, kv_out: usize },
+}
+
+impl Projections {
+    fn new(q: QLinear, k: QLinear, v: QLinear) -> Result<Self> {
+        if q.is_quantized() {
+            if let Some(qkv) = QLinear::concat_rows(&[&q, &k, &v])? {
+                return Ok(Self::Fused { qkv, q_out: q.dims()?.0, kv_out: k.dims()?.0 });
+            }
+        }
+        Ok(Self::Separate { q, k, v })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        match self {
+            Self::Separate { q, k, v } => Ok((q.forward(x)?, k.forward(x)?, v.forward(x)?)),
+            Self::Fused { qkv, q_out, kv_out } => {
+                let y = qkv.forward(x)?;
+                let last = y.rank() - 1;
+                Ok((
+                    y.narrow(last, 0, *q_out)?,
+                    y.narrow(last, *q_out, *kv_out)?,
+                    y.narrow(last, q_out + kv_out, *kv_out)?,
+                ))
+            }
+        }
     }
 }

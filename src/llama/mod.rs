@@ -53,8 +53,10 @@
 
 mod attention;
 mod config;
+mod decode_attn;
 mod kv_cache;
 mod model;
+mod qlinear;
 mod rotary;
 
 #[cfg(feature = "llama")]
@@ -70,6 +72,7 @@ pub use attention::{AttnImpl, LlamaAttention};
 pub use config::LlamaConfig;
 pub use kv_cache::KvCache;
 pub use model::{Cache, Llama};
+pub use qlinear::{QEmbedding, QLinear};
 pub use rotary::{
     apply_rope, apply_rope_interleaved, permute_qk_rows, unpermute_qk_rows, Llama3RopeScaling, Rope, RopeScaling,
     RotaryEmbedding,
@@ -81,7 +84,8 @@ pub use chat::{apply_chat_template, ChatMessage};
 pub use generate::Generation;
 #[cfg(feature = "llama")]
 pub use load::{
-    gguf_to_hf_name, hf_to_gguf_name, load, load_gguf, load_safetensors_dir, tokenizer_from_gguf, LoadedLlama,
+    gguf_to_hf_name, hf_to_gguf_name, load, load_gguf, load_safetensors_dir, load_with, tokenizer_from_gguf,
+    unpermute_qtensor_rows, GgufWeights, LoadedLlama,
 };
 #[cfg(feature = "llama")]
 pub use sampling::{LogitsProcessor, Sampling};

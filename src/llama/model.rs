@@ -5,9 +5,12 @@
 use super::attention::{AttnImpl, LlamaAttention};
 use super::config::LlamaConfig;
 use super::kv_cache::KvCache;
+use super::qlinear::{QEmbedding, QLinear, WeightSource};
 use super::rotary::{Rope, RotaryEmbedding};
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
-use candle_nn::{Embedding, Linear, VarBuilder};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use std::sync::Arc;
 
 /// RMSNorm with candle-nn's fused kernel, or its differentiable composition when gradients are
 /// tracked (the fused op has no backward).
@@ -34,25 +37,70 @@ impl RmsNorm {
 /// SwiGLU: `down(silu(gate(x)) * up(x))`.
 #[derive(Clone, Debug)]
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    gate_up: GateUp,
+    down_proj: QLinear,
+}
+
+/// Quantized gate and up weights are fused into one `(2·inter, hidden)` matrix (one product per
+/// layer instead of two, as for q/k/v in the attention); dense ones stay separate for autograd.
+#[derive(Clone, Debug)]
+enum GateUp {
+    Separate(QLinear, QLinear),
+    Fused(QLinear, usize),
 }
 
 impl Mlp {
-    fn load(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+    fn load(ws: &WeightSource, cfg: &LlamaConfig) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        Ok(Self {
-            gate_proj: candle_nn::linear_no_bias(h, i, vb.pp("gate_proj"))?,
-            up_proj: candle_nn::linear_no_bias(h, i, vb.pp("up_proj"))?,
-            down_proj: candle_nn::linear_no_bias(i, h, vb.pp("down_proj"))?,
-        })
+        let gate = ws.linear(h, i, "gate_proj")?;
+        let up = ws.linear(h, i, "up_proj")?;
+        let fused = if gate.is_quantized() { QLinear::concat_rows(&[&gate, &up])? } else { None };
+        let gate_up = match fused {
+            Some(gu) => GateUp::Fused(gu, i),
+            None => GateUp::Separate(gate, up),
+        };
+        Ok(Self { gate_up, down_proj: ws.linear(i, h, "down_proj")? })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+        let (gate, up) = match &self.gate_up {
+            GateUp::Separate(g, u) => (g.forward(x)?, u.forward(x)?),
+            GateUp::Fused(gu, i) => {
+                let y = gu.forward(x)?;
+                if let Some(h) = silu_mul_halves(&y, *i)? {
+                    return self.down_proj.forward(&h);
+                }
+                let last = y.rank() - 1;
+                (y.narrow(last, 0, *i)?, y.narrow(last, *i, *i)?)
+            }
+        };
+        self.down_proj.forward(&(candle_nn::ops::silu(&gate)? * up)?)
     }
+}
+
+/// `silu(gate) * up` for the fused `[gate | up]` rows of a CPU f32 tensor `(.., 2i)` → `(.., i)`
+/// in one pass (None otherwise). Through candle this is two strided narrows, a silu and a
+/// product: four ops and three temporaries per layer, which at one token per step cost more
+/// than the arithmetic.
+fn silu_mul_halves(y: &Tensor, i: usize) -> Result<Option<Tensor>> {
+    if !y.device().is_cpu() || y.dtype() != DType::F32 || y.dims().last() != Some(&(2 * i)) {
+        return Ok(None);
+    }
+    let (storage, layout) = y.storage_and_layout();
+    let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) =
+        (&*storage, layout.contiguous_offsets())
+    else {
+        return Ok(None);
+    };
+    let out: Vec<f32> = v[a..b]
+        .chunks_exact(2 * i)
+        .flat_map(|r| r[..i].iter().zip(&r[i..]).map(|(g, u)| g / (1.0 + (-g).exp()) * u))
+        .collect();
+    let mut dims = y.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = i;
+    }
+    Ok(Some(Tensor::from_vec(out, dims, &Device::Cpu)?))
 }
 
 #[derive(Clone, Debug)]
@@ -101,10 +149,10 @@ impl Cache {
 
 #[derive(Clone, Debug)]
 pub struct Llama {
-    embed_tokens: Embedding,
+    embed_tokens: QEmbedding,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    lm_head: Linear,
+    lm_head: QLinear,
     rotary: RotaryEmbedding,
     cfg: LlamaConfig,
     dtype: DType,
@@ -121,30 +169,53 @@ impl Llama {
         attn_impl: AttnImpl,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
+        Self::load_from(&WeightSource::new(vb, None), cfg, attn_impl, progress)
+    }
+
+    /// Like [`Llama::load`], with the linear weights (and embeddings) found in `quantized`
+    /// (Hugging Face names, e.g. from a GGUF file) taken from there as they are; `vb` supplies
+    /// the rest (the norms). See [`QLinear`] for how they are multiplied.
+    pub fn load_quantized(
+        vb: VarBuilder,
+        quantized: HashMap<String, QLinear>,
+        cfg: &LlamaConfig,
+        attn_impl: AttnImpl,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        Self::load_from(&WeightSource::new(vb, Some(Arc::new(quantized))), cfg, attn_impl, progress)
+    }
+
+    fn load_from(
+        ws: &WeightSource,
+        cfg: &LlamaConfig,
+        attn_impl: AttnImpl,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         cfg.validate()?;
-        let vm = vb.pp("model");
-        let embed_tokens = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, vm.pp("embed_tokens"))?;
+        let vb = ws.vb();
+        let vm = ws.pp("model");
+        let embed_tokens = vm.embedding(cfg.vocab_size, cfg.hidden_size, "embed_tokens")?;
         let n = cfg.num_hidden_layers;
         let mut layers = Vec::with_capacity(n);
         for i in 0..n {
             let vl = vm.pp(format!("layers.{i}"));
             layers.push(DecoderLayer {
-                input_layernorm: RmsNorm::load(cfg.hidden_size, cfg.rms_norm_eps, vl.pp("input_layernorm"))?,
-                self_attn: LlamaAttention::load(vl.pp("self_attn"), cfg, attn_impl)?,
+                input_layernorm: RmsNorm::load(cfg.hidden_size, cfg.rms_norm_eps, vl.vb().pp("input_layernorm"))?,
+                self_attn: LlamaAttention::load_from(&vl.pp("self_attn"), cfg, attn_impl)?,
                 post_attention_layernorm: RmsNorm::load(
                     cfg.hidden_size,
                     cfg.rms_norm_eps,
-                    vl.pp("post_attention_layernorm"),
+                    vl.vb().pp("post_attention_layernorm"),
                 )?,
-                mlp: Mlp::load(vl.pp("mlp"), cfg)?,
+                mlp: Mlp::load(&vl.pp("mlp"), cfg)?,
             });
             progress(i + 1, n);
         }
-        let norm = RmsNorm::load(cfg.hidden_size, cfg.rms_norm_eps, vm.pp("norm"))?;
+        let norm = RmsNorm::load(cfg.hidden_size, cfg.rms_norm_eps, vm.vb().pp("norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed_tokens.embeddings().clone(), None)
+            embed_tokens.as_linear()?
         } else {
-            candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+            ws.linear(cfg.hidden_size, cfg.vocab_size, "lm_head")?
         };
         Ok(Self {
             embed_tokens,

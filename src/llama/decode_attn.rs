@@ -1,0 +1,185 @@
+//! Attention for one new query position per sequence (a decode step) on the CPU.
+//!
+//! With a single query row there is nothing for the flash kernel's tiling to save: the scores
+//! are one row of at most a few thousand f32 per head, while the tiled kernel still issues a
+//! small `gemm` per key tile, and on the CPU those 1-row products took ~37% of a decode step
+//! after a 1024-token prompt (perf, bench/NOTES.md). Here each (sequence, head) computes its
+//! score row with vectorized dot products, an exact softmax, and the weighted sum of the value
+//! rows, the heads split over the rayon threads. Same result as the flash kernel up to f32
+//! rounding order (the tests compare cached decoding against a full flash forward).
+
+use super::qlinear::dot_f32;
+#[cfg(target_arch = "x86_64")]
+use super::qlinear::hsum;
+use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
+use rayon::prelude::*;
+
+/// `q (B, 1, H, D)` against `k`, `v` `(B, Sk, Hkv, D)` (GQA: query head `h` reads KV head
+/// `h / (H / Hkv)`), every key visible, f32 on the CPU → `(B, 1, H, D)`. `k` and `v` may be
+/// views of larger buffers along the batch and sequence axes (the KV cache's), but each
+/// position's heads must be contiguous. None when the inputs are not of this form; the caller
+/// then uses the general kernel (also when any input is tracked for autograd: this path has
+/// no backward).
+pub(crate) fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Option<Tensor>> {
+    let (b, s, h, d) = q.dims4()?;
+    let (bk, sk, hkv, dk) = k.dims4()?;
+    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    if s != 1
+        || b == 0
+        || h == 0
+        || d == 0
+        || sk == 0
+        || bk != b
+        || dk != d
+        || hkv == 0
+        || !h.is_multiple_of(hkv)
+        || v.dims() != k.dims()
+        || !(cpu_f32(q) && cpu_f32(k) && cpu_f32(v))
+        // The result is built from raw storage, outside candle's graph: when a gradient may be
+        // asked for, the differentiable op must run instead.
+        || q.track_op()
+        || k.track_op()
+        || v.track_op()
+    {
+        return Ok(None);
+    }
+    let q = q.contiguous()?;
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (Storage::Cpu(CpuStorage::F32(qd)), Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) =
+        (&*qs, &*ks, &*vs)
+    else {
+        return Ok(None);
+    };
+    let row = hkv * d;
+    // (offset, batch stride) of k or v when positions are `row` apart and heads `d` apart, with
+    // the last element inside the storage.
+    let view = |l: &candle_core::Layout, len: usize| {
+        let st = l.stride();
+        let heads_ok = (hkv == 1 || st[2] == d) && st[3] == 1;
+        let positions_ok = sk == 1 || st[1] == row;
+        let end = l.start_offset() + (b - 1) * st[0] + (sk - 1) * row + row;
+        (heads_ok && positions_ok && end <= len).then_some((l.start_offset(), st[0]))
+    };
+    let (Some((k0, kb)), Some((v0, vb))) = (view(kl, kd.len()), view(vl, vd.len())) else {
+        return Ok(None);
+    };
+    let qd = &qd[ql.start_offset()..ql.start_offset() + b * h * d];
+    let group = h / hkv;
+    let mut out = vec![0f32; b * h * d];
+    out.par_chunks_mut(d).enumerate().for_each(|(bh, o)| {
+        let (bi, kh) = (bh / h, bh % h / group);
+        let keys = &kd[k0 + bi * kb..][..sk * row];
+        let values = &vd[v0 + bi * vb..][..sk * row];
+        head(&qd[bh * d..(bh + 1) * d], keys, values, row, kh * d, scale, o);
+    });
+    Ok(Some(Tensor::from_vec(out, (b, 1, h, d), &Device::Cpu)?))
+}
+
+/// One head: `o = softmax(scale · K q) V` with key/value rows `j` at `keys[j * row + off..][..d]`.
+fn head(q: &[f32], keys: &[f32], values: &[f32], row: usize, off: usize, scale: f32, o: &mut [f32]) {
+    let d = q.len();
+    let mut p = vec![0f32; keys.len() / row];
+    #[cfg(target_arch = "x86_64")]
+    let simd = d.is_multiple_of(8)
+        && d <= 8 * MAX_CHUNKS
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = false;
+    if simd {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX2 and FMA, d is a multiple of 8 within MAX_CHUNKS vectors, and
+        // every row `j < p.len()` of keys/values holds `off + d <= row` values.
+        unsafe {
+            scores_avx2(q, keys, row, off, scale, &mut p)
+        };
+    } else {
+        for (s, kr) in p.iter_mut().zip(keys.chunks_exact(row)) {
+            *s = dot_f32(q, &kr[off..off + d]) * scale;
+        }
+    }
+    let max = crate::cpu::row_max(&p);
+    let sum = crate::cpu::exp_shifted_sum(&mut p, max);
+    if simd {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        unsafe {
+            weighted_rows_avx2(&p, values, row, off, o)
+        };
+    } else {
+        o.fill(0.0);
+        for (pj, vr) in p.iter().zip(values.chunks_exact(row)) {
+            for (x, v) in o.iter_mut().zip(&vr[off..]) {
+                *x = pj.mul_add(*v, *x);
+            }
+        }
+    }
+    let inv = 1.0 / sum;
+    o.iter_mut().for_each(|x| *x *= inv);
+}
+
+/// Head dims up to 8 · this take the AVX2 path.
+const MAX_CHUNKS: usize = 32;
+
+/// `p[j] = scale · q · keys[j * row + off..][..d]`, one whole row of scores per call (a call
+/// per key cost more than its 64 multiply-adds).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores_avx2(q: &[f32], keys: &[f32], row: usize, off: usize, scale: f32, p: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let nc = q.len() / 8;
+    let mut qv = [_mm256_setzero_ps(); MAX_CHUNKS];
+    for (c, v) in qv.iter_mut().enumerate().take(nc) {
+        *v = _mm256_loadu_ps(q.as_ptr().add(8 * c));
+    }
+    for (j, s) in p.iter_mut().enumerate() {
+        let kr = keys.as_ptr().add(j * row + off);
+        // Two accumulators halve the FMA latency chain.
+        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut c = 0;
+        while c + 1 < nc {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kr.add(8 * c)), qv[c], a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(kr.add(8 * c + 8)), qv[c + 1], a1);
+            c += 2;
+        }
+        if c < nc {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kr.add(8 * c)), qv[c], a0);
+        }
+        *s = hsum(_mm256_add_ps(a0, a1)) * scale;
+    }
+}
+
+/// `o = Σ_j p[j] · values[j * row + off..][..o.len()]`: up to 64 output lanes at a time held in
+/// eight registers, so that the value rows stream through once, in order (a pass per 8 lanes
+/// read each row eight times, strided, and took longer than the scores).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_rows_avx2(p: &[f32], values: &[f32], row: usize, off: usize, o: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let nc = o.len() / 8;
+    for c0 in (0..nc).step_by(8) {
+        let width = (nc - c0).min(8);
+        let base = values.as_ptr().add(off + 8 * c0);
+        let mut a = [_mm256_setzero_ps(); 8];
+        if width == 8 {
+            for (j, pj) in p.iter().enumerate() {
+                let (w, v) = (_mm256_set1_ps(*pj), base.add(j * row));
+                for (c, acc) in a.iter_mut().enumerate() {
+                    *acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(v.add(8 * c)), *acc);
+                }
+            }
+        } else {
+            for (j, pj) in p.iter().enumerate() {
+                let (w, v) = (_mm256_set1_ps(*pj), base.add(j * row));
+                for (c, acc) in a.iter_mut().enumerate().take(width) {
+                    *acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(v.add(8 * c)), *acc);
+                }
+            }
+        }
+        for (c, acc) in a.iter().enumerate().take(width) {
+            _mm256_storeu_ps(o.as_mut_ptr().add(8 * (c0 + c)), *acc);
+        }
+    }
+}
