@@ -113,8 +113,22 @@ pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32, causal
     flash_attn_with_options(q, k, v, &FlashAttnOptions::new(softmax_scale).causal(causal))
 }
 
+/// A window of a candle-flash-attn-compatible function: as there, a window wider than the
+/// (maximum) key length is unbounded. (`FlashAttnOptions::window` keeps every window as given;
+/// the two differ only when Sq > Sk and the right window exceeds Sk.)
+fn compat_window(w: Option<usize>, seqlen_k: usize) -> Option<usize> {
+    w.filter(|&w| w <= seqlen_k)
+}
+
+/// Key length of a batched k `(B, Sk, Hkv, D)` for [`compat_window`] (a wrong rank is reported
+/// by the validation).
+fn batched_seqlen_k(k: &Tensor) -> usize {
+    k.dims().get(1).copied().unwrap_or(usize::MAX)
+}
+
 /// Flash attention with a sliding window: key j is visible to query i iff
-/// `i + Sk - Sq - left <= j <= i + Sk - Sq + right` (`None` = unbounded on that side).
+/// `i + Sk - Sq - left <= j <= i + Sk - Sq + right` (`None` = unbounded on that side; as in
+/// candle-flash-attn, a window wider than Sk is unbounded too).
 pub fn flash_attn_windowed(
     q: &Tensor,
     k: &Tensor,
@@ -123,7 +137,9 @@ pub fn flash_attn_windowed(
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    let opts = FlashAttnOptions::new(softmax_scale).window(window_size_left, window_size_right);
+    let sk = batched_seqlen_k(k);
+    let opts = FlashAttnOptions::new(softmax_scale)
+        .window(compat_window(window_size_left, sk), compat_window(window_size_right, sk));
     flash_attn_with_options(q, k, v, &opts)
 }
 
@@ -150,8 +166,10 @@ pub fn flash_attn_alibi_windowed(
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    let opts =
-        FlashAttnOptions::new(softmax_scale).window(window_size_left, window_size_right).alibi(Some(alibi_slopes));
+    let sk = batched_seqlen_k(k);
+    let opts = FlashAttnOptions::new(softmax_scale)
+        .window(compat_window(window_size_left, sk), compat_window(window_size_right, sk))
+        .alibi(Some(alibi_slopes));
     flash_attn_with_options(q, k, v, &opts)
 }
 
@@ -168,8 +186,9 @@ pub fn flash_attn_alibi_windowed_softcap(
     window_size_right: Option<usize>,
     softcap: f32,
 ) -> Result<Tensor> {
+    let sk = batched_seqlen_k(k);
     let opts = FlashAttnOptions::new(softmax_scale)
-        .window(window_size_left, window_size_right)
+        .window(compat_window(window_size_left, sk), compat_window(window_size_right, sk))
         .alibi(alibi_slopes)
         .softcap(Some(softcap));
     flash_attn_with_options(q, k, v, &opts)
@@ -217,12 +236,9 @@ pub fn flash_attn_varlen_windowed(
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    let opts = FlashAttnOptions::new(softmax_scale).window(window_size_left, window_size_right).varlen(varlen(
-        seqlens_q,
-        seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-    ));
+    let opts = FlashAttnOptions::new(softmax_scale)
+        .window(compat_window(window_size_left, max_seqlen_k), compat_window(window_size_right, max_seqlen_k))
+        .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k));
     flash_attn_with_options(q, k, v, &opts)
 }
 
@@ -265,7 +281,7 @@ pub fn flash_attn_varlen_alibi_windowed(
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
     let opts = FlashAttnOptions::new(softmax_scale)
-        .window(window_size_left, window_size_right)
+        .window(compat_window(window_size_left, max_seqlen_k), compat_window(window_size_right, max_seqlen_k))
         .alibi(Some(alibi_slopes))
         .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k));
     flash_attn_with_options(q, k, v, &opts)
@@ -288,7 +304,7 @@ pub fn flash_attn_varlen_alibi_windowed_softcap(
     softcap: f32,
 ) -> Result<Tensor> {
     let opts = FlashAttnOptions::new(softmax_scale)
-        .window(window_size_left, window_size_right)
+        .window(compat_window(window_size_left, max_seqlen_k), compat_window(window_size_right, max_seqlen_k))
         .alibi(alibi_slopes)
         .softcap(Some(softcap))
         .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k));
@@ -325,10 +341,8 @@ pub fn flash_attn_varlen_paged_windowed(
     page_block_size: usize,
     softcap: Option<f32>,
 ) -> Result<Tensor> {
-    // candle-flash-attn passes a window above max_seqlen_k to the kernels as -1 (unbounded).
-    let bounded = |w: Option<usize>| w.filter(|&w| w <= max_seqlen_k);
     let opts = FlashAttnOptions::new(softmax_scale)
-        .window(bounded(window_size_left), bounded(window_size_right))
+        .window(compat_window(window_size_left, max_seqlen_k), compat_window(window_size_right, max_seqlen_k))
         .softcap(softcap)
         .varlen(varlen(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k))
         .paged(Some(PagedKv::new(block_table, page_block_size)))

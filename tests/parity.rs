@@ -3,7 +3,7 @@
 //! divide the tiles. Each case draws fresh random inputs (CANDLE_FLASH_SEED pins them).
 
 mod common;
-use candle_core::DType;
+use candle_core::{DType, Tensor};
 use common::{check_case, devices, Case};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
@@ -153,4 +153,23 @@ fn many_tiles() {
         cases.push(Case::new(dtype, (0, 0), (16, 4), 64).varlen(&[(700, 700), (0, 5), (513, 300), (1, 900)]).causal());
     }
     sweep(&cases, true);
+}
+
+/// The candle-flash-attn-compatible functions treat a window wider than the key length as
+/// unbounded, as candle-flash-attn does (visible only when Sq > Sk); windows within it are
+/// passed on unchanged. The options form keeps every window as given.
+#[test]
+fn compat_windows_wider_than_the_keys_are_unbounded() {
+    let (mut rng, seed) = common::rng();
+    let q = common::randn(&mut rng, &[1, 40, 2, 16], 1.0).unwrap();
+    let k = common::randn(&mut rng, &[1, 8, 2, 16], 1.0).unwrap();
+    let v = common::randn(&mut rng, &[1, 8, 2, 16], 1.0).unwrap();
+    let bitwise = |a: &Tensor, b: &Tensor| common::max_err(a, b) == 0.0;
+    let opts = |l, r| candle_flash::FlashAttnOptions::new(0.25).window(l, r);
+    let with = |l, r| candle_flash::flash_attn_with_options(&q, &k, &v, &opts(l, r)).unwrap();
+    let compat = candle_flash::flash_attn_windowed(&q, &k, &v, 0.25, None, Some(12)).unwrap();
+    assert!(bitwise(&compat, &with(None, None)), "seed {seed}");
+    assert!(!bitwise(&compat, &with(None, Some(12))), "the options form keeps the window (seed {seed})");
+    let within = candle_flash::flash_attn_windowed(&q, &k, &v, 0.25, Some(3), Some(8)).unwrap();
+    assert!(bitwise(&within, &with(Some(3), Some(8))), "seed {seed}");
 }
