@@ -5,6 +5,9 @@
 # a baseline is carried (.baseline/kernels + .baseline/kernel_check_old.py: the previous
 # revision's kernels and harness), the timing grid of both builds side by side.
 #   run(command="bash scripts/gpu-kernels.sh [check|grid|all]", carry=[".baseline"])
+# Making the baseline of revision REV (here, once; .baseline is listed in .git/info/exclude):
+#   mkdir -p .git/info && echo /.baseline/ >> .git/info/exclude && rm -rf .baseline && mkdir .baseline &&
+#   git archive REV kernels | tar -x -C .baseline && git show REV:bench/kernel_check.py > .baseline/kernel_check_old.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/candle-flash-out}
