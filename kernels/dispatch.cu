@@ -48,10 +48,17 @@ bool sm90a_available() {
     return ok;
 }
 
+// Asked on every forward of a decode shape (by cf_fwd_workspace_size and again by cf_fwd) and
+// by every persistent launch: read once per device, like sm90a_available().
 cudaError_t current_sm_count(int& sms) {
+    static std::atomic<int> cache[64];  // per device: 0 = not read yet
     int dev = 0;
-    const cudaError_t e = cudaGetDevice(&dev);
-    return e != cudaSuccess ? e : cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    if (dev >= 0 && dev < 64 && (sms = cache[dev].load()) > 0) return cudaSuccess;
+    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e == cudaSuccess && dev >= 0 && dev < 64) cache[dev].store(sms);
+    return e;
 }
 
 namespace {
