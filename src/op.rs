@@ -169,9 +169,11 @@ pub(crate) fn backward(
     x: BwdInputs<&Tensor>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     validate_backward(shape, opts, &x)?;
-    // Contiguous inputs keep the backward's addressing simple on every device (the gradient
-    // candle hands us may be a broadcast view); copies are O(N) and only for strided inputs.
-    let x = x.try_map(|_, t| t.contiguous())?;
+    // CUDA: contiguous inputs keep the kernels' addressing simple (the gradient candle hands us
+    // may be a broadcast view); copies are O(N) and only for strided inputs. The CPU path reads
+    // any layout while it converts to f32 (`cpu::dense_f32`), so a copy here would be a second one.
+    let cuda = x.q.device().is_cuda();
+    let x = x.try_map(|_, t| if cuda { t.contiguous() } else { Ok(t.clone()) })?;
     let guards = x.as_ref().try_map(|_, t| Ok(t.storage_and_layout()))?;
     let (dq, dk, dv) = match x.q.device() {
         Device::Cpu => {
