@@ -1,54 +1,95 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool), over binaries built by scripts/gpu-build.sh and carried
-# in gpu-bin/: every test binary (parity on CUDA with outputs poisoned, CPU vs CUDA), one small
-# case under compute-sanitizer, and a summary last. Full logs go to $OUT.
+# in gpu-pack/: the test suite on CUDA, the limits, and every kernel under the sanitizers, with a
+# summary last; exits non-zero when anything failed. Full logs go to $OUT.
+#   bash scripts/gpu-run.sh [tests|big|sanitize|all]      (default: all)
+#     tests     every test binary (parity with outputs NaN-poisoned, CPU vs CUDA, errors on CUDA,
+#               concurrency, paged, ...), the fuzzer for a time budget, the parity matrix on the
+#               sm_80 kernels (CANDLE_FLASH_DISABLE_SM90A=1)
+#     big       tests/limits.rs with CANDLE_FLASH_BIG_TESTS=1: > 2^31 elements, 10^6 tokens,
+#               out of memory (peak memory printed)
+#     sanitize  tests/every_kernel.rs (each forward, backward, split-KV, combine, convert,
+#               reduce; each head-dim tile and dtype) under memcheck and racecheck on both kernel
+#               families, synccheck, initcheck (outputs not poisoned); memcheck on varlen parity
+#               and on deliberately bad device seqlens
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/candle-flash-out}
 mkdir -p "$OUT"
+what=${1:-all}
 if [ ! -d gpu-bin ]; then mkdir -p gpu-bin && tar -C gpu-bin -xJf gpu-pack/bin.tar.xz; fi
 # shellcheck disable=SC1091
 source gpu-bin/cuda-libs.sh >/dev/null
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 summary=()
-log="$OUT/tests.log"
-: > "$log"
-for t in gpu-bin/tests/*; do
-  name=$(basename "$t")
-  echo "=== $name" >> "$log"
-  "$t" --test-threads=1 --nocapture >> "$log" 2>&1
-  rc=$?
-  result=$(grep -E "^test result" "$log" | tail -n 1)
-  summary+=("$(printf '%-10s rc=%-3s %s' "$name" "$rc" "$result")")
-done
+failed=0
+# record NAME RC TEXT: one summary line; any non-zero status fails the run.
+record() {
+  summary+=("$(printf '%-18s rc=%-3s %s' "$1" "$2" "$3")")
+  [ "$2" = 0 ] || failed=1
+}
+last_result() { grep -E "^test result" "$1" | tail -n 1; }
 
-# The fuzzer with a larger budget (random shapes, strides, dtypes, options; CUDA vs CPU vs the
-# reference); its seed is printed, CANDLE_FLASH_SEED replays it.
-echo "=== fuzz (400 cases)" >> "$log"
-CANDLE_FLASH_FUZZ_CASES=400 gpu-bin/tests/fuzz --nocapture >> "$log" 2>&1
-rc=$?
-summary+=("$(printf '%-10s rc=%-3s %s %s' fuzz-400 "$rc" "$(grep -E "^test result" "$log" | tail -n 1)" "$(grep -E "^fuzz seed" "$log" | tail -n 1)")")
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  log="$OUT/tests.log"
+  : > "$log"
+  # TESTS="errors fuzz": only those binaries (default: all).
+  for t in gpu-bin/tests/*; do
+    name=$(basename "$t")
+    [ -z "${TESTS:-}" ] || [[ " $TESTS " == *" $name "* ]] || continue
+    echo "=== $name" >> "$log"
+    "$t" --test-threads=1 --nocapture >> "$log" 2>&1
+    record "$name" $? "$(last_result "$log")"
+  done
+  # The fuzzer for a time budget (random shapes, strides, dtypes, options; CUDA vs CPU vs the
+  # reference); its seed is printed, CANDLE_FLASH_SEED replays it.
+  flog="$OUT/fuzz.log"
+  CANDLE_FLASH_TEST_DEVICES=cuda CANDLE_FLASH_FUZZ_SECONDS=${FUZZ_SECONDS:-120} gpu-bin/tests/fuzz --nocapture > "$flog" 2>&1
+  record fuzz $? "$(last_result "$flog") $(grep -E "^fuzz: " "$flog" | tail -n 1)"
+  # The sm_80 (mma.sync) kernels, which Hopper otherwise skips for the sm_90a (wgmma) ones.
+  plog="$OUT/parity_sm80.log"
+  CANDLE_FLASH_DISABLE_SM90A=1 gpu-bin/tests/parity --test-threads=1 > "$plog" 2>&1
+  record parity-sm80 $? "$(last_result "$plog")"
+fi
 
-# The sm_80 (mma.sync) kernels, which Hopper otherwise skips for the sm_90a (wgmma) ones: the
-# parity matrix once more with those turned off.
-echo "=== parity (CANDLE_FLASH_DISABLE_SM90A=1)" >> "$log"
-CANDLE_FLASH_DISABLE_SM90A=1 gpu-bin/tests/parity --test-threads=1 >> "$log" 2>&1
-rc=$?
-summary+=("$(printf '%-10s rc=%-3s %s' parity-sm80 "$rc" "$(grep -E "^test result" "$log" | tail -n 1)")")
+if [ "$what" = big ] || [ "$what" = all ]; then
+  blog="$OUT/limits_big.log"
+  CANDLE_FLASH_BIG_TESTS=1 gpu-bin/tests/limits --test-threads=1 --nocapture > "$blog" 2>&1
+  record limits-big $? "$(last_result "$blog")"
+  grep -E "^(B=|S=|device filled|  )" "$blog" | head -n 30
+fi
 
-# Under compute-sanitizer (memcheck): forward and backward, varlen with an empty sequence, GQA,
-# window and ALiBi on CUDA; and deliberately bad device seqlens (not checked on the host by
-# default: the kernels clamp them), which must never touch memory outside the tensors.
-san="$OUT/sanitizer.log"
-compute-sanitizer --tool memcheck --error-exitcode 1 gpu-bin/tests/parity varlen --test-threads=1 > "$san" 2>&1
-san_rc=$?
-summary+=("$(printf '%-10s rc=%-3s %s' sanitizer "$san_rc" "$(grep -E 'ERROR SUMMARY' "$san" | tail -n 1)")")
-san2="$OUT/sanitizer_bad_seqlens.log"
-compute-sanitizer --tool memcheck --error-exitcode 1 gpu-bin/tests/errors bad_seqlens --test-threads=1 --nocapture > "$san2" 2>&1
-san_rc=$?
-summary+=("$(printf '%-10s rc=%-3s %s %s' san-bad-sl "$san_rc" "$(grep -E 'ERROR SUMMARY' "$san2" | tail -n 1)" "$(grep -E '^test result' "$san2" | tail -n 1)")")
+if [ "$what" = sanitize ] || [ "$what" = all ]; then
+  # san NAME TOOL [ENV...] -- BINARY ARGS...: one compute-sanitizer run; its error summary and
+  # the test result go to the summary.
+  san() {
+    local name=$1 tool=$2
+    shift 2
+    local envs=()
+    while [ "$1" != -- ]; do envs+=("$1"); shift; done
+    shift
+    local slog="$OUT/san_$name.log"
+    env CANDLE_FLASH_TEST_DEVICES=cuda "${envs[@]}" timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool "$tool" \
+      --error-exitcode 1 "$@" --test-threads=1 > "$slog" 2>&1
+    local rc=$?
+    record "san-$name" $rc "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$slog" | tail -n 1) $(last_result "$slog")"
+  }
+  san memcheck memcheck -- gpu-bin/tests/every_kernel
+  san memcheck-sm80 memcheck CANDLE_FLASH_DISABLE_SM90A=1 -- gpu-bin/tests/every_kernel
+  san racecheck racecheck -- gpu-bin/tests/every_kernel
+  san racecheck-sm80 racecheck CANDLE_FLASH_DISABLE_SM90A=1 -- gpu-bin/tests/every_kernel
+  san synccheck synccheck -- gpu-bin/tests/every_kernel
+  san initcheck initcheck CANDLE_FLASH_NO_POISON=1 -- gpu-bin/tests/every_kernel
+  # Varlen with an empty sequence, GQA, window and ALiBi; and deliberately bad device seqlens
+  # (not checked on the host by default: the kernels clamp them), which must never touch memory
+  # outside the tensors.
+  san memcheck-varlen memcheck -- gpu-bin/tests/parity varlen
+  san memcheck-bad-seqlens memcheck -- gpu-bin/tests/errors bad_seqlens
+fi
 
 echo
 echo "==== summary ($(cat "$OUT/gpu.txt"))"
 printf '%s\n' "${summary[@]}"
+[ "$failed" = 0 ] && echo "ALL PASSED" || echo "SOME FAILED"
+exit "$failed"

@@ -427,8 +427,9 @@ pub fn validate(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> 
     validate_inner(q, k, v, opts, false, read)
 }
 
-/// [`validate`] for the reference, which also computes in f64 (the tests' ground truth) and
-/// always needs the values on the host.
+/// [`validate`] for the reference, which also computes in f64 (the tests' ground truth),
+/// always needs the values on the host, and is plain candle ops on any device: none of the
+/// CUDA kernels' size limits apply to it.
 pub fn validate_reference(
     q: &Tensor,
     k: &Tensor,
@@ -443,11 +444,13 @@ fn validate_inner(
     k: &Tensor,
     v: &Tensor,
     opts: &FlashAttnOptions,
-    allow_f64: bool,
+    reference: bool,
     read_device_data: bool,
 ) -> candle_core::Result<AttnShape> {
+    // Our CUDA kernels will run this call (and their size limits apply).
+    let kernels_on_cuda = q.device().is_cuda() && !reference;
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
-        check_float_dtype(name, t, allow_f64)?;
+        check_float_dtype(name, t, reference)?;
         check_same_device(name, t, q.device())?;
         check_last_dim_contiguous(name, t)?;
     }
@@ -489,7 +492,7 @@ fn validate_inner(
     if head_dim == 0 || head_dim > MAX_HEAD_DIM {
         bail!("candle-flash: head dim {head_dim} is not supported (1..={MAX_HEAD_DIM})")
     }
-    if q.device().is_cuda() && head_dim % 8 != 0 {
+    if kernels_on_cuda && head_dim % 8 != 0 {
         bail!("candle-flash: head dim {head_dim} is not supported on CUDA (multiple of 8 up to {MAX_HEAD_DIM})")
     }
     if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
@@ -544,18 +547,18 @@ fn validate_inner(
             (bq, vl.max_seqlen_q.min(total_q), vl.max_seqlen_k.min(k_capacity), total_q, total_k)
         }
     };
-    if q.device().is_cuda() && [batch, max_seqlen_q, max_seqlen_k].iter().any(|&x| x > i32::MAX as usize) {
+    if kernels_on_cuda && [batch, max_seqlen_q, max_seqlen_k].iter().any(|&x| x > i32::MAX as usize) {
         bail!(
             "candle-flash: batch {batch}, max_seqlen_q {max_seqlen_q} and max_seqlen_k {max_seqlen_k} must fit \
              the CUDA kernels' 32-bit sizes"
         )
     }
     // Grid dimensions y / z of the CUDA launches (kernels/dispatch.cu checks them again).
-    if q.device().is_cuda() && (batch > MAX_CUDA_GRID_YZ || num_heads > MAX_CUDA_GRID_YZ) {
+    if kernels_on_cuda && (batch > MAX_CUDA_GRID_YZ || num_heads > MAX_CUDA_GRID_YZ) {
         bail!("candle-flash: batch {batch} and heads {num_heads} must be at most {MAX_CUDA_GRID_YZ} on CUDA")
     }
     // The kernels' mask arithmetic is 32-bit (kernels/common/mask.cuh): |positions| < 2^30.
-    if q.device().is_cuda() && max_seqlen_q + max_seqlen_k >= MAX_CUDA_SEQLEN_SUM {
+    if kernels_on_cuda && max_seqlen_q + max_seqlen_k >= MAX_CUDA_SEQLEN_SUM {
         bail!(
             "candle-flash: max_seqlen_q {max_seqlen_q} + max_seqlen_k {max_seqlen_k} must be below \
              {MAX_CUDA_SEQLEN_SUM} on CUDA"

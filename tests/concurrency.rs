@@ -1,6 +1,7 @@
 //! Attention called from several threads at once, as a server does: forward and backward of
 //! random cases from 8 threads on every device present (on CUDA all threads share the device
-//! and candle's stream), each result checked against the reference; and the forward's LSE,
+//! and candle's stream; and again with a stream per thread), each result checked against the
+//! reference; and the forward's LSE,
 //! which the op keeps for its backward, staying right when one output feeds several backward
 //! passes and when graphs are built concurrently.
 
@@ -57,6 +58,35 @@ fn concurrent_forward_and_backward_on_every_device() {
             }
         });
     }
+}
+
+#[test]
+fn concurrent_calls_on_separate_cuda_streams() {
+    // candle gives each `Device::new_cuda_with_stream` its own stream on the same GPU: the
+    // threads' kernels, workspaces and LSE slots then overlap on the device for real.
+    if common::cuda_device().is_none() {
+        return;
+    }
+    let (mut rng, seed) = common::rng();
+    println!("seed {seed}");
+    let per_thread: Vec<Vec<Case>> =
+        (0..THREADS).map(|_| (0..3).map(|_| random_case(&mut rng, true)).collect()).collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = per_thread
+            .iter()
+            .map(|cases| {
+                s.spawn(move || {
+                    let device = candle_core::Device::new_cuda_with_stream(0).unwrap();
+                    for c in cases {
+                        common::check_case(c, &device, true).unwrap_or_else(|e| panic!("{e}: {c:?} (seed {seed})"));
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("a thread's case failed (see its message above)");
+        }
+    });
 }
 
 /// Gradients of `loss(out)` for q, k, v through flash and through the reference, on one device.

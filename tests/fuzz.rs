@@ -6,8 +6,8 @@
 //! is also compared with the CPU flash path.
 //!
 //! `CANDLE_FLASH_FUZZ_CASES` sets the number of cases per device (default 24: a few seconds in
-//! `cargo test`; the device script runs many more); `CANDLE_FLASH_SEED` replays a run. A failure
-//! prints the seed and the case.
+//! `cargo test`), `CANDLE_FLASH_FUZZ_SECONDS` a time budget per device instead (the device script
+//! gives it minutes); `CANDLE_FLASH_SEED` replays a run. A failure prints the seed and the case.
 
 mod common;
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -101,7 +101,19 @@ fn random_case(rng: &mut StdRng, cuda: bool) -> FuzzCase {
 /// q, k, v in the case's dtype on `device`, laid out as the case says (views into the stored
 /// tensors, so the flash path sees the strides), and the output gradient (contiguous).
 fn inputs(c: &FuzzCase, rng: &mut StdRng, device: &Device) -> Result<[Tensor; 4]> {
-    let round = |t: Tensor| t.to_dtype(c.dtype)?.to_device(device);
+    let round = |t: Tensor| -> Result<Tensor> {
+        if t.elem_count() == 0 && device.is_cuda() {
+            // candle cannot allocate an empty CUDA buffer (cudarc asks the driver for 0 bytes):
+            // an empty tensor there is a view of zero rows of a non-empty one, as a narrow gives.
+            let one: Vec<usize> = t.dims().iter().map(|&n| n.max(1)).collect();
+            let mut view = Tensor::zeros(one, c.dtype, device)?;
+            for (axis, &n) in t.dims().iter().enumerate() {
+                view = view.narrow(axis, 0, n)?;
+            }
+            return Ok(view);
+        }
+        t.to_dtype(c.dtype)?.to_device(device)
+    };
     let (tq, tk): (usize, usize) = if c.varlen.is_empty() {
         (c.sq, c.sk)
     } else {
@@ -235,15 +247,27 @@ fn check(c: &FuzzCase, device: &Device, rng: &mut StdRng, ctx: &str) -> Result<(
 
 #[test]
 fn fuzz_against_the_reference() {
-    let cases: usize = std::env::var("CANDLE_FLASH_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(24);
+    let env = |name: &str| std::env::var(name).ok().and_then(|s| s.parse::<u64>().ok());
+    // A case count, or (for the device script) a time budget per device: cases run until it is
+    // spent, at least one.
+    let seconds = env("CANDLE_FLASH_FUZZ_SECONDS");
+    let cases = env("CANDLE_FLASH_FUZZ_CASES").unwrap_or(if seconds.is_some() { u64::MAX } else { 24 });
     let (_, seed) = common::rng();
-    println!("fuzz seed {seed} (replay with CANDLE_FLASH_SEED={seed}), {cases} cases per device");
+    println!("fuzz seed {seed} (replay with CANDLE_FLASH_SEED={seed}), {cases} cases / {seconds:?} s per device");
     for device in common::devices() {
         let mut rng = StdRng::seed_from_u64(seed);
-        for i in 0..cases {
+        let start = std::time::Instant::now();
+        let mut done = 0;
+        while done < cases && seconds.is_none_or(|s| done == 0 || start.elapsed().as_secs() < s) {
             let c = random_case(&mut rng, device.is_cuda());
-            let ctx = format!("case {i} {c:?} on {:?} (CANDLE_FLASH_SEED={seed})", device.location());
+            let ctx = format!("case {done} {c:?} on {:?} (CANDLE_FLASH_SEED={seed})", device.location());
             check(&c, &device, &mut rng, &ctx).unwrap_or_else(|e| panic!("{e}: {ctx}"));
+            done += 1;
         }
+        println!(
+            "fuzz: {done} cases passed on {:?} in {:.0} s (seed {seed})",
+            device.location(),
+            start.elapsed().as_secs_f64()
+        );
     }
 }

@@ -7,9 +7,11 @@ use candle_flash::{reference, FlashAttnOptions, VarLen};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-/// The CPU, plus the first CUDA GPU when built with `cuda` and one is present.
+/// The CPU, plus the first CUDA GPU when built with `cuda` and one is present
+/// (`CANDLE_FLASH_TEST_DEVICES=cuda`: the GPU alone, e.g. under compute-sanitizer).
 pub fn devices() -> Vec<Device> {
-    let mut devices = vec![Device::Cpu];
+    let cuda_only = std::env::var("CANDLE_FLASH_TEST_DEVICES").as_deref() == Ok("cuda");
+    let mut devices = if cuda_only { vec![] } else { vec![Device::Cpu] };
     if let Some(gpu) = cuda_device() {
         devices.push(gpu);
     }
@@ -24,9 +26,11 @@ pub fn cuda_device() -> Option<Device> {
     }
     match Device::new_cuda(0) {
         Ok(d) => {
-            // NaN-fill every kernel output before launch so unwritten elements fail the checks.
+            // NaN-fill every kernel output before launch so unwritten elements fail the checks
+            // (not under compute-sanitizer's initcheck, which must see the unfilled outputs:
+            // CANDLE_FLASH_NO_POISON=1).
             #[cfg(feature = "cuda")]
-            candle_flash::cuda::set_poison_outputs(true);
+            candle_flash::cuda::set_poison_outputs(std::env::var("CANDLE_FLASH_NO_POISON").as_deref() != Ok("1"));
             Some(d)
         }
         Err(e) => {
@@ -103,11 +107,26 @@ pub struct Case {
     pub alibi: u8,
     /// Per-sequence (q_len, k_len) for varlen; empty for the batched layout.
     pub varlen: Vec<(usize, usize)>,
+    /// The backward's deterministic mode.
+    pub deterministic: bool,
 }
 
 impl Case {
     pub fn new(dtype: DType, (sq, sk): (usize, usize), (h, hkv): (usize, usize), d: usize) -> Self {
-        Self { dtype, batch: 2, sq, sk, h, hkv, d, window: (None, None), softcap: None, alibi: 0, varlen: vec![] }
+        Self {
+            dtype,
+            batch: 2,
+            sq,
+            sk,
+            h,
+            hkv,
+            d,
+            window: (None, None),
+            softcap: None,
+            alibi: 0,
+            varlen: vec![],
+            deterministic: false,
+        }
     }
     pub fn causal(mut self) -> Self {
         self.window = (None, Some(0));
@@ -123,6 +142,10 @@ impl Case {
     }
     pub fn alibi(mut self, kind: u8) -> Self {
         self.alibi = kind;
+        self
+    }
+    pub fn deterministic(mut self) -> Self {
+        self.deterministic = true;
         self
     }
     pub fn varlen(mut self, seqs: &[(usize, usize)]) -> Self {
@@ -176,8 +199,10 @@ pub fn make_inputs(case: &Case, rng: &mut StdRng) -> Result<Inputs> {
 }
 
 pub fn options(case: &Case, inputs: &Inputs, device: &Device) -> Result<FlashAttnOptions> {
-    let mut opts =
-        FlashAttnOptions::new(1.0 / (case.d as f32).sqrt()).window(case.window.0, case.window.1).softcap(case.softcap);
+    let mut opts = FlashAttnOptions::new(1.0 / (case.d as f32).sqrt())
+        .window(case.window.0, case.window.1)
+        .softcap(case.softcap)
+        .deterministic(case.deterministic);
     if let Some(a) = &inputs.alibi {
         opts = opts.alibi(Some(&a.to_device(device)?));
     }

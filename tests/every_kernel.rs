@@ -1,0 +1,65 @@
+//! Every kernel once, on small shapes: the subset `scripts/gpu-run.sh` runs under each
+//! compute-sanitizer tool (memcheck, racecheck, synccheck, initcheck), on both kernel families
+//! of a Hopper GPU (again with `CANDLE_FLASH_DISABLE_SM90A=1`). Each case is also a parity check
+//! against the reference, so the subset cannot pass by computing nothing.
+//!
+//! What each case reaches (kernels/dispatch.cu decides): per dtype (f32: the SIMT kernels;
+//! f16/bf16: tensor cores) and head-dim tile (32 ... 256),
+//!   prefill      the one-pass forward (sm_90a: the persistent 128 x 128 configurations), the
+//!                backward's dsum, dK/dV with atomic dQ, the dQ conversion, and the GQA split
+//!                reduction (4 query heads over 2 KV heads);
+//!   deterministic the dQ pass instead of atomics;
+//!   decode       split-KV with GQA packing and its combine (head-dim tiles 64 and 128);
+//!   varlen       packed sequences, one of them empty on the query side and one on the key side;
+//! and the sm_90a 192 x 96 forward for head dim 64 past 2048 query rows.
+
+mod common;
+use candle_core::DType;
+use common::Case;
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+const HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
+
+fn sweep(make: impl Fn(DType, usize) -> Case) {
+    for device in common::devices() {
+        for dtype in DTYPES {
+            for d in HEAD_DIMS {
+                let case = make(dtype, d);
+                let summary = common::check_case(&case, &device, true).unwrap();
+                println!("{dtype:?} d={d} on {:?}: {summary}", device.location());
+            }
+        }
+    }
+}
+
+#[test]
+fn prefill() {
+    sweep(|dtype, d| Case::new(dtype, (70, 90), (4, 2), d).causal());
+}
+
+#[test]
+fn deterministic_backward() {
+    sweep(|dtype, d| Case::new(dtype, (33, 65), (4, 2), d).window(Some(20), Some(3)).deterministic());
+}
+
+#[test]
+fn decode() {
+    sweep(|dtype, d| Case::new(dtype, (1, 700), (8, 2), d).softcap(15.0));
+}
+
+#[test]
+fn varlen_with_empty_sequences() {
+    sweep(|dtype, d| Case::new(dtype, (0, 0), (2, 1), d).varlen(&[(30, 40), (0, 20), (17, 0)]).causal());
+}
+
+#[test]
+fn long_queries_head_dim_64() {
+    for device in common::devices() {
+        for dtype in [DType::F16, DType::BF16] {
+            let mut case = Case::new(dtype, (2100, 64), (1, 1), 64).alibi(1);
+            case.batch = 1;
+            let summary = common::check_case(&case, &device, true).unwrap();
+            println!("{dtype:?} 2100 x 64 on {:?}: {summary}", device.location());
+        }
+    }
+}
