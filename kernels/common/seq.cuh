@@ -1,6 +1,7 @@
 // Where one sequence of the batch lives, and the pointers to its rows in every tensor of the
 // contract (flash_api.h). The only place that turns (batch, head, row) into an address: kernels
-// ask SeqInfo for "row 0 of head h" of a tensor and add row * row_stride themselves.
+// ask SeqInfo for "row 0 of head h" of a tensor and add row * row_stride themselves for query-side
+// rows; key rows (contiguous or paged) go through key_offset / load_keys.
 #pragma once
 #include "../flash_api.h"
 #include "tile.cuh"
@@ -10,7 +11,7 @@ namespace cf {
 struct SeqInfo {
     int b;                    // sequence index
     int sq, sk;               // this sequence's lengths
-    int64_t q_row0, k_row0;   // index of its row 0 among all rows (b*seqlen, or cu_seqlens[b])
+    int64_t q_row0, k_row0;   // index of its row 0 among all rows (b*seqlen, or cu_seqlens[b]; 0 paged)
     bool q_varlen, k_varlen;
 
     // Varlen offsets are device data the host does not check by default (no synchronisation per
@@ -34,12 +35,65 @@ struct SeqInfo {
             q_row0 = int64_t(b) * p.seqlen_q;
             sq = p.seqlen_q;
         }
-        if (k_varlen) {
+        if (p.block_table != nullptr) {
+            // Paged: cu_seqlens_k only gives lengths (pages may be shared between sequences, so
+            // the offsets need not stay below the cache's rows); the table addresses the rows
+            // (key_offset). A cache without pages holds no key.
+            const int64_t s = p.cu_seqlens_k[b], e = p.cu_seqlens_k[b + 1];
+            k_row0 = 0;
+            sk = (e > s && p.num_blocks > 0) ? (int)min(e - s, (int64_t)p.seqlen_k) : 0;
+        } else if (k_varlen) {
             span(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, k_row0, sk);
         } else {
             k_row0 = int64_t(b) * p.seqlen_k;
             sk = p.seqlen_k;
         }
+    }
+
+    // Element offset of key j (0 <= j < sk) from row 0 of its KV head in K or V: j rows down,
+    // or, paged, row j % page_block_size of page block_table[b][j / page_block_size]
+    // (page_stride = the tensor's stride between pages). The one place a key index becomes an
+    // address. Table entries are device data the host does not check by default: an entry
+    // outside [0, num_blocks) (a negative i32, a u32 past the cache) reads page 0, so a bad
+    // table gives unspecified values in the affected rows, never an access outside the cache.
+    // j < sk <= seqlen_k <= max_blocks * page_block_size keeps the table read inside its row.
+    __device__ __forceinline__ int64_t key_offset(const CfFwdParams& p, int j, int64_t page_stride,
+                                                  int64_t row_stride) const {
+        if (p.block_table == nullptr) return int64_t(j) * row_stride;
+        const uint32_t slot = static_cast<uint32_t>(j) / static_cast<uint32_t>(p.page_block_size);
+        const uint32_t page = static_cast<uint32_t>(p.block_table[int64_t(b) * p.block_table_batch_stride + slot]);
+        const int64_t page_off = page < static_cast<uint32_t>(p.num_blocks) ? int64_t(page) * page_stride : 0;
+        return page_off + int64_t(j - int(slot) * p.page_block_size) * row_stride;
+    }
+
+    // cp.async of keys [n0, n0 + ROWS) of one K or V head (`head` = its row 0, from k() / v())
+    // into shared memory with Loader (TileLoader / PanelLoader); rows >= sk are zero-filled.
+    // Contiguous rows, or a tile inside one page (page_block_size a multiple of ROWS; tiles
+    // start at multiples of ROWS): one address per tile, so one table lookup. Otherwise (small
+    // or odd pages) each row is looked up.
+    // kMaybePaged = false: the kernel is instantiated for contiguous K/V only (dispatch.cu) and
+    // carries no paged code (kernels at their register limit).
+    template <class Loader, int ROWS, bool kMaybePaged = true, typename T>
+    __device__ __forceinline__ void load_keys(const CfFwdParams& p, T* s, const T* head, int64_t page_stride,
+                                              int64_t row_stride, int n0, int tid, const void* fallback) const {
+        if (!kMaybePaged) {
+            Loader::template load<ROWS>(s, head + int64_t(n0) * row_stride, row_stride, sk - n0, p.d >> 3, tid, fallback);
+        } else if (p.block_table == nullptr || p.page_block_size % ROWS == 0) {
+            Loader::template load<ROWS>(s, head + key_offset(p, n0, page_stride, row_stride), row_stride, sk - n0,
+                                        p.d >> 3, tid, fallback);
+        } else {
+            Loader::template gather<ROWS>(
+                s, [&](int r) { return head + key_offset(p, n0 + r, page_stride, row_stride); }, sk - n0, p.d >> 3, tid,
+                fallback);
+        }
+    }
+    template <class Loader, int ROWS, bool kMaybePaged = true, typename T>
+    __device__ __forceinline__ void load_k(const CfFwdParams& p, T* s, const T* kg, int n0, int tid) const {
+        load_keys<Loader, ROWS, kMaybePaged>(p, s, kg, p.k_batch_stride, p.k_row_stride, n0, tid, p.k);
+    }
+    template <class Loader, int ROWS, bool kMaybePaged = true, typename T>
+    __device__ __forceinline__ void load_v(const CfFwdParams& p, T* s, const T* vg, int n0, int tid) const {
+        load_keys<Loader, ROWS, kMaybePaged>(p, s, vg, p.v_batch_stride, p.v_row_stride, n0, tid, p.v);
     }
 
     // Element offset of (row 0 of this sequence, head h) in a q-side / k-side tensor.

@@ -53,9 +53,10 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Loads rows [0, ROWS) x chunks [0, C) of a row-major global tile into a swizzled shared tile.
-// Rows >= valid_rows and chunks >= valid_chunks are zero-filled (never read); `fallback` is any
-// valid global address used for the masked copies.
+// Loads rows [0, ROWS) x chunks [0, C) of a global tile into a swizzled shared tile; row r starts
+// at row_ptr(r), which is called only for rows r < valid_rows (a paged row's lookup must not run
+// past its sequence). Rows >= valid_rows and chunks >= valid_chunks are zero-filled (never read);
+// `fallback` is any valid global address used for the masked copies.
 // Mapping: TPR threads per row (8, or 4 when C % 8 == 4); thread tid takes row tid / TPR (+ RP
 // per pass) and chunks tp + TPR*k (tp = tid % TPR). With RP a multiple of 8 the swizzle of all
 // its copies is one lane constant, so each copy is base + immediate (few live registers).
@@ -64,53 +65,74 @@ struct TileMap {
     static constexpr int kTpr = (C % 8 == 0) ? 8 : 4;
     static constexpr int kChunksPerThread = C / kTpr;
 };
-template <int ROWS, int C, int NTHREADS, typename T>
-__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, int valid_rows,
-                                          int valid_chunks, int tid, const void* fallback) {
+template <int ROWS, int C, int NTHREADS, typename T, typename RowPtr>
+__device__ __forceinline__ void load_tile_rows(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
+                                               const void* fallback) {
     constexpr int TPR = TileMap<C>::kTpr, KC = TileMap<C>::kChunksPerThread;
     constexpr int RP = NTHREADS / TPR;
     constexpr int kPasses = (ROWS + RP - 1) / RP;
     static_assert(RP % 8 == 0, "row step must keep the swizzle");
     const int r0 = tid / TPR, tp = tid % TPR;
     const uint32_t dst0 = smem_addr(s) + (r0 * C + (tp ^ (swz<C>(r0, 0) - r0 * C))) * 16;
-    const T* src = g + r0 * row_stride + tp * 8;
-    const int64_t step = RP * row_stride;
 #pragma unroll
     for (int ps = 0; ps < kPasses; ++ps) {
         const int r = r0 + ps * RP;
         if (ROWS % RP == 0 || r < ROWS) {
+            const bool row_ok = r < valid_rows;
+            const T* src = (row_ok ? row_ptr(r) : static_cast<const T*>(fallback)) + tp * 8;
 #pragma unroll
             for (int k = 0; k < KC; ++k) {
-                const bool ok = r < valid_rows && tp + TPR * k < valid_chunks;
-                cp_async_16(dst0 + (ps * RP * C + TPR * k) * 16,
-                            ok ? static_cast<const void*>(src + TPR * k * 8) : fallback, ok);
+                const bool ok = row_ok && tp + TPR * k < valid_chunks;
+                cp_async_16(dst0 + (ps * RP * C + TPR * k) * 16, ok ? static_cast<const void*>(src + TPR * k * 8) : fallback,
+                            ok);
             }
         }
-        src += step;
     }
 }
+// load_tile_rows of a row-major tile: row r at g + r * row_stride.
+template <int ROWS, int C, int NTHREADS, typename T>
+__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, int valid_rows,
+                                          int valid_chunks, int tid, const void* fallback) {
+    load_tile_rows<ROWS, C, NTHREADS>(s, [=](int r) { return g + r * row_stride; }, valid_rows, valid_chunks, tid,
+                                      fallback);
+}
 
-// f32 SIMT kernels: rows [0, ROWS) x columns [0, d) of two row-major global tensors (same row
-// range) into padded shared tiles [ROWS][ld] (ld = d + 1: column reads hit distinct banks); rows
-// >= valid_rows are zero. b == nullptr: only the first.
-template <int ROWS, int NTHREADS>
-__device__ __forceinline__ void load_rows_f32(float* sa, const float* a, int64_t a_stride, float* sb, const float* b,
-                                              int64_t b_stride, int valid_rows, int d, int ld, int tid) {
+// f32 SIMT kernels: rows [0, ROWS) x columns [0, d) of two global tensors (same row range; row r
+// at a_row(r) / b_row(r), called only for r < valid_rows) into padded shared tiles [ROWS][ld]
+// (ld = d + 1: column reads hit distinct banks); rows >= valid_rows are zero. sb == nullptr:
+// only the first.
+template <int ROWS, int NTHREADS, typename RowA, typename RowB>
+__device__ __forceinline__ void load_rows_f32(float* sa, RowA a_row, float* sb, RowB b_row, int valid_rows, int d,
+                                              int ld, int tid) {
     for (int idx = tid; idx < ROWS * d; idx += NTHREADS) {
         const int r = idx / d, c = idx % d;
         const bool ok = r < valid_rows;
-        sa[r * ld + c] = ok ? a[(int64_t)r * a_stride + c] : 0.f;
-        if (b != nullptr) sb[r * ld + c] = ok ? b[(int64_t)r * b_stride + c] : 0.f;
+        sa[r * ld + c] = ok ? a_row(r)[c] : 0.f;
+        if (sb != nullptr) sb[r * ld + c] = ok ? b_row(r)[c] : 0.f;
     }
 }
+// Row-major tensors (row r at a + r * a_stride); b == nullptr: only the first.
+template <int ROWS, int NTHREADS>
+__device__ __forceinline__ void load_rows_f32(float* sa, const float* a, int64_t a_stride, float* sb, const float* b,
+                                              int64_t b_stride, int valid_rows, int d, int ld, int tid) {
+    load_rows_f32<ROWS, NTHREADS>(
+        sa, [=](int r) { return a + r * a_stride; }, b != nullptr ? sb : nullptr, [=](int r) { return b + r * b_stride; },
+        valid_rows, d, ld, tid);
+}
 
-// load_tile as a type (for code shared between kernels of different shared layouts).
+// load_tile / load_tile_rows as a type (for code shared between kernels of different shared
+// layouts: SeqInfo::load_keys, DkdvWork).
 template <int C, int NTHREADS>
 struct TileLoader {
     template <int ROWS, typename T>
     __device__ __forceinline__ static void load(T* s, const T* g, int64_t row_stride, int valid_rows,
                                                 int valid_chunks, int tid, const void* fallback) {
         load_tile<ROWS, C, NTHREADS>(s, g, row_stride, valid_rows, valid_chunks, tid, fallback);
+    }
+    template <int ROWS, typename T, typename RowPtr>
+    __device__ __forceinline__ static void gather(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
+                                                  const void* fallback) {
+        load_tile_rows<ROWS, C, NTHREADS>(s, row_ptr, valid_rows, valid_chunks, tid, fallback);
     }
 };
 

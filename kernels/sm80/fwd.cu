@@ -9,7 +9,9 @@
 
 namespace cf {
 
-template <typename Kt>
+// kPaged: K/V through the block table (flash_api.h). Its own instantiation: this kernel is at
+// its register limit, and the table code in the contiguous one made it spill.
+template <typename Kt, bool kPaged>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdParams p) {
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN;
@@ -19,6 +21,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
     constexpr int DT = D / 8;    // n8 tiles of O
     constexpr int KS = D / 16;   // k-steps of Q K^T
     constexpr int PS = BN / 16;  // k-steps of P V
+    using Loader = TileLoader<C, NTH>;
 
     extern __shared__ __align__(128) unsigned char smem[];
     T* sQ = reinterpret_cast<T*>(smem);
@@ -48,8 +51,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
     const int nb_lo = n_lo / BN, nb_hi = (n_hi + BN - 1) / BN;
 
     load_tile<BM, C, NTH>(sQ, qg + (int64_t)m0 * p.q_row_stride, p.q_row_stride, si.sq - m0, dch, tid, p.q);
-    load_tile<BN, C, NTH>(sK, kg + (int64_t)(nb_hi - 1) * BN * p.k_row_stride, p.k_row_stride,
-                          si.sk - (nb_hi - 1) * BN, dch, tid, p.k);
+    si.template load_k<Loader, BN, kPaged>(p, sK, kg, (nb_hi - 1) * BN, tid);
     cp_async_commit();
 
     float acc[MT][DT][4];
@@ -64,7 +66,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
         const int n0 = nb * BN;
         cp_async_wait<0>();
         __syncthreads();  // K[nb] landed; every warp is done with V[nb+1]
-        load_tile<BN, C, NTH>(sV, vg + (int64_t)n0 * p.v_row_stride, p.v_row_stride, si.sk - n0, dch, tid, p.v);
+        si.template load_v<Loader, BN, kPaged>(p, sV, vg, n0, tid);
         cp_async_commit();
 
         float s[MT][NT][4];
@@ -84,8 +86,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
         cp_async_wait<0>();
         __syncthreads();  // V[nb] landed; every warp is done with K[nb]
         if (nb > nb_lo) {
-            load_tile<BN, C, NTH>(sK, kg + (int64_t)(nb - 1) * BN * p.k_row_stride, p.k_row_stride,
-                                  si.sk - (nb - 1) * BN, dch, tid, p.k);
+            si.template load_k<Loader, BN, kPaged>(p, sK, kg, (nb - 1) * BN, tid);
             cp_async_commit();
         }
         gemm_rs_b<MT, DT, PS, C, 2, T>(acc, pa, sV, 0, 0, lane);
@@ -131,10 +132,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
 }
 
 // ------------------------------------------------------------------ launchers
-template <typename T, int D>
+template <typename T, int D, bool kPaged>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream) {
     using Kt = FwdTraits<T, D>;
-    auto kern = fwd_tc_kernel<Kt>;
+    auto kern = fwd_tc_kernel<Kt, kPaged>;
     const int smem = Kt::kSmemBytes;
     if (smem > 48 * 1024) {
         cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -145,7 +146,9 @@ cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-#define CF_INST_FWD(T, D) template cudaError_t run_fwd_tc<T, D>(const CfFwdParams&, cudaStream_t);
+#define CF_INST_FWD(T, D)                                                         \
+    template cudaError_t run_fwd_tc<T, D, false>(const CfFwdParams&, cudaStream_t); \
+    template cudaError_t run_fwd_tc<T, D, true>(const CfFwdParams&, cudaStream_t);
 CF_INST_FWD(__half, 32)
 CF_INST_FWD(__half, 64)
 CF_INST_FWD(__half, 96)
