@@ -16,11 +16,15 @@ inline int round_head_dim(int d) {
 // ------------------------------------------------------------------ forward (tensor cores)
 // CTA = kNWarps warps over kBlockM query rows (each warp owns kMTiles m16 tiles), looping over
 // kBlockN keys per step. Shared memory: Q [kBlockM][D] + K [kBlockN][D] + V [kBlockN][D].
-template <typename T_, int kHeadDim_>
+// kPaged: K/V read through the paged block table (its own instantiation, chosen in dispatch.cu):
+// 64 query rows, since with 128 (two m16 tiles per warp, d = 96 / 128) the page lookups on top
+// of the accumulators made the kernel spill (ptxas -v: 32 / 168 bytes).
+template <typename T_, int kHeadDim_, bool kPaged_ = false>
 struct FwdTraits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = kHeadDim <= 128 ? 128 : 64;
+    static constexpr bool kPaged = kPaged_;
+    static constexpr int kBlockM = (kHeadDim <= 128 && !kPaged) ? 128 : 64;
     static constexpr int kBlockN = kHeadDim <= 64 ? 64 : (kHeadDim <= 128 ? 64 : 64);
     static constexpr int kNWarps = 4;
     static constexpr int kNThreads = kNWarps * 32;

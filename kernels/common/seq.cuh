@@ -8,6 +8,14 @@
 
 namespace cf {
 
+// Which K/V a kernel reads (SeqInfo's constructor, SeqInfo::load_keys): kContiguous (the
+// default: the backward, code that only needs the query side, and the sm80 forward's contiguous
+// instantiation, all at their register limits) or kAny (paged or not, decided at run time from
+// block_table).
+enum class KvPath { kAny, kContiguous };
+template <KvPath kPath>
+struct KvKind {};
+
 struct SeqInfo {
     int b;                    // sequence index
     int sq, sk;               // this sequence's lengths
@@ -26,7 +34,10 @@ struct SeqInfo {
         len = e > s ? (int)min(e - s, (int64_t)max_len) : 0;
     }
 
-    __device__ __forceinline__ SeqInfo(const CfFwdParams& p, int b_) : b(b_) {
+    // Forward kernels that read paged K/V construct it with KvKind<kAny>; the default carries no
+    // paged code.
+    template <KvPath kPath = KvPath::kContiguous>
+    __device__ __forceinline__ SeqInfo(const CfFwdParams& p, int b_, KvKind<kPath> = {}) : b(b_) {
         q_varlen = p.cu_seqlens_q != nullptr;
         k_varlen = p.cu_seqlens_k != nullptr;
         if (q_varlen) {
@@ -35,7 +46,7 @@ struct SeqInfo {
             q_row0 = int64_t(b) * p.seqlen_q;
             sq = p.seqlen_q;
         }
-        if (p.block_table != nullptr) {
+        if (kPath == KvPath::kAny && p.block_table != nullptr) {
             // Paged: cu_seqlens_k only gives lengths (pages may be shared between sequences, so
             // the offsets need not stay below the cache's rows); the table addresses the rows
             // (key_offset). A cache without pages holds no key.
@@ -71,29 +82,29 @@ struct SeqInfo {
     // Contiguous rows, or a tile inside one page (page_block_size a multiple of ROWS; tiles
     // start at multiples of ROWS): one address per tile, so one table lookup. Otherwise (small
     // or odd pages) each row is looked up.
-    // kMaybePaged = false: the kernel is instantiated for contiguous K/V only (dispatch.cu) and
-    // carries no paged code (kernels at their register limit).
-    template <class Loader, int ROWS, bool kMaybePaged = true, typename T>
+    // kPath = kContiguous: the strided load alone, no table code.
+    template <class Loader, int ROWS, KvPath kPath = KvPath::kAny, typename T>
     __device__ __forceinline__ void load_keys(const CfFwdParams& p, T* s, const T* head, int64_t page_stride,
-                                              int64_t row_stride, int n0, int tid, const void* fallback) const {
-        if (!kMaybePaged) {
-            Loader::template load<ROWS>(s, head + int64_t(n0) * row_stride, row_stride, sk - n0, p.d >> 3, tid, fallback);
+                                              int64_t row_stride, int n0, int dch, int tid,
+                                              const void* fallback) const {
+        if (kPath == KvPath::kContiguous) {
+            Loader::template load<ROWS>(s, head + int64_t(n0) * row_stride, row_stride, sk - n0, dch, tid, fallback);
         } else if (p.block_table == nullptr || p.page_block_size % ROWS == 0) {
             Loader::template load<ROWS>(s, head + key_offset(p, n0, page_stride, row_stride), row_stride, sk - n0,
-                                        p.d >> 3, tid, fallback);
+                                        dch, tid, fallback);
         } else {
             Loader::template gather<ROWS>(
-                s, [&](int r) { return head + key_offset(p, n0 + r, page_stride, row_stride); }, sk - n0, p.d >> 3, tid,
+                s, [&](int r) { return head + key_offset(p, n0 + r, page_stride, row_stride); }, sk - n0, dch, tid,
                 fallback);
         }
     }
-    template <class Loader, int ROWS, bool kMaybePaged = true, typename T>
-    __device__ __forceinline__ void load_k(const CfFwdParams& p, T* s, const T* kg, int n0, int tid) const {
-        load_keys<Loader, ROWS, kMaybePaged>(p, s, kg, p.k_batch_stride, p.k_row_stride, n0, tid, p.k);
+    template <class Loader, int ROWS, KvPath kPath = KvPath::kAny, typename T>
+    __device__ __forceinline__ void load_k(const CfFwdParams& p, T* s, const T* kg, int n0, int dch, int tid) const {
+        load_keys<Loader, ROWS, kPath>(p, s, kg, p.k_batch_stride, p.k_row_stride, n0, dch, tid, p.k);
     }
-    template <class Loader, int ROWS, bool kMaybePaged = true, typename T>
-    __device__ __forceinline__ void load_v(const CfFwdParams& p, T* s, const T* vg, int n0, int tid) const {
-        load_keys<Loader, ROWS, kMaybePaged>(p, s, vg, p.v_batch_stride, p.v_row_stride, n0, tid, p.v);
+    template <class Loader, int ROWS, KvPath kPath = KvPath::kAny, typename T>
+    __device__ __forceinline__ void load_v(const CfFwdParams& p, T* s, const T* vg, int n0, int dch, int tid) const {
+        load_keys<Loader, ROWS, kPath>(p, s, vg, p.v_batch_stride, p.v_row_stride, n0, dch, tid, p.v);
     }
 
     // Element offset of (row 0 of this sequence, head h) in a q-side / k-side tensor.

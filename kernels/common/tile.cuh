@@ -53,10 +53,9 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Loads rows [0, ROWS) x chunks [0, C) of a global tile into a swizzled shared tile; row r starts
-// at row_ptr(r), which is called only for rows r < valid_rows (a paged row's lookup must not run
-// past its sequence). Rows >= valid_rows and chunks >= valid_chunks are zero-filled (never read);
-// `fallback` is any valid global address used for the masked copies.
+// Loads rows [0, ROWS) x chunks [0, C) of a row-major global tile into a swizzled shared tile.
+// Rows >= valid_rows and chunks >= valid_chunks are zero-filled (never read); `fallback` is any
+// valid global address used for the masked copies.
 // Mapping: TPR threads per row (8, or 4 when C % 8 == 4); thread tid takes row tid / TPR (+ RP
 // per pass) and chunks tp + TPR*k (tp = tid % TPR). With RP a multiple of 8 the swizzle of all
 // its copies is one lane constant, so each copy is base + immediate (few live registers).
@@ -65,36 +64,58 @@ struct TileMap {
     static constexpr int kTpr = (C % 8 == 0) ? 8 : 4;
     static constexpr int kChunksPerThread = C / kTpr;
 };
-template <int ROWS, int C, int NTHREADS, typename T, typename RowPtr>
-__device__ __forceinline__ void load_tile_rows(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
-                                               const void* fallback) {
+template <int ROWS, int C, int NTHREADS, typename T>
+__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, int valid_rows,
+                                          int valid_chunks, int tid, const void* fallback) {
     constexpr int TPR = TileMap<C>::kTpr, KC = TileMap<C>::kChunksPerThread;
     constexpr int RP = NTHREADS / TPR;
     constexpr int kPasses = (ROWS + RP - 1) / RP;
     static_assert(RP % 8 == 0, "row step must keep the swizzle");
     const int r0 = tid / TPR, tp = tid % TPR;
     const uint32_t dst0 = smem_addr(s) + (r0 * C + (tp ^ (swz<C>(r0, 0) - r0 * C))) * 16;
+    const T* src = g + r0 * row_stride + tp * 8;
+    const int64_t step = RP * row_stride;
 #pragma unroll
     for (int ps = 0; ps < kPasses; ++ps) {
         const int r = r0 + ps * RP;
         if (ROWS % RP == 0 || r < ROWS) {
-            const bool row_ok = r < valid_rows;
-            const T* src = (row_ok ? row_ptr(r) : static_cast<const T*>(fallback)) + tp * 8;
 #pragma unroll
             for (int k = 0; k < KC; ++k) {
-                const bool ok = row_ok && tp + TPR * k < valid_chunks;
-                cp_async_16(dst0 + (ps * RP * C + TPR * k) * 16, ok ? static_cast<const void*>(src + TPR * k * 8) : fallback,
-                            ok);
+                const bool ok = r < valid_rows && tp + TPR * k < valid_chunks;
+                cp_async_16(dst0 + (ps * RP * C + TPR * k) * 16,
+                            ok ? static_cast<const void*>(src + TPR * k * 8) : fallback, ok);
             }
         }
+        src += step;
     }
 }
-// load_tile_rows of a row-major tile: row r at g + r * row_stride.
-template <int ROWS, int C, int NTHREADS, typename T>
-__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, int valid_rows,
-                                          int valid_chunks, int tid, const void* fallback) {
-    load_tile_rows<ROWS, C, NTHREADS>(s, [=](int r) { return g + r * row_stride; }, valid_rows, valid_chunks, tid,
-                                      fallback);
+
+// load_tile with rows gathered (paged K/V): row r starts at row_ptr(r), which is called only for
+// rows r < valid_rows (a page lookup must not run past its sequence's table entries). Kept apart
+// from load_tile, whose strided form the register-bound kernels need as it is (routing it through
+// a row function made the sm80 forward spill); one row pass at a time (unroll 1) for the same
+// reason: the lookups of several rows are never live together.
+template <int ROWS, int C, int NTHREADS, typename T, typename RowPtr>
+__device__ __forceinline__ void load_tile_rows(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
+                                               const void* fallback) {
+    constexpr int TPR = TileMap<C>::kTpr, KC = TileMap<C>::kChunksPerThread;
+    constexpr int RP = NTHREADS / TPR;
+    constexpr int kPasses = (ROWS + RP - 1) / RP;
+    const int r0 = tid / TPR, tp = tid % TPR;
+    const uint32_t dst0 = smem_addr(s) + (r0 * C + (tp ^ (swz<C>(r0, 0) - r0 * C))) * 16;
+#pragma unroll 1
+    for (int ps = 0; ps < kPasses; ++ps) {
+        const int r = r0 + ps * RP;
+        if (ROWS % RP != 0 && r >= ROWS) break;
+        const bool row_ok = r < valid_rows;
+        const T* src = (row_ok ? row_ptr(r) : static_cast<const T*>(fallback)) + tp * 8;
+#pragma unroll
+        for (int k = 0; k < KC; ++k) {
+            const bool ok = row_ok && tp + TPR * k < valid_chunks;
+            cp_async_16(dst0 + (ps * RP * C + TPR * k) * 16, ok ? static_cast<const void*>(src + TPR * k * 8) : fallback,
+                        ok);
+        }
+    }
 }
 
 // f32 SIMT kernels: rows [0, ROWS) x columns [0, d) of two global tensors (same row range; row r

@@ -18,7 +18,7 @@ __global__ void __launch_bounds__(F32FwdTraits::kNThreads) fwd_f32_kernel(const 
     float* sP = sV + BN * ld;  // [BM][BN+1]
 
     const int tid = threadIdx.x, r = tid >> 3, sub = tid & 7;
-    const QueryBlockWork w(p, BM);
+    const QueryBlockWork<KvPath::kAny> w(p, BM);
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;

@@ -104,8 +104,8 @@ struct FwdProducer {
                 const uint32_t n = kv + j;
                 const int nb = t.nb_hi - 1 - j;
                 pipe.producer_acquire(n);
-                si.template load_keys<PanelLoader<C, NPT>, BN>(p, dst[pipe.stage(n)], g, page_stride, row_stride, nb * BN, ptid,
-                                                               fallback);
+                si.template load_keys<PanelLoader<C, NPT>, BN>(p, dst[pipe.stage(n)], g, page_stride, row_stride, nb * BN, dch,
+                                                               ptid, fallback);
                 pipe.producer_commit_cp_async(n);
             };
             auto load_k = [&](int j) { load_kv(pl.k(), ss.k, kg, p.k_batch_stride, p.k_row_stride, p.k, j); };

@@ -131,19 +131,39 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// cp.async of rows [0, ROWS) x chunks [0, C) of a global tile into a panel tile; row r starts at
-// row_ptr(r), called only for r < valid_rows (see load_tile_rows). Rows >= valid_rows and chunks
-// >= valid_chunks are zero-filled; `fallback` is any valid global address for the masked copies.
-// 8 threads per row (one panel row of 8 chunks each).
-template <int ROWS, int C, int NTHREADS, typename T, typename RowPtr>
-__device__ __forceinline__ void load_panels_rows(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
-                                                 const void* fallback) {
+// cp.async of rows [0, ROWS) x chunks [0, C) of a row-major global tile into a panel tile.
+// Rows >= valid_rows and chunks >= valid_chunks are zero-filled; `fallback` is any valid
+// global address for the masked copies. 8 threads per row (one panel row of 8 chunks each).
+template <int ROWS, int C, int NTHREADS, typename T>
+__device__ __forceinline__ void load_panels(T* s, const T* g, int64_t row_stride, int valid_rows,
+                                            int valid_chunks, int tid, const void* fallback) {
     static_assert(C % 8 == 0, "panel tiles hold whole 64-element panels");
     constexpr int RP = NTHREADS / 8;  // rows per pass
     static_assert(RP % 8 == 0 && ROWS % RP == 0, "row step must keep the swizzle");
     const int r0 = tid >> 3, j = tid & 7;
     const uint32_t dst0 = smem_addr(s) + r0 * kPanelRowBytes + ((j ^ (r0 & 7)) << 4);
+    const T* src = g + r0 * row_stride + j * 8;
 #pragma unroll
+    for (int ps = 0; ps < ROWS / RP; ++ps) {
+        const int r = r0 + ps * RP;
+#pragma unroll
+        for (int p = 0; p < C / 8; ++p) {
+            const bool ok = r < valid_rows && p * 8 + j < valid_chunks;
+            cp_async_16(dst0 + (p * ROWS + ps * RP) * kPanelRowBytes,
+                        ok ? static_cast<const void*>(src + (int64_t)ps * RP * row_stride + p * 64) : fallback, ok);
+        }
+    }
+}
+
+// load_panels with rows gathered (paged K/V): row r at row_ptr(r), called only for r <
+// valid_rows; one row pass at a time (see load_tile_rows: the producer runs at 40 registers).
+template <int ROWS, int C, int NTHREADS, typename T, typename RowPtr>
+__device__ __forceinline__ void load_panels_rows(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
+                                                 const void* fallback) {
+    constexpr int RP = NTHREADS / 8;
+    const int r0 = tid >> 3, j = tid & 7;
+    const uint32_t dst0 = smem_addr(s) + r0 * kPanelRowBytes + ((j ^ (r0 & 7)) << 4);
+#pragma unroll 1
     for (int ps = 0; ps < ROWS / RP; ++ps) {
         const int r = r0 + ps * RP;
         const bool row_ok = r < valid_rows;
@@ -155,13 +175,6 @@ __device__ __forceinline__ void load_panels_rows(T* s, RowPtr row_ptr, int valid
                         ok);
         }
     }
-}
-// load_panels_rows of a row-major tile: row r at g + r * row_stride.
-template <int ROWS, int C, int NTHREADS, typename T>
-__device__ __forceinline__ void load_panels(T* s, const T* g, int64_t row_stride, int valid_rows,
-                                            int valid_chunks, int tid, const void* fallback) {
-    load_panels_rows<ROWS, C, NTHREADS>(s, [=](int r) { return g + r * row_stride; }, valid_rows, valid_chunks, tid,
-                                        fallback);
 }
 
 // load_panels / load_panels_rows as a type (see TileLoader in tile.cuh).
