@@ -17,14 +17,18 @@ inline int round_head_dim(int d) {
 // CTA = kNWarps warps over kBlockM query rows (each warp owns kMTiles m16 tiles), looping over
 // kBlockN keys per step. Shared memory: Q [kBlockM][D] + K [kBlockN][D] + V [kBlockN][D].
 // kPaged: K/V read through the paged block table (its own instantiation, chosen in dispatch.cu):
-// 64 query rows, since with 128 (two m16 tiles per warp, d = 96 / 128) the page lookups on top
-// of the accumulators made the kernel spill (ptxas -v: 32 / 168 bytes).
+// 64 query rows for d = 96 / 128, since with 128 (two m16 tiles per warp) the page lookups on top
+// of the accumulators made the kernel spill (ptxas -v: 32 / 168 bytes; also with the K load
+// moved after P V). Measured consequence: with a left-bounded window the 128-row contiguous tile
+// also walks key blocks that are fully masked for some of its rows, after their visible ones,
+// and the online softmax rescales those rows by exp2(m c - fl(m c)) (not exactly 1), so paged
+// and contiguous can differ in the last bits there (d = 96 / 128 on this kernel only).
 template <typename T_, int kHeadDim_, bool kPaged_ = false>
 struct FwdTraits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr bool kPaged = kPaged_;
-    static constexpr int kBlockM = (kHeadDim <= 128 && !kPaged) ? 128 : 64;
+    static constexpr int kBlockM = kHeadDim <= (kPaged ? 64 : 128) ? 128 : 64;
     static constexpr int kBlockN = kHeadDim <= 64 ? 64 : (kHeadDim <= 128 ? 64 : 64);
     static constexpr int kNWarps = 4;
     static constexpr int kNThreads = kNWarps * 32;
