@@ -92,8 +92,11 @@ struct FwdSm90Traits {
     static constexpr bool kSeparateO = kSeparateO_;
     static constexpr int kLaunchRegs = (65536 / kNThreads) & ~7;
     // The producer only computes addresses (40 registers, spill-free: keep its code lean, e.g.
-    // MaskInfo's 32-bit math); consumers get the rest.
-    static constexpr int kProducerRegs = 40;
+    // MaskInfo's 32-bit math); consumers get the rest. d = 64: 56, since its paged K/V loads
+    // (page lookups, SeqInfo::load_keys) spilled at 40 (ptxas -v: 52 / 136 bytes); the
+    // 3-warpgroup consumers keep their 152 registers, the 2-warpgroup ones get 224 instead of 232
+    // (48 would leave them the same).
+    static constexpr int kProducerRegs = kHeadDim == 64 ? 56 : 40;
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
     static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;

@@ -71,10 +71,17 @@ struct SeqInfo {
     __device__ __forceinline__ int64_t key_offset(const CfFwdParams& p, int j, int64_t page_stride,
                                                   int64_t row_stride) const {
         if (p.block_table == nullptr) return int64_t(j) * row_stride;
+        int64_t page;
+        int row;
+        key_page(p, j, page, row);
+        return page * page_stride + int64_t(row) * row_stride;
+    }
+    // Paged: the page (table entry, clamped as above) and the row within it of key j.
+    __device__ __forceinline__ void key_page(const CfFwdParams& p, int j, int64_t& page, int& row) const {
         const uint32_t slot = static_cast<uint32_t>(j) / static_cast<uint32_t>(p.page_block_size);
-        const uint32_t page = static_cast<uint32_t>(p.block_table[int64_t(b) * p.block_table_batch_stride + slot]);
-        const int64_t page_off = page < static_cast<uint32_t>(p.num_blocks) ? int64_t(page) * page_stride : 0;
-        return page_off + int64_t(j - int(slot) * p.page_block_size) * row_stride;
+        const uint32_t entry = static_cast<uint32_t>(p.block_table[int64_t(b) * p.block_table_batch_stride + slot]);
+        page = entry < static_cast<uint32_t>(p.num_blocks) ? entry : 0;
+        row = j - int(slot) * p.page_block_size;
     }
 
     // cp.async of keys [n0, n0 + ROWS) of one K or V head (`head` = its row 0, from k() / v())
@@ -96,6 +103,28 @@ struct SeqInfo {
             Loader::template gather<ROWS>(
                 s, [&](int r) { return head + key_offset(p, n0 + r, page_stride, row_stride); }, sk - n0, dch, tid,
                 fallback);
+        }
+    }
+    // K and V tiles of the same keys [n0, n0 + ROWS) (TileLoader only): as two load_keys, but
+    // row by row one lookup serves both tiles and every row's lookup is in flight at once (the
+    // split-KV decode kernel, where small pages would otherwise serialise on the table reads).
+    template <class Loader, int ROWS, typename T>
+    __device__ __forceinline__ void load_kv(const CfFwdParams& p, T* sK, T* sV, const T* kg, const T* vg, int n0,
+                                            int dch, int tid) const {
+        if (p.block_table == nullptr || p.page_block_size % ROWS == 0) {
+            load_keys<Loader, ROWS>(p, sK, kg, p.k_batch_stride, p.k_row_stride, n0, dch, tid, p.k);
+            load_keys<Loader, ROWS>(p, sV, vg, p.v_batch_stride, p.v_row_stride, n0, dch, tid, p.v);
+        } else {
+            Loader::template gather2<ROWS>(
+                sK, sV,
+                [&](int r, const T* (&src)[2]) {
+                    int64_t page;
+                    int row;
+                    key_page(p, n0 + r, page, row);
+                    src[0] = kg + page * p.k_batch_stride + int64_t(row) * p.k_row_stride;
+                    src[1] = vg + page * p.v_batch_stride + int64_t(row) * p.v_row_stride;
+                },
+                sk - n0, dch, tid, p.k);
         }
     }
     template <class Loader, int ROWS, KvPath kPath = KvPath::kAny, typename T>

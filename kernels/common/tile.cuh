@@ -90,31 +90,38 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, 
     }
 }
 
-// load_tile with rows gathered (paged K/V): row r starts at row_ptr(r), which is called only for
-// rows r < valid_rows (a page lookup must not run past its sequence's table entries). Kept apart
-// from load_tile, whose strided form the register-bound kernels need as it is (routing it through
-// a row function made the sm80 forward spill); one row pass at a time (unroll 1) for the same
-// reason: the lookups of several rows are never live together.
-template <int ROWS, int C, int NTHREADS, typename T, typename RowPtr>
-__device__ __forceinline__ void load_tile_rows(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
-                                               const void* fallback) {
+// load_tile with rows gathered (paged K/V), into N tiles that share their rows (K and V of the
+// same keys: one page lookup serves both). row_ptrs(r, src) sets src[i], the start of row r of
+// tile i; it is called only for rows r < valid_rows (a page lookup must not run past its
+// sequence's table entries). Kept apart from load_tile, whose strided form the register-bound
+// kernels need as it is (routing it through a row function made the sm80 forward spill).
+// kUnroll = false: one row pass at a time, so the lookups of several rows are never live
+// together (kernels at their register limit); true: all lookups in flight at once (latency).
+template <int ROWS, int C, int NTHREADS, bool kUnroll, int N, typename T, typename RowPtrs>
+__device__ __forceinline__ void load_tile_rows(T* const (&s)[N], RowPtrs row_ptrs, int valid_rows, int valid_chunks,
+                                               int tid, const void* fallback) {
     constexpr int TPR = TileMap<C>::kTpr, KC = TileMap<C>::kChunksPerThread;
     constexpr int RP = NTHREADS / TPR;
     constexpr int kPasses = (ROWS + RP - 1) / RP;
     const int r0 = tid / TPR, tp = tid % TPR;
-    const uint32_t dst0 = smem_addr(s) + (r0 * C + (tp ^ (swz<C>(r0, 0) - r0 * C))) * 16;
-#pragma unroll 1
+    const int chunk0 = r0 * C + (tp ^ (swz<C>(r0, 0) - r0 * C));
+#pragma unroll(kUnroll ? kPasses : 1)
     for (int ps = 0; ps < kPasses; ++ps) {
         const int r = r0 + ps * RP;
         if (ROWS % RP != 0 && r >= ROWS) break;
         const bool row_ok = r < valid_rows;
-        const T* src = (row_ok ? row_ptr(r) : static_cast<const T*>(fallback)) + tp * 8;
+        const T* src[N];
 #pragma unroll
-        for (int k = 0; k < KC; ++k) {
-            const bool ok = row_ok && tp + TPR * k < valid_chunks;
-            cp_async_16(dst0 + (ps * RP * C + TPR * k) * 16, ok ? static_cast<const void*>(src + TPR * k * 8) : fallback,
-                        ok);
-        }
+        for (int i = 0; i < N; ++i) src[i] = static_cast<const T*>(fallback);
+        if (row_ok) row_ptrs(r, src);
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+#pragma unroll
+            for (int k = 0; k < KC; ++k) {
+                const bool ok = row_ok && tp + TPR * k < valid_chunks;
+                cp_async_16(smem_addr(s[i]) + (chunk0 + ps * RP * C + TPR * k) * 16,
+                            ok ? static_cast<const void*>(src[i] + tp * 8 + TPR * k * 8) : fallback, ok);
+            }
     }
 }
 
@@ -153,7 +160,16 @@ struct TileLoader {
     template <int ROWS, typename T, typename RowPtr>
     __device__ __forceinline__ static void gather(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
                                                   const void* fallback) {
-        load_tile_rows<ROWS, C, NTHREADS>(s, row_ptr, valid_rows, valid_chunks, tid, fallback);
+        T* const dst[1] = {s};
+        load_tile_rows<ROWS, C, NTHREADS, false>(
+            dst, [&](int r, const T* (&src)[1]) { src[0] = row_ptr(r); }, valid_rows, valid_chunks, tid, fallback);
+    }
+    // Two tiles of the same rows, every lookup in flight at once (SeqInfo::load_kv).
+    template <int ROWS, typename T, typename RowPtrs>
+    __device__ __forceinline__ static void gather2(T* s0, T* s1, RowPtrs row_ptrs, int valid_rows, int valid_chunks,
+                                                   int tid, const void* fallback) {
+        T* const dst[2] = {s0, s1};
+        load_tile_rows<ROWS, C, NTHREADS, true>(dst, row_ptrs, valid_rows, valid_chunks, tid, fallback);
     }
 };
 

@@ -86,8 +86,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
     for (int st = 0; st < S - 1; ++st) {
         if (st < nblk) {
             const int n0 = (nb_hi - 1 - st) * BN;
-            si.template load_k<Loader, BN>(p, sK + st * 2 * BN * D, kg, n0, dch, tid);
-            si.template load_v<Loader, BN>(p, sK + (st * 2 + 1) * BN * D, vg, n0, dch, tid);
+            si.template load_kv<Loader, BN>(p, sK + st * 2 * BN * D, sK + (st * 2 + 1) * BN * D, kg, vg, n0, dch, tid);
         }
         cp_async_commit();
     }
@@ -109,8 +108,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
             const int nx = it + S - 1;
             if (nx < nblk) {
                 const int st = nx % S, n0 = (nb_hi - 1 - nx) * BN;
-                si.template load_k<Loader, BN>(p, sK + st * 2 * BN * D, kg, n0, dch, tid);
-                si.template load_v<Loader, BN>(p, sK + (st * 2 + 1) * BN * D, vg, n0, dch, tid);
+                si.template load_kv<Loader, BN>(p, sK + st * 2 * BN * D, sK + (st * 2 + 1) * BN * D, kg, vg, n0, dch,
+                                                tid);
             }
             cp_async_commit();
         }

@@ -156,7 +156,7 @@ __device__ __forceinline__ void load_panels(T* s, const T* g, int64_t row_stride
 }
 
 // load_panels with rows gathered (paged K/V): row r at row_ptr(r), called only for r <
-// valid_rows; one row pass at a time (see load_tile_rows: the producer runs at 40 registers).
+// valid_rows; one row pass at a time (see load_tile_rows: the producer runs at 40 / 56 registers).
 template <int ROWS, int C, int NTHREADS, typename T, typename RowPtr>
 __device__ __forceinline__ void load_panels_rows(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
                                                  const void* fallback) {
