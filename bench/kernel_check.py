@@ -682,6 +682,18 @@ def paged_matrix():
     return cases
 
 
+def decode_setup(dt, B, SK, dev, H=32, HKV=8, D=128):
+    """A contiguous decode call (q = 1 per sequence, batched layout): case, generator, tensors
+    (q, k, v, o, lse: keep them alive while fp is used), parameters and workspace."""
+    c = Case("bench", dt, b=B, h=H, hkv=HKV, sq=1, sk=SK, d=D, bwd=False)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, _, _ = make_inputs(c, dev, g)
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, 1, dtype=torch.float32, device=dev)
+    fp = fwd_params(c, q, k, v, o, lse, None, None, None)
+    return c, g, (q, k, v, o, lse), fp, fwd_workspace(fp, dev)
+
+
 def bench_paged_decode(dev):
     """Paged decode (split-KV) vs our contiguous kernel on the same logical cache: bf16, 32 query /
     8 KV heads, D = 128, pages shuffled. Times with CUDA graphs of 20 calls (as bench_decode)."""
@@ -690,13 +702,7 @@ def bench_paged_decode(dev):
     H, HKV, D = 32, 8, 128
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
     for B, SK in ((16, 32768), (1, 4096), (16, 4096), (1, 32768)):
-        c = Case("bench", "bf16", b=B, h=H, hkv=HKV, sq=1, sk=SK, d=D, bwd=False)
-        g = torch.Generator(device=dev).manual_seed(0)
-        q, k, v, _, _ = make_inputs(c, dev, g)
-        o = torch.empty_like(q)
-        lse = torch.empty(B, H, 1, dtype=torch.float32, device=dev)
-        fp = fwd_params(c, q, k, v, o, lse, None, None, None)
-        fws = fwd_workspace(fp, dev)
+        _, g, (q, k, v, o, _lse), fp, fws = decode_setup("bf16", B, SK, dev, H, HKV, D)
         t_c = graph_time(lambda: call_fwd(fp, fws, stream()))
         by = 2 * B * SK * HKV * D * 2
         for page in (16, 256):
@@ -757,13 +763,7 @@ def bench_decode(dev):
     for dt in ("bf16", "f16"):
         for B in (1, 16):
             for SK in (4096, 32768):
-                c = Case("bench", dt, b=B, h=H, hkv=HKV, sq=1, sk=SK, d=D)
-                g = torch.Generator(device=dev).manual_seed(0)
-                q, k, v, _, _ = make_inputs(c, dev, g)
-                o = torch.empty_like(q)
-                lse = torch.empty(B, H, 1, dtype=torch.float32, device=dev)
-                fp = fwd_params(c, q, k, v, o, lse, None, None, None)
-                fws = fwd_workspace(fp, dev)
+                _, _, (q, k, v, o, _lse), fp, fws = decode_setup(dt, B, SK, dev, H, HKV, D)
 
                 def ours():
                     st = call_fwd(fp, fws, torch.cuda.current_stream().cuda_stream)

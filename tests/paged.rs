@@ -198,7 +198,9 @@ fn cuda_prefill_matches_reference_and_contiguous() {
         cases.push((Case::new(dtype, (0, 0), (4, 2), 128).varlen(&seqs).causal(), 64));
         cases.push((Case::new(dtype, (0, 0), (4, 1), 32).varlen(&seqs).window(Some(7), Some(2)).softcap(5.0), 16));
         cases.push((Case::new(dtype, (0, 0), (6, 2), 24).varlen(&seqs).alibi(2), 3));
-        cases.push((Case::new(dtype, (0, 0), (2, 2), 128).varlen(&seqs).window(Some(40), None), 128));
+        // Left-bounded windows at d <= 64: the sm_80 kernel's paged tiles for d = 96 / 128 differ
+        // from its contiguous ones, and there the last bits may too (README, docs/kernels.md).
+        cases.push((Case::new(dtype, (0, 0), (2, 2), 64).varlen(&seqs).window(Some(40), None), 128));
     }
     sweep_on(&gpu, &cases, None);
 }
