@@ -8,7 +8,7 @@
 
 namespace cf {
 
-// Which K/V a kernel reads (SeqInfo's constructor, SeqInfo::load_keys): kContiguous (the
+// Which K/V a kernel reads (SeqInfo's constructor, QueryBlockWork): kContiguous (the
 // default: the backward, code that only needs the query side, and the sm80 forward's contiguous
 // instantiation, all at their register limits) or kAny (paged or not, decided at run time from
 // block_table).
@@ -89,14 +89,11 @@ struct SeqInfo {
     // Contiguous rows, or a tile inside one page (page_block_size a multiple of ROWS; tiles
     // start at multiples of ROWS): one address per tile, so one table lookup. Otherwise (small
     // or odd pages) each row is looked up.
-    // kPath = kContiguous: the strided load alone, no table code.
-    template <class Loader, int ROWS, KvPath kPath = KvPath::kAny, typename T>
+    template <class Loader, int ROWS, typename T>
     __device__ __forceinline__ void load_keys(const CfFwdParams& p, T* s, const T* head, int64_t page_stride,
                                               int64_t row_stride, int n0, int dch, int tid,
                                               const void* fallback) const {
-        if (kPath == KvPath::kContiguous) {
-            Loader::template load<ROWS>(s, head + int64_t(n0) * row_stride, row_stride, sk - n0, dch, tid, fallback);
-        } else if (p.block_table == nullptr || p.page_block_size % ROWS == 0) {
+        if (p.block_table == nullptr || p.page_block_size % ROWS == 0) {
             Loader::template load<ROWS>(s, head + key_offset(p, n0, page_stride, row_stride), row_stride, sk - n0,
                                         dch, tid, fallback);
         } else {
@@ -127,13 +124,13 @@ struct SeqInfo {
                 sk - n0, dch, tid, p.k);
         }
     }
-    template <class Loader, int ROWS, KvPath kPath = KvPath::kAny, typename T>
+    template <class Loader, int ROWS, typename T>
     __device__ __forceinline__ void load_k(const CfFwdParams& p, T* s, const T* kg, int n0, int dch, int tid) const {
-        load_keys<Loader, ROWS, kPath>(p, s, kg, p.k_batch_stride, p.k_row_stride, n0, dch, tid, p.k);
+        load_keys<Loader, ROWS>(p, s, kg, p.k_batch_stride, p.k_row_stride, n0, dch, tid, p.k);
     }
-    template <class Loader, int ROWS, KvPath kPath = KvPath::kAny, typename T>
+    template <class Loader, int ROWS, typename T>
     __device__ __forceinline__ void load_v(const CfFwdParams& p, T* s, const T* vg, int n0, int dch, int tid) const {
-        load_keys<Loader, ROWS, kPath>(p, s, vg, p.v_batch_stride, p.v_row_stride, n0, dch, tid, p.v);
+        load_keys<Loader, ROWS>(p, s, vg, p.v_batch_stride, p.v_row_stride, n0, dch, tid, p.v);
     }
 
     // Element offset of (row 0 of this sequence, head h) in a q-side / k-side tensor.

@@ -11,7 +11,7 @@ namespace cf {
 
 // Kt::kPaged: K/V through the block table (flash_api.h). Its own instantiation (dispatch.cu): this
 // kernel is at its register limit, and the table code in the contiguous one made it spill
-// (ptxas -v); the paged one runs 64-row tiles (config.cuh).
+// (ptxas -v); the paged one runs 64-row tiles for d = 96 / 128 (config.cuh).
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdParams p) {
     using T = typename Kt::Elem;
@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
     constexpr int PS = BN / 16;  // k-steps of P V
     using Loader = TileLoader<C, NTH>;
     constexpr bool kPaged = Kt::kPaged;
-    constexpr KvPath kKv = kPaged ? KvPath::kAny : KvPath::kContiguous;  // (SeqInfo, load_keys)
+    constexpr KvPath kKv = kPaged ? KvPath::kAny : KvPath::kContiguous;  // (SeqInfo)
 
     extern __shared__ __align__(128) unsigned char smem[];
     T* sQ = reinterpret_cast<T*>(smem);
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
 
     load_tile<BM, C, NTH>(sQ, qg + (int64_t)m0 * p.q_row_stride, p.q_row_stride, si.sq - m0, dch, tid, p.q);
     if constexpr (kPaged)
-        si.template load_k<Loader, BN, kKv>(p, sK, kg, (nb_hi - 1) * BN, dch, tid);
+        si.template load_k<Loader, BN>(p, sK, kg, (nb_hi - 1) * BN, dch, tid);
     else  // as before paging existed: this kernel's register allocation follows even the index arithmetic
         load_tile<BN, C, NTH>(sK, kg + (int64_t)(nb_hi - 1) * BN * p.k_row_stride, p.k_row_stride,
                               si.sk - (nb_hi - 1) * BN, dch, tid, p.k);
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
         cp_async_wait<0>();
         __syncthreads();  // K[nb] landed; every warp is done with V[nb+1]
         if constexpr (kPaged)
-            si.template load_v<Loader, BN, kKv>(p, sV, vg, n0, dch, tid);
+            si.template load_v<Loader, BN>(p, sV, vg, n0, dch, tid);
         else
             load_tile<BN, C, NTH>(sV, vg + (int64_t)n0 * p.v_row_stride, p.v_row_stride, si.sk - n0, dch, tid, p.v);
         cp_async_commit();
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
         __syncthreads();  // V[nb] landed; every warp is done with K[nb]
         if (nb > nb_lo) {
             if constexpr (kPaged)
-                si.template load_k<Loader, BN, kKv>(p, sK, kg, (nb - 1) * BN, dch, tid);
+                si.template load_k<Loader, BN>(p, sK, kg, (nb - 1) * BN, dch, tid);
             else
                 load_tile<BN, C, NTH>(sK, kg + (int64_t)(nb - 1) * BN * p.k_row_stride, p.k_row_stride,
                                       si.sk - (nb - 1) * BN, dch, tid, p.k);

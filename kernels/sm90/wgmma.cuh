@@ -161,6 +161,7 @@ template <int ROWS, int C, int NTHREADS, typename T, typename RowPtr>
 __device__ __forceinline__ void load_panels_rows(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
                                                  const void* fallback) {
     constexpr int RP = NTHREADS / 8;
+    static_assert(C % 8 == 0 && RP % 8 == 0 && ROWS % RP == 0, "as load_panels");
     const int r0 = tid >> 3, j = tid & 7;
     const uint32_t dst0 = smem_addr(s) + r0 * kPanelRowBytes + ((j ^ (r0 & 7)) << 4);
 #pragma unroll 1
