@@ -13,6 +13,12 @@ Outputs are poisoned with NaN before every call.
   python3 bench/kernel_check.py --quick    # a few small cases (for compute-sanitizer)
   python3 bench/kernel_check.py --bench    # + forward/backward timings vs torch SDPA (flash)
   python3 bench/kernel_check.py --inspect  # + HMMA count per kernel (cuobjdump) and spills
+  python3 bench/kernel_check.py --filter paged --paged-bench  # paged K/V cases + paged decode timing
+  python3 bench/kernel_check.py --bad-tables  # bad paged block tables (run under compute-sanitizer)
+
+Paged cases (Case(page=...)): k / v go into a cache of shuffled pages (plus spare NaN pages, and
+table entries past each sequence's pages are garbage), and the result must equal the contiguous
+varlen call on the same rows bit for bit, besides passing the reference check.
 """
 import argparse
 import ctypes
@@ -156,7 +162,9 @@ class CfFwdParams(ctypes.Structure):
                [("lse_batch_stride", i64), ("lse_head_stride", i64)] + \
                [(n, i32) for n in ("b", "h", "hkv", "d", "seqlen_q", "seqlen_k", "alibi_batch_stride",
                                    "window_left", "window_right")] + \
-               [("softmax_scale", f32), ("softcap", f32), ("dtype", i32), ("total_q", i64), ("total_k", i64)]
+               [("softmax_scale", f32), ("softcap", f32), ("dtype", i32), ("total_q", i64), ("total_k", i64)] + \
+               [("block_table", vp), ("block_table_batch_stride", i64)] + \
+               [(n, i32) for n in ("page_block_size", "num_blocks", "max_blocks")]
 
 
 class CfBwdParams(ctypes.Structure):
@@ -197,7 +205,7 @@ def strides3(t, varlen):
 class Case:
     def __init__(self, name, dtype="bf16", b=2, h=4, hkv=None, sq=113, sk=None, d=64, wl=-1, wr=-1,
                  softcap=0.0, alibi=None, varlen=None, layout="bshd", bwd=True, det=False, scale=None,
-                 qmul=1.0):
+                 qmul=1.0, page=None):
         self.name, self.dtype, self.b, self.h = name, dtype, b, h
         self.hkv = hkv or h
         self.sq, self.sk = sq, (sk if sk is not None else sq)
@@ -206,6 +214,8 @@ class Case:
         self.layout, self.bwd, self.det = layout, bwd, det
         self.scale = scale if scale is not None else 1.0 / math.sqrt(d)
         self.qmul = qmul
+        self.page = page  # paged K/V: rows per page (varlen only, forward only)
+        assert page is None or (varlen and not bwd)
         if varlen:
             self.b = len(varlen)
 
@@ -314,7 +324,9 @@ def reference(c, q, k, v, do, slopes, ctype, grads):
 
 
 # ----------------------------------------------------------------------------- kernel calls
-def fwd_params(c, q, k, v, o, lse, slopes, cu_q, cu_k):
+def fwd_params(c, q, k, v, o, lse, slopes, cu_q, cu_k, table=None):
+    """table: the paged block table (int32 [b, max_blocks]); k and v are then the page caches
+    [num_blocks, page, hkv, d]."""
     p = CfFwdParams()
     varlen = c.varlen is not None
     p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr()
@@ -322,7 +334,8 @@ def fwd_params(c, q, k, v, o, lse, slopes, cu_q, cu_k):
     p.cu_seqlens_q = cu_q.data_ptr() if varlen else None
     p.cu_seqlens_k = cu_k.data_ptr() if varlen else None
     for n, t in (("q", q), ("k", k), ("v", v), ("o", o)):
-        bs, rs, hs = strides3(t, varlen)
+        paged = table is not None and n in "kv"
+        bs, rs, hs = (t.stride(0), t.stride(1), t.stride(2)) if paged else strides3(t, varlen)
         setattr(p, f"{n}_batch_stride", bs)
         setattr(p, f"{n}_row_stride", rs)
         setattr(p, f"{n}_head_stride", hs)
@@ -342,6 +355,10 @@ def fwd_params(c, q, k, v, o, lse, slopes, cu_q, cu_k):
     p.dtype = DT[c.dtype][1]
     p.total_q = q.shape[0] if varlen else c.b * c.sq
     p.total_k = k.shape[0] if varlen else c.b * c.sk
+    if table is not None:
+        p.block_table, p.block_table_batch_stride = table.data_ptr(), table.stride(0)
+        p.page_block_size, p.num_blocks, p.max_blocks = k.shape[1], k.shape[0], table.shape[1]
+        p.total_k = k.shape[0] * k.shape[1]
     return p
 
 
@@ -376,7 +393,34 @@ def check(st, what):
         raise RuntimeError(f"{what} returned {st}: {lib.cf_error_string(st).decode()}")
 
 
-def run_ours(c, q, k, v, do, slopes, det):
+def page_out(c, k, v, gen, spare=3):
+    """A cache of shuffled pages holding the packed varlen rows k / v [total_k, hkv, d]: (k_cache,
+    v_cache, table int32 [b, width]). Rows no key was written to are NaN; table entries past a
+    sequence's pages are garbage (-1 or a page past the cache): reading either fails the check."""
+    page, dev = c.page, k.device
+    used = [(sk + page - 1) // page for _, sk in c.varlen]
+    nblocks = sum(used) + spare
+    perm = torch.randperm(nblocks, generator=gen, device=dev).tolist()
+    width = max(used + [0]) + 1
+    kc = torch.full((nblocks, page) + tuple(k.shape[1:]), float("nan"), dtype=k.dtype, device=dev)
+    vc = torch.full_like(kc, float("nan"))
+    table = torch.full((len(c.varlen), width), -1, dtype=torch.int32, device=dev)
+    table[1::2] = nblocks + 7
+    slots = []  # cache row of each packed key row
+    for b, ((_, sk), n) in enumerate(zip(c.varlen, used)):
+        pages = torch.tensor(perm[:n], dtype=torch.int64, device=dev)
+        perm = perm[n:]
+        table[b, :n] = pages.to(torch.int32)
+        j = torch.arange(sk, device=dev)
+        slots.append(pages[j // page] * page + j % page)
+    slots = torch.cat(slots)
+    kc.view(-1, *k.shape[1:])[slots] = k
+    vc.view(-1, *v.shape[1:])[slots] = v
+    return kc, vc, table
+
+
+def run_ours(c, q, k, v, do, slopes, det, paged=None):
+    """paged: (k_cache, v_cache, table) from page_out, read instead of k / v (forward only)."""
     dev = q.device
     dt = q.dtype
     varlen = c.varlen is not None
@@ -395,7 +439,10 @@ def run_ours(c, q, k, v, do, slopes, det):
         cu_q = cu_k = None
         o = torch.full((c.b, c.sq, c.h, c.d), float("nan"), dtype=dt, device=dev)
         lse = torch.full((c.b, c.h, c.sq), float("nan"), dtype=torch.float32, device=dev)
-    fp = fwd_params(c, q, k, v, o, lse, slopes, cu_q, cu_k)
+    if paged is not None:
+        fp = fwd_params(c, q, paged[0], paged[1], o, lse, slopes, cu_q, cu_k, paged[2])
+    else:
+        fp = fwd_params(c, q, k, v, o, lse, slopes, cu_q, cu_k)
     fws = fwd_workspace(fp, dev)
     check(call_fwd(fp, fws, stream), "cf_fwd")
     res = {"o": o, "lse": lse}
@@ -468,11 +515,20 @@ def absmax(lst):
     return max([t.double().abs().max().item() for t in lst if t.numel()] + [0.0])
 
 
+def bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
 def run_case(c, dev, gen):
     q, k, v, do, slopes = make_inputs(c, dev, gen)
     ref = reference(c, q, k, v, do, slopes, torch.float64, c.bwd)
     naive = reference(c, q, k, v, do, slopes, q.dtype, c.bwd)
     ours = run_ours(c, q, k, v, do, slopes, c.det)
+    same_as_contiguous = None
+    if c.page:  # the paged call is judged; the contiguous one must give the same bits
+        paged = run_ours(c, q, k, v, do, slopes, False, page_out(c, k, v, gen))
+        same_as_contiguous = all(torch.equal(bits(paged[n]), bits(ours[n])) for n in ("o", "lse"))
+        ours = paged
     floor_rel = 2e-6 if c.dtype == "f32" else 1e-4
     rows = []
     ok = True
@@ -499,6 +555,9 @@ def run_case(c, dev, gen):
         good = bool(ours.get("det_equal"))
         ok &= good
         rows.append("bitwise:" + ("same" if good else "DIFF!"))
+    if same_as_contiguous is not None:
+        ok &= same_as_contiguous
+        rows.append("paged==contiguous:" + ("same" if same_as_contiguous else "DIFF!"))
     return ok, worst, " ".join(rows)
 
 
@@ -590,7 +649,108 @@ def matrix(quick):
         C(G + "bf16-q1-k600-bwd", "bf16", b=1, h=8, hkv=2, sq=1, sk=600, d=128),
         C(G + "f32-q1-k4096-gqa", "f32", b=1, h=8, hkv=2, sq=1, sk=4096, d=128, bwd=False),
     ]
+    cases += paged_matrix()
     return cases
+
+
+def paged_matrix():
+    """Paged K/V (forward): every kernel family (sm90 wgmma / sm80 mma.sync by head dim and
+    CANDLE_FLASH_DISABLE_SM90A, split-KV decode, f32 SIMT) over page sizes that are multiples of
+    the key tile (one lookup per tile) and smaller or odd ones (one lookup per row)."""
+    C = Case
+    pre = [(17, 30), (0, 5), (113, 113), (3, 0), (1, 70), (300, 1023)]  # Sq != Sk, empty, tile-breaking
+    dec = [(1, 4096), (1, 0), (1, 513), (1, 17), (1, 3000)]
+    cases = []
+    for dt in ("bf16", "f16", "f32"):
+        for page in (1, 16, 256):
+            cases.append(C(f"paged-{dt}-pre-causal-gqa-d128-pg{page}", dt, h=8, hkv=2, d=128, varlen=pre,
+                           wl=-1, wr=0, bwd=False, page=page))
+            cases.append(C(f"paged-{dt}-dec-gqa-d128-pg{page}", dt, h=32, hkv=8, d=128, varlen=dec, bwd=False,
+                           page=page))
+        cases += [
+            C(f"paged-{dt}-pre-d64-window-softcap-pg3", dt, h=4, hkv=1, d=64, varlen=pre, wl=40, wr=2, softcap=5.0,
+              qmul=3, bwd=False, page=3),
+            C(f"paged-{dt}-pre-d64-alibi-pg64", dt, h=6, hkv=2, d=64, varlen=pre, alibi="bh", bwd=False, page=64),
+            C(f"paged-{dt}-pre-d96-causal-pg32", dt, h=4, hkv=2, d=96, varlen=pre, wl=-1, wr=0, bwd=False, page=32),
+            C(f"paged-{dt}-pre-d256-pg128", dt, h=2, hkv=1, d=256, varlen=pre, bwd=False, page=128),
+            C(f"paged-{dt}-dec-d64-window-pg16", dt, h=16, hkv=4, d=64, varlen=dec, wl=700, wr=0, bwd=False, page=16),
+            C(f"paged-{dt}-dec-q4-causal-softcap-pg48", dt, h=8, hkv=2, d=128,
+              varlen=[(4, 1000), (1, 1), (3, 2500), (0, 0)], wl=-1, wr=0, softcap=5.0, qmul=3, bwd=False, page=48),
+            C(f"paged-{dt}-dec-alibi-h-pg256", dt, h=8, hkv=2, d=128, varlen=dec, alibi="h", bwd=False, page=256),
+            C(f"paged-{dt}-dec-mqa-d40-pg7", dt, h=4, hkv=1, d=40, varlen=dec, bwd=False, page=7),
+        ]
+    return cases
+
+
+def decode_setup(dt, B, SK, dev, H=32, HKV=8, D=128):
+    """A contiguous decode call (q = 1 per sequence, batched layout): case, generator, tensors
+    (q, k, v, o, lse: keep them alive while fp is used), parameters and workspace."""
+    c = Case("bench", dt, b=B, h=H, hkv=HKV, sq=1, sk=SK, d=D, bwd=False)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, _, _ = make_inputs(c, dev, g)
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, 1, dtype=torch.float32, device=dev)
+    fp = fwd_params(c, q, k, v, o, lse, None, None, None)
+    return c, g, (q, k, v, o, lse), fp, fwd_workspace(fp, dev)
+
+
+def bench_paged_decode(dev):
+    """Paged decode (split-KV) vs our contiguous kernel on the same logical cache: bf16, 32 query /
+    8 KV heads, D = 128, pages shuffled. Times with CUDA graphs of 20 calls (as bench_decode)."""
+    lines = ["| B | Sk | page | contiguous us | paged us | paged/contiguous | contiguous TB/s | paged TB/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    H, HKV, D = 32, 8, 128
+    stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+    for B, SK in ((16, 32768), (1, 4096), (16, 4096), (1, 32768)):
+        _, g, (q, k, v, o, _lse), fp, fws = decode_setup("bf16", B, SK, dev, H, HKV, D)
+        t_c = graph_time(lambda: call_fwd(fp, fws, stream()))
+        by = 2 * B * SK * HKV * D * 2
+        for page in (16, 256):
+            cv = Case("bench", "bf16", h=H, hkv=HKV, d=D, varlen=[(1, SK)] * B, bwd=False, page=page)
+            kc, vc, table = page_out(cv, k.reshape(B * SK, HKV, D), v.reshape(B * SK, HKV, D), g, spare=0)
+            qv, ov = q.reshape(B, H, D), torch.empty(B, H, D, dtype=q.dtype, device=dev)
+            lv = torch.empty(H, B, dtype=torch.float32, device=dev)
+            cu = torch.arange(0, B + 1, dtype=torch.int32, device=dev)
+            cu_k = cu * SK
+            pp = fwd_params(cv, qv, kc, vc, ov, lv, None, cu, cu_k, table)
+            pws = fwd_workspace(pp, dev)
+            t_p = graph_time(lambda: call_fwd(pp, pws, stream()))
+            call_fwd(fp, fws, stream())
+            call_fwd(pp, pws, stream())
+            torch.cuda.synchronize()
+            same = torch.equal(bits(ov), bits(o.reshape(B, H, D)))
+            lines.append(f"| {B} | {SK} | {page} | {t_c*1e6:.1f} | {t_p*1e6:.1f} | {t_p/t_c:.2f} | "
+                         f"{by/t_c/1e12:.2f} | {by/t_p/1e12:.2f}{'' if same else ' (NOT bitwise equal!)'} |")
+            del kc, vc
+    return lines
+
+
+def graph_time(fn, n=20):
+    """Median seconds per call of fn() replayed n times in a CUDA graph (no launch gaps)."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for _ in range(n):
+            fn()
+    gr.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(7):
+        a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        gr.replay()
+        b_.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b_) * 1e-3 / n)
+    ts.sort()
+    return ts[len(ts) // 2]
 
 
 def bench_decode(dev):
@@ -600,42 +760,10 @@ def bench_decode(dev):
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     H, HKV, D = 32, 8, 128
 
-    def graph_time(fn, n=20):
-        fn()
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            for _ in range(n):
-                fn()
-        gr.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(7):
-            a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            gr.replay()
-            b_.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b_) * 1e-3 / n)
-        ts.sort()
-        return ts[len(ts) // 2]
-
     for dt in ("bf16", "f16"):
         for B in (1, 16):
             for SK in (4096, 32768):
-                c = Case("bench", dt, b=B, h=H, hkv=HKV, sq=1, sk=SK, d=D)
-                g = torch.Generator(device=dev).manual_seed(0)
-                q, k, v, _, _ = make_inputs(c, dev, g)
-                o = torch.empty_like(q)
-                lse = torch.empty(B, H, 1, dtype=torch.float32, device=dev)
-                fp = fwd_params(c, q, k, v, o, lse, None, None, None)
-                fws = fwd_workspace(fp, dev)
+                _, _, (q, k, v, o, _lse), fp, fws = decode_setup(dt, B, SK, dev, H, HKV, D)
 
                 def ours():
                     st = call_fwd(fp, fws, torch.cuda.current_stream().cuda_stream)
@@ -716,6 +844,53 @@ def bad_seqlens(dev):
     return fails
 
 
+def bad_tables(dev):
+    """cf_fwd with deliberately bad paged block tables and lengths (device data the host does not
+    check by default): entries past num_blocks, negative, int32 min, u32 max (-1 as int32), and
+    cache lengths far above max_seqlen_k. Every call must succeed without touching memory outside
+    the tensors (run it under compute-sanitizer memcheck); the affected rows' values are
+    unspecified. Every kernel family: sm90 / sm80 prefill (d 128 / 96), split-KV decode, f32.
+    Returns the number of failures."""
+    stream = torch.cuda.current_stream().cuda_stream
+    fails = 0
+    for dt in ("bf16", "f16", "f32"):
+        for d in (128, 96):
+            for page in (16, 3, 128):
+                for shape, seqs in (("prefill", [(40, 70), (0, 5), (33, 200)]), ("decode", [(1, 600), (1, 0), (2, 900)])):
+                    c = Case("bad", dt, h=8, hkv=2, d=d, varlen=seqs, bwd=False, page=page)
+                    g = torch.Generator(device=dev).manual_seed(7)
+                    q, k, v, _, _ = make_inputs(c, dev, g)
+                    kc, vc, good = page_out(c, k, v, g, spare=1)
+                    nb = kc.shape[0]
+                    tq = q.shape[0]
+                    cq = torch.tensor([0] + list(__import__("itertools").accumulate(a for a, _ in seqs)),
+                                      dtype=torch.int32, device=dev)
+                    ck = torch.tensor([0] + list(__import__("itertools").accumulate(b_ for _, b_ in seqs)),
+                                      dtype=torch.int32, device=dev)
+                    variants = {
+                        "past_cache": good.masked_fill(torch.rand(good.shape, generator=g, device=dev) < 0.5, nb + 3),
+                        "negative": good.masked_fill(torch.rand(good.shape, generator=g, device=dev) < 0.5, -5),
+                        "int32_min": torch.full_like(good, -2 ** 31),
+                        "u32_max": torch.full_like(good, -1),
+                        "huge_lengths": good,
+                    }
+                    for name, table in variants.items():
+                        cu_k = ck
+                        if name == "huge_lengths":  # lengths past max_seqlen_k, past the table row
+                            cu_k = torch.tensor([0, 2 ** 31 - 1, 5, 2 ** 31 - 2], dtype=torch.int64,
+                                                device=dev).to(torch.int32)
+                        o = torch.full((tq, c.h, d), float("nan"), dtype=q.dtype, device=dev)
+                        lse = torch.full((c.h, tq), float("nan"), dtype=torch.float32, device=dev)
+                        fp = fwd_params(c, q, kc, vc, o, lse, None, cq, cu_k, table)
+                        st = call_fwd(fp, fwd_workspace(fp, dev), stream)
+                        err = torch.cuda.synchronize() or "ok"
+                        ok = st == 0
+                        fails += not ok
+                        print(f"{'PASS' if ok else 'FAIL'} bad_tables {dt} d={d} page={page} {shape} {name} "
+                              f"fwd={st} {err}", flush=True)
+    return fails
+
+
 # ----------------------------------------------------------------------------- timing
 def bench(dev):
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -770,6 +945,9 @@ def main():
     ap.add_argument("--decode", action="store_true", help="decode timing vs SDPA flash")
     ap.add_argument("--bad-seqlens", action="store_true",
                     help="only the bad device seqlens cases (run under compute-sanitizer), then one good case")
+    ap.add_argument("--bad-tables", action="store_true",
+                    help="only the bad paged block tables (run under compute-sanitizer), then two good paged cases")
+    ap.add_argument("--paged-bench", action="store_true", help="paged decode timing vs our contiguous kernel")
     args = ap.parse_args()
     gencode = ["-gencode=arch=compute_90a,code=sm_90a"]
     if args.sm80:
@@ -801,6 +979,10 @@ def main():
         n_fail += bad_seqlens(dev)
         cases = [c for c in matrix(True) if "varlen" in c.name][:2]  # the device still works
         print(f"bad seqlens: {n_fail} failed; then {len(cases)} good varlen cases", flush=True)
+    if args.bad_tables:
+        n_fail += bad_tables(dev)
+        cases = [c for c in paged_matrix() if "pg16" in c.name or "pg3" in c.name][:4]
+        print(f"bad tables: {n_fail} failed; then {len(cases)} good paged cases", flush=True)
     t0 = time.time()
     table = []
     for c in cases:
@@ -818,6 +1000,13 @@ def main():
             f.write("\n".join(table) + "\n")
     if args.bench:
         for line in bench(dev):
+            print(line, flush=True)
+    if args.paged_bench:
+        pl = bench_paged_decode(dev)
+        if OUT:
+            with open(os.path.join(OUT, "paged_decode.txt"), "w") as f:
+                f.write("\n".join(pl) + "\n")
+        for line in pl:
             print(line, flush=True)
     if args.decode:
         dl = bench_decode(dev)

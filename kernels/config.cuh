@@ -16,11 +16,19 @@ inline int round_head_dim(int d) {
 // ------------------------------------------------------------------ forward (tensor cores)
 // CTA = kNWarps warps over kBlockM query rows (each warp owns kMTiles m16 tiles), looping over
 // kBlockN keys per step. Shared memory: Q [kBlockM][D] + K [kBlockN][D] + V [kBlockN][D].
-template <typename T_, int kHeadDim_>
+// kPaged: K/V read through the paged block table (its own instantiation, chosen in dispatch.cu):
+// 64 query rows for d = 96 / 128, since with 128 (two m16 tiles per warp) the page lookups on top
+// of the accumulators made the kernel spill (ptxas -v: 32 / 168 bytes; also with the K load
+// moved after P V). Measured consequence: with a left-bounded window the 128-row contiguous tile
+// also walks key blocks that are fully masked for some of its rows, after their visible ones,
+// and the online softmax rescales those rows by exp2(m c - fl(m c)) (not exactly 1), so paged
+// and contiguous can differ in the last bits there (d = 96 / 128 on this kernel only).
+template <typename T_, int kHeadDim_, bool kPaged_ = false>
 struct FwdTraits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = kHeadDim <= 128 ? 128 : 64;
+    static constexpr bool kPaged = kPaged_;
+    static constexpr int kBlockM = kHeadDim <= (kPaged ? 64 : 128) ? 128 : 64;
     static constexpr int kBlockN = kHeadDim <= 64 ? 64 : (kHeadDim <= 128 ? 64 : 64);
     static constexpr int kNWarps = 4;
     static constexpr int kNThreads = kNWarps * 32;
@@ -84,8 +92,11 @@ struct FwdSm90Traits {
     static constexpr bool kSeparateO = kSeparateO_;
     static constexpr int kLaunchRegs = (65536 / kNThreads) & ~7;
     // The producer only computes addresses (40 registers, spill-free: keep its code lean, e.g.
-    // MaskInfo's 32-bit math); consumers get the rest.
-    static constexpr int kProducerRegs = 40;
+    // MaskInfo's 32-bit math); consumers get the rest. d = 64: 56, since its paged K/V loads
+    // (page lookups, SeqInfo::load_keys) spilled at 40 (ptxas -v: 52 / 136 bytes); the
+    // 3-warpgroup consumers keep their 152 registers, the 2-warpgroup ones get 224 instead of 232
+    // (48 would leave them the same).
+    static constexpr int kProducerRegs = kHeadDim == 64 ? 56 : 40;
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
     static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;

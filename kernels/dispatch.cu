@@ -90,8 +90,19 @@ int check_fwd(const CfFwdParams* p) {
         return CF_ERR_BAD_ARGUMENT;
     if (p->b > 0 && (p->q == nullptr || p->k == nullptr || p->v == nullptr || p->o == nullptr || p->lse == nullptr))
         return CF_ERR_BAD_ARGUMENT;
+    const bool paged = p->block_table != nullptr;
+    if (paged) {
+        // Lengths come from cu_seqlens_k; every key a sequence may have (<= seqlen_k) must have
+        // a table entry, so no lookup (SeqInfo::key_offset) reads past a table row.
+        if (p->cu_seqlens_k == nullptr || p->page_block_size < 1 || p->num_blocks < 0 || p->max_blocks < 0 ||
+            p->block_table_batch_stride < p->max_blocks ||
+            (int64_t)p->seqlen_k > (int64_t)p->max_blocks * p->page_block_size ||
+            p->total_k != (int64_t)p->num_blocks * p->page_block_size)
+            return CF_ERR_BAD_ARGUMENT;
+    }
     if (p->dtype != CF_F32) {
-        const bool vq = p->cu_seqlens_q != nullptr, vk = p->cu_seqlens_k != nullptr;
+        // paged k / v: the batch stride is the page stride, used for every page
+        const bool vq = p->cu_seqlens_q != nullptr, vk = p->cu_seqlens_k != nullptr && !paged;
         if (!tensor_aligned(p->q, p->q_batch_stride, p->q_row_stride, p->q_head_stride, vq) ||
             !tensor_aligned(p->k, p->k_batch_stride, p->k_row_stride, p->k_head_stride, vk) ||
             !tensor_aligned(p->v, p->v_batch_stride, p->v_row_stride, p->v_head_stride, vk) ||
@@ -116,6 +127,12 @@ cudaError_t fwd_sm90(const CfFwdParams& p, cudaStream_t s) {
     }
 }
 
+// mma.sync forward: paged K/V has its own instantiation (sm80/fwd.cu says why).
+template <typename T, int D>
+cudaError_t fwd_sm80(const CfFwdParams& p, cudaStream_t s) {
+    return p.block_table != nullptr ? run_fwd_tc<T, D, true>(p, s) : run_fwd_tc<T, D, false>(p, s);
+}
+
 // Tensor-core forward: split-KV for decode shapes, else the wgmma kernel on Hopper for the
 // head-dim tiles it has (64, 128), else the mma.sync kernel.
 template <typename T>
@@ -125,12 +142,12 @@ cudaError_t fwd_tc(const CfFwdParams& p, void* ws, cudaStream_t s) {
     const int rd = round_head_dim(p.d);
     if ((rd == 64 || rd == 128) && sm90a_available()) return fwd_sm90<T>(p, s);
     switch (round_head_dim(p.d)) {
-        case 32: return run_fwd_tc<T, 32>(p, s);
-        case 64: return run_fwd_tc<T, 64>(p, s);
-        case 96: return run_fwd_tc<T, 96>(p, s);
-        case 128: return run_fwd_tc<T, 128>(p, s);
-        case 192: return run_fwd_tc<T, 192>(p, s);
-        default: return run_fwd_tc<T, 256>(p, s);
+        case 32: return fwd_sm80<T, 32>(p, s);
+        case 64: return fwd_sm80<T, 64>(p, s);
+        case 96: return fwd_sm80<T, 96>(p, s);
+        case 128: return fwd_sm80<T, 128>(p, s);
+        case 192: return fwd_sm80<T, 192>(p, s);
+        default: return fwd_sm80<T, 256>(p, s);
     }
 }
 
@@ -155,6 +172,7 @@ int check_bwd(const CfBwdParams* p) {
     int st = check_fwd(&p->fwd);
     if (st != CF_OK) return st;
     const CfFwdParams& f = p->fwd;
+    if (f.block_table != nullptr) return CF_ERR_BAD_ARGUMENT;  // paged K/V is forward only
     if (f.b > 0 && (p->dout == nullptr || p->dq == nullptr || p->dk == nullptr || p->dv == nullptr))
         return CF_ERR_BAD_ARGUMENT;
     if (f.dtype != CF_F32) {

@@ -27,6 +27,7 @@ enum CfStatus {
 // Addressing of one (batch b, row i, head h) vector, for x in {q, k, v, o, dout, dq, dk, dv}:
 //   batched (cu_seqlens_* == NULL): x + b*x_batch_stride + i*x_row_stride + h*x_head_stride
 //   varlen:                         x + (cu_seqlens[b] + i)*x_row_stride + h*x_head_stride
+//   paged k / v (block_table set):  see block_table below
 // q/o/dout/dq use cu_seqlens_q and seqlen_q; k/v/dk/dv use cu_seqlens_k and seqlen_k.
 // Query head h reads KV head h / (h / hkv) with integer division of the head counts, i.e.
 // kv_head = h_index / (p->h / p->hkv) (GQA/MQA: h % hkv == 0, checked by the Rust side).
@@ -74,6 +75,22 @@ typedef struct {
     // maxima) is cut to it. Bad offsets thus give unspecified values in the affected rows, never
     // an access outside the tensors (the Rust side checks them on request: a host copy).
     int64_t total_q, total_k;
+    // Paged K/V (forward only; cf_bwd rejects it): NULL for contiguous k / v. Otherwise k and v
+    // are caches of num_blocks pages of page_block_size rows, cu_seqlens_k is set and only its
+    // differences are used (the length of sequence b's cache, <= seqlen_k; the offsets address
+    // nothing), and key j of sequence b, KV head hk, is
+    //   x + page*x_batch_stride + (j % page_block_size)*x_row_stride + hk*x_head_stride
+    //   with page = block_table[b*block_table_batch_stride + j / page_block_size]
+    // (x_batch_stride: the stride between pages). The table holds b rows of max_blocks entries,
+    // int32 (a u32 table is passed as is: its values are read as uint32); entries past a
+    // sequence's last page are never read. Its values are device data the host does not check
+    // by default: an entry outside [0, num_blocks) (negative, or past the cache) reads page 0,
+    // so a bad table gives unspecified values in the affected rows and never an access outside
+    // the cache. Needs seqlen_k <= max_blocks * page_block_size (checked), so no lookup runs
+    // past a table row; total_k = num_blocks * page_block_size.
+    const int32_t* block_table;
+    int64_t block_table_batch_stride;
+    int32_t page_block_size, num_blocks, max_blocks;
 } CfFwdParams;
 
 typedef struct {

@@ -14,8 +14,9 @@ bool sm90a_available();
 // Streaming multiprocessors of the current device.
 cudaError_t current_sm_count(int& sms);
 
-// mma.sync forward (sm80/fwd.cu), every head-dim tile of config.cuh.
-template <typename T, int D>
+// mma.sync forward (sm80/fwd.cu), every head-dim tile of config.cuh; kPaged: K/V through the
+// block table (p.block_table set), else contiguous.
+template <typename T, int D, bool kPaged>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);
 // sm_90a wgmma forward (sm90/fwd.cu) with configuration Kt (one of the FwdSm90Traits* of
 // config.cuh); call only when sm90a_available().

@@ -17,7 +17,8 @@
 //!
 //! Paged K/V caches (serving): [`flash_attn_varlen_paged_windowed`] (candle-flash-attn's
 //! signature) or [`FlashAttnOptions::paged`], and [`write_paged_kv`] to append rows to the
-//! pages; forward only, CPU only for now. [`compat::v3`] has candle-flash-attn-v3's signatures.
+//! pages; forward only, CPU and CUDA (`mm_prefix_ranges` CPU only). [`compat::v3`] has
+//! candle-flash-attn-v3's signatures.
 //!
 //! `Tensor::backward()` through any of these functions gives dq, dk, dv; see [`op`] for how
 //! the backward reaches the forward's log-sum-exp without recomputing the forward.
@@ -321,9 +322,11 @@ pub fn flash_attn_varlen_alibi_windowed_softcap(
 /// window wider than `max_seqlen_k` is unbounded. `softcap`: `Some(c)`, c > 0 (unlike
 /// candle-flash-attn, `Some(0.0)` is an error, not "off": pass `None`).
 ///
-/// Forward only (a backward through it is an error), and CPU only for now: on CUDA tensors it
-/// returns an error saying paged K/V is not yet supported there. The options form is
-/// [`FlashAttnOptions::paged`]; [`write_paged_kv`] appends rows to the pages.
+/// Forward only (a backward through it is an error). Any page size >= 1 on the CPU and on CUDA;
+/// on CUDA the table's values are not read on the host unless asked
+/// ([`FlashAttnOptions::check_device_data()`]: an entry outside the cache then reads page 0),
+/// and `mm_prefix_ranges` is an error there. The options form is [`FlashAttnOptions::paged`];
+/// [`write_paged_kv`] appends rows to the pages.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_paged_windowed(
     q: &Tensor,

@@ -9,8 +9,10 @@
 //! reading them is a host copy that stalls the stream and breaks CUDA-graph capture. Unchecked
 //! bad offsets on CUDA are clamped by the kernels (never an access outside the tensors).
 //!
-//! Paged K/V ([`PagedKv`]) and `mm_prefix_ranges` are forward-only and CPU-only for now:
-//! [`validate`] rejects them on CUDA, [`validate_backward`] rejects any backward through them.
+//! Paged K/V ([`PagedKv`]) is forward only, on every device; its block table is one of those
+//! device-held values (read and checked on CUDA only on request; unchecked bad entries are
+//! clamped by the kernels). `mm_prefix_ranges` is forward only and CPU only: [`validate`]
+//! rejects it on CUDA, [`validate_backward`] rejects any backward through either.
 
 use crate::op::BwdInputs;
 use candle_core::{bail, DType, Device, Error, Tensor};
@@ -44,7 +46,10 @@ pub struct VarLen {
 #[derive(Clone, Debug)]
 pub struct PagedKv {
     /// `(B, max_blocks)` u32 or i32 page indices; entries past a sequence's last page are not
-    /// read (servers pad them with anything, -1 included).
+    /// read (servers pad them with anything, -1 included). On CUDA its values are checked only
+    /// under [`FlashAttnOptions::check_device_data()`]; otherwise an entry outside the cache
+    /// (negative, or `>= num_blocks`) reads page 0: unspecified values in the rows that use it,
+    /// never an access outside the cache.
     pub block_table: Tensor,
     /// Rows per page; must equal dimension 1 of k and v.
     pub page_block_size: usize,
@@ -73,20 +78,21 @@ pub struct FlashAttnOptions {
     pub alibi_slopes: Option<Tensor>,
     /// Packed variable-length sequences (q is `(total_q, H, D)`).
     pub varlen: Option<VarLen>,
-    /// Read k and v as a paged cache through a block table (forward only, CPU only for now).
+    /// Read k and v as a paged cache through a block table (forward only; CPU and CUDA).
     pub paged: Option<PagedKv>,
     /// i32 `(B, max_ranges, 2)` half-open key-position ranges `[start, end)` (candle-flash-attn's
     /// multimodal prefixes, e.g. an image's tokens): a query whose position `i + Sk - Sq` lies in
     /// a range also sees every key of that range (below Sk), whatever the causal/window mask
     /// says, so the range attends to itself bidirectionally. Ranges with `start >= end` are
-    /// ignored. Forward only, CPU only for now.
+    /// ignored. Forward only, CPU only (an error on CUDA).
     pub mm_prefix_ranges: Option<Tensor>,
     /// Backward only: give bit-identical gradients run to run (no order-dependent atomics).
     pub deterministic: bool,
-    /// CUDA: copy the varlen offsets and ALiBi slopes to the host and check their values on
-    /// every call (a stream synchronisation; not capturable in a CUDA graph). Off by default,
-    /// where bad offsets give unspecified values in the affected rows but never an access
-    /// outside the tensors. Also turned on for every call by the environment variable
+    /// CUDA: copy the varlen offsets, ALiBi slopes and the paged block table to the host and
+    /// check their values on every call (a stream synchronisation; not capturable in a CUDA
+    /// graph). Off by default, where bad offsets or table entries give unspecified values in the
+    /// affected rows but never an access outside the tensors (a table entry outside the cache
+    /// reads page 0). Also turned on for every call by the environment variable
     /// [`CHECK_DEVICE_DATA_ENV`]`=1`. The CPU always checks (reading there is free).
     pub check_device_data: bool,
 }
@@ -161,7 +167,7 @@ impl FlashAttnOptions {
     }
 
     /// Sets the field `check_device_data`: on CUDA, read and check the values of the varlen
-    /// offsets and ALiBi slopes on every call (a host synchronisation).
+    /// offsets, ALiBi slopes and paged block table on every call (a host synchronisation).
     pub fn check_device_data(mut self, check: bool) -> Self {
         self.check_device_data = check;
         self
@@ -457,15 +463,10 @@ fn validate_inner(
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         bail!("candle-flash: dtype mismatch: q {:?}, k {:?}, v {:?}", q.dtype(), k.dtype(), v.dtype())
     }
-    if q.device().is_cuda() {
-        // The CUDA kernels do not read pages or prefix ranges yet (issue 13); say so rather
-        // than hand them tensors they would misread.
-        if opts.paged.is_some() {
-            bail!("candle-flash: paged K/V is not yet supported on CUDA (only on the CPU for now)")
-        }
-        if opts.mm_prefix_ranges.is_some() {
-            bail!("candle-flash: mm_prefix_ranges is not yet supported on CUDA (only on the CPU for now)")
-        }
+    // The CUDA kernels do not read prefix ranges (their masks are one interval per query row);
+    // say so rather than ignore them.
+    if q.device().is_cuda() && opts.mm_prefix_ranges.is_some() {
+        bail!("candle-flash: mm_prefix_ranges is not supported on CUDA (only on the CPU)")
     }
     if opts.paged.is_some() && opts.varlen.is_none() {
         bail!("candle-flash: paged K/V needs the varlen layout (q (total_q, heads, head_dim), seqlens_q, seqlens_k)")
@@ -529,6 +530,15 @@ fn validate_inner(
                 None => (k.dims()[0], k.dims()[0]),
                 Some(paged) => {
                     let max_blocks = check_paged(paged, k, bq, q.device())?;
+                    let sizes = [k.dims()[0], paged.page_block_size, max_blocks];
+                    if q.device().is_cuda() && sizes.iter().any(|&x| x > i32::MAX as usize) {
+                        bail!(
+                            "candle-flash: num_blocks {}, page_block_size {} and the block_table width {max_blocks} \
+                             must fit the CUDA kernels' 32-bit sizes",
+                            sizes[0],
+                            sizes[1]
+                        )
+                    }
                     (k.dims()[0] * k.dims()[1], max_blocks * paged.page_block_size)
                 }
             };

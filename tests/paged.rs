@@ -1,8 +1,9 @@
-//! Paged K/V: the CPU forward read through shuffled block tables against the reference (f64
-//! truth, tolerance relative to the naive same-dtype error) and against the contiguous op on
-//! the same logical cache (bitwise), page sizes 1, 3, 16 and 256, prefill and decode, GQA,
-//! windows, softcap, ALiBi, empty sequences, mm_prefix_ranges; cache writes; bad input;
-//! candle-flash-attn / candle-flash-attn-v3 snippets; CUDA's clear error.
+//! Paged K/V: the forward (CPU, and CUDA when a GPU is present) read through shuffled block
+//! tables against the reference (f64 truth, tolerance relative to the naive same-dtype error)
+//! and against the contiguous op on the same logical cache and device (bitwise), page sizes 1,
+//! 3, 16 and 256 (CUDA: also 7, 48, 64, 128), prefill and decode, GQA, windows, softcap, ALiBi,
+//! empty sequences, mm_prefix_ranges (CPU); cache writes; bad input, and on CUDA bad tables
+//! clamped without a fault; candle-flash-attn / candle-flash-attn-v3 snippets.
 
 mod common;
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -56,18 +57,23 @@ fn page_out(
     Ok(PagedCache { k: k_cache, v: v_cache, table, page })
 }
 
-/// One paged parity case: the case's varlen sequences, paged with `page` rows per page.
+/// One paged parity case: the case's varlen sequences, paged with `page` rows per page; the
+/// flash runs on `device`, the reference on the CPU.
 fn check_paged(
     case: &Case,
     page: usize,
     prefix_ranges: Option<&[[i32; 2]]>,
+    device: &Device,
     rng: &mut StdRng,
     seed: u64,
 ) -> Result<String> {
     let x = make_inputs(case, rng)?;
     let k_lens: Vec<usize> = case.varlen.iter().map(|s| s.1).collect();
     let table_dtype = if rng.random::<bool>() { DType::U32 } else { DType::I32 };
-    let ctx = format!("{case:?} page {page} {table_dtype:?} ranges {prefix_ranges:?} (seed {seed})");
+    let ctx = format!(
+        "{case:?} page {page} {table_dtype:?} ranges {prefix_ranges:?} on {:?} (seed {seed})",
+        device.location()
+    );
     let ranges = match prefix_ranges {
         Some(r) => {
             let per_seq: Vec<i32> = (0..case.batch).flat_map(|_| r.iter().flatten().copied()).collect();
@@ -75,19 +81,21 @@ fn check_paged(
         }
         None => None,
     };
-    let contiguous_opts = options(case, &x, &Device::Cpu)?.mm_prefix_ranges(ranges.as_ref());
     // One page layout for every run of the case (truth, naive, flash), drawn from the case's rng.
     let layout_seed: u64 = rng.random();
     let run = |dtype: DType, flash: bool, paged: bool| -> Result<(Tensor, Tensor)> {
+        let dev = if flash { device } else { &Device::Cpu };
+        let contiguous_opts = options(case, &x, dev)?.mm_prefix_ranges(ranges.as_ref());
         let to = |t: &Tensor| t.to_dtype(dtype);
         let (q, k, v) = (to(&x.q)?, to(&x.k)?, to(&x.v)?);
         let (k, v, opts) = if paged {
             let cache = page_out(&k, &v, &k_lens, page, table_dtype, &mut StdRng::seed_from_u64(layout_seed))?;
-            let opts = contiguous_opts.clone().paged(Some(PagedKv::new(&cache.table, cache.page)));
+            let opts = contiguous_opts.paged(Some(PagedKv::new(&cache.table.to_device(dev)?, cache.page)));
             (cache.k, cache.v, opts)
         } else {
-            (k, v, contiguous_opts.clone())
+            (k, v, contiguous_opts)
         };
+        let (q, k, v) = (q.to_device(dev)?, k.to_device(dev)?, v.to_device(dev)?);
         if flash {
             candle_flash::flash_attn_with_lse(&q, &k, &v, &opts)
         } else {
@@ -116,13 +124,17 @@ fn check_paged(
     Ok(format!("fwd {ef:.1e} (naive {en:.1e})"))
 }
 
-fn sweep(cases: &[(Case, usize)], prefix_ranges: Option<&[[i32; 2]]>) {
+fn sweep_on(device: &Device, cases: &[(Case, usize)], prefix_ranges: Option<&[[i32; 2]]>) {
     let (mut rng, seed) = common::rng();
     for (case, page) in cases {
-        let summary = check_paged(case, *page, prefix_ranges, &mut rng, seed)
-            .unwrap_or_else(|e| panic!("{case:?} page {page}: {e}"));
-        println!("{case:?} page {page}: {summary}");
+        let summary = check_paged(case, *page, prefix_ranges, device, &mut rng, seed)
+            .unwrap_or_else(|e| panic!("{case:?} page {page} on {:?}: {e}", device.location()));
+        println!("{case:?} page {page} on {:?}: {summary}", device.location());
     }
+}
+
+fn sweep(cases: &[(Case, usize)], prefix_ranges: Option<&[[i32; 2]]>) {
+    sweep_on(&Device::Cpu, cases, prefix_ranges);
 }
 
 /// Prefill: many query rows per sequence (Sq ≠ Sk, an empty cache, an empty query), every
@@ -168,6 +180,46 @@ fn mm_prefix_ranges_match_reference() {
         cases.push((Case::new(dtype, (0, 0), (4, 2), 32).varlen(&seqs).window(Some(3), Some(0)), 3));
     }
     sweep(&cases, Some(ranges));
+}
+
+/// CUDA: every kernel family reads the pages (f32 SIMT; sm80 mma.sync for head-dim tile 32, the
+/// sm90 wgmma kernel on Hopper for 64 / 128; split-KV decode), pages that hold whole key tiles
+/// (one lookup per tile) and smaller or odd ones (one lookup per row); bitwise equal to the
+/// contiguous CUDA op on the same rows. Skipped without a GPU.
+#[test]
+fn cuda_prefill_matches_reference_and_contiguous() {
+    let Some(gpu) = common::cuda_device() else { return };
+    let seqs = [(17, 30), (0, 5), (113, 113), (3, 0), (1, 70), (200, 300)];
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        for page in [1, 16, 256, 7] {
+            cases.push((Case::new(dtype, (0, 0), (4, 2), 64).varlen(&seqs).causal(), page));
+        }
+        cases.push((Case::new(dtype, (0, 0), (4, 2), 128).varlen(&seqs).causal(), 64));
+        cases.push((Case::new(dtype, (0, 0), (4, 1), 32).varlen(&seqs).window(Some(7), Some(2)).softcap(5.0), 16));
+        cases.push((Case::new(dtype, (0, 0), (6, 2), 24).varlen(&seqs).alibi(2), 3));
+        // Left-bounded windows at d <= 64: the sm_80 kernel's paged tiles for d = 96 / 128 differ
+        // from its contiguous ones, and there the last bits may too (README, docs/kernels.md).
+        cases.push((Case::new(dtype, (0, 0), (2, 2), 64).varlen(&seqs).window(Some(40), None), 128));
+    }
+    sweep_on(&gpu, &cases, None);
+}
+
+#[test]
+fn cuda_decode_matches_reference_and_contiguous() {
+    let Some(gpu) = common::cuda_device() else { return };
+    let seqs = [(1, 1300), (1, 0), (1, 513), (1, 17), (1, 2048)];
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        for page in [1, 16, 256, 48] {
+            cases.push((Case::new(dtype, (0, 0), (8, 2), 128).varlen(&seqs).causal(), page));
+        }
+        cases.push((Case::new(dtype, (0, 0), (8, 1), 64).varlen(&seqs).window(Some(300), Some(0)).softcap(20.0), 16));
+        cases.push((Case::new(dtype, (0, 0), (4, 2), 64).varlen(&seqs).alibi(1), 32));
+        let q4 = [(4, 1000), (1, 1), (3, 700)];
+        cases.push((Case::new(dtype, (0, 0), (8, 2), 128).varlen(&q4).causal(), 256));
+    }
+    sweep_on(&gpu, &cases, None);
 }
 
 /// The same prefix range makes a difference: rows inside it see later keys of the range.
@@ -534,10 +586,12 @@ fn bad_cache_writes_are_errors() -> Result<()> {
     Ok(())
 }
 
-/// On CUDA the paged function is a clear error for now (the kernels come later), and cache
-/// writes go through candle's in-place scatter, equal to the CPU's.
+/// CUDA: a bad table is an error naming the entry when the device data is checked; unchecked,
+/// entries outside the cache are clamped (the call succeeds, nothing faults: the sanitizer run
+/// of `bench/kernel_check.py --bad-tables` proves the bounds); mm_prefix_ranges and a backward
+/// are clear errors; cache writes go through candle's in-place scatter, equal to the CPU's.
 #[test]
-fn cuda_paged_is_a_clear_error() -> Result<()> {
+fn cuda_paged_errors_and_clamping() -> Result<()> {
     let Some(gpu) = common::cuda_device() else { return Ok(()) };
     let s = small()?;
     let to = |t: &Tensor| t.to_dtype(DType::BF16)?.to_device(&gpu);
@@ -548,10 +602,52 @@ fn cuda_paged_is_a_clear_error() -> Result<()> {
         seqlens_k: s.seqlens_k.to_device(&gpu)?,
         table: s.table.to_device(&gpu)?,
     };
-    expect_err(
-        call(&on_gpu, &on_gpu.k, &on_gpu.seqlens_k, &on_gpu.table, 4),
-        &["paged K/V is not yet supported on CUDA"],
+    call(&on_gpu, &on_gpu.k, &on_gpu.seqlens_k, &on_gpu.table, 4)?;
+    for bad in [Tensor::new(&[[4u32, 5, 9], [2, 3, 9]], &gpu)?, Tensor::new(&[[4i32, 0, 0], [-1, 3, 0]], &gpu)?] {
+        let opts = |check: bool| {
+            FlashAttnOptions::new(0.3)
+                .causal(true)
+                .varlen(Some(candle_flash::VarLen {
+                    seqlens_q: on_gpu.seqlens_q.clone(),
+                    seqlens_k: on_gpu.seqlens_k.clone(),
+                    max_seqlen_q: 2,
+                    max_seqlen_k: 9,
+                }))
+                .paged(Some(PagedKv::new(&bad, 4)))
+                .check_device_data(check)
+        };
+        let r = candle_flash::flash_attn_with_options(&on_gpu.q, &on_gpu.k, &on_gpu.k, &opts(true));
+        expect_err(r, &["block_table[", "is not a page of the cache (0..5)"]);
+        if std::env::var(candle_flash::CHECK_DEVICE_DATA_ENV).is_ok_and(|v| !v.is_empty() && v != "0") {
+            continue; // every call is checked: the unchecked path cannot be reached
+        }
+        // Unchecked: clamped, the call succeeds and the output is finite (page 0 is real data).
+        let out = candle_flash::flash_attn_with_options(&on_gpu.q, &on_gpu.k, &on_gpu.k, &opts(false))?;
+        let v = out.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        assert!(v.iter().all(|x| x.is_finite()), "clamped table gave non-finite values");
+    }
+    let ranges = Tensor::new(&[[[1i32, 2]], [[0, 1]]], &gpu)?;
+    let r = candle_flash::flash_attn_varlen_paged_windowed(
+        &on_gpu.q,
+        &on_gpu.k,
+        &on_gpu.k,
+        &on_gpu.seqlens_q,
+        &on_gpu.seqlens_k,
+        &on_gpu.table,
+        Some(&ranges),
+        2,
+        9,
+        0.3,
+        None,
+        Some(0),
+        4,
+        None,
     );
+    expect_err(r, &["mm_prefix_ranges is not supported on CUDA"]);
+    let q = Var::from_tensor(&on_gpu.q)?;
+    let (k, seqlens_k, table) = (on_gpu.k.clone(), on_gpu.seqlens_k.clone(), on_gpu.table.clone());
+    let out = call(&Small { q: q.as_tensor().clone(), ..on_gpu }, &k, &seqlens_k, &table, 4)?;
+    expect_err(out.sum_all()?.backward(), &["paged K/V is forward only"]);
 
     let rows = Tensor::randn(0f32, 1., (3, 2, 8), &Device::Cpu)?;
     let slots = Tensor::new(&[5i64, -1, 0], &Device::Cpu)?;

@@ -105,13 +105,15 @@ __device__ __forceinline__ int heavy_first_block(const CfFwdParams& p) {
 // What a CTA of a one-CTA-per-query-block grid (blockIdx = (query block, head, sequence)) works
 // on: rows [m0, m_last] of head h (KV head hk), which see keys [n_lo, n_hi). The forward and the
 // dQ kernels (sm80, SIMT) start from it.
+// kPath: which K/V the kernel reads (SeqInfo).
+template <KvPath kPath = KvPath::kContiguous>
 struct QueryBlockWork {
     SeqInfo si;
     MaskInfo mk;
     int h, hk, m0, m_last, n_lo, n_hi;
 
     __device__ __forceinline__ QueryBlockWork(const CfFwdParams& p, int block_m)
-        : si(p, blockIdx.z), mk(si.sq, si.sk, p.window_left, p.window_right) {
+        : si(p, blockIdx.z, KvKind<kPath>{}), mk(si.sq, si.sk, p.window_left, p.window_right) {
         h = blockIdx.y;
         hk = kv_head(p, h);
         m0 = heavy_first_block(p) * block_m;

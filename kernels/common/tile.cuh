@@ -90,27 +90,86 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t row_stride, 
     }
 }
 
-// f32 SIMT kernels: rows [0, ROWS) x columns [0, d) of two row-major global tensors (same row
-// range) into padded shared tiles [ROWS][ld] (ld = d + 1: column reads hit distinct banks); rows
-// >= valid_rows are zero. b == nullptr: only the first.
-template <int ROWS, int NTHREADS>
-__device__ __forceinline__ void load_rows_f32(float* sa, const float* a, int64_t a_stride, float* sb, const float* b,
-                                              int64_t b_stride, int valid_rows, int d, int ld, int tid) {
-    for (int idx = tid; idx < ROWS * d; idx += NTHREADS) {
-        const int r = idx / d, c = idx % d;
-        const bool ok = r < valid_rows;
-        sa[r * ld + c] = ok ? a[(int64_t)r * a_stride + c] : 0.f;
-        if (b != nullptr) sb[r * ld + c] = ok ? b[(int64_t)r * b_stride + c] : 0.f;
+// load_tile with rows gathered (paged K/V), into N tiles that share their rows (K and V of the
+// same keys: one page lookup serves both). row_ptrs(r, src) sets src[i], the start of row r of
+// tile i; it is called only for rows r < valid_rows (a page lookup must not run past its
+// sequence's table entries). Kept apart from load_tile, whose strided form the register-bound
+// kernels need as it is (routing it through a row function made the sm80 forward spill).
+// kUnroll = false: one row pass at a time, so the lookups of several rows are never live
+// together (kernels at their register limit); true: all lookups in flight at once (latency).
+template <int ROWS, int C, int NTHREADS, bool kUnroll, int N, typename T, typename RowPtrs>
+__device__ __forceinline__ void load_tile_rows(T* const (&s)[N], RowPtrs row_ptrs, int valid_rows, int valid_chunks,
+                                               int tid, const void* fallback) {
+    constexpr int TPR = TileMap<C>::kTpr, KC = TileMap<C>::kChunksPerThread;
+    constexpr int RP = NTHREADS / TPR;
+    constexpr int kPasses = (ROWS + RP - 1) / RP;
+    const int r0 = tid / TPR, tp = tid % TPR;
+    const int chunk0 = r0 * C + (tp ^ (swz<C>(r0, 0) - r0 * C));
+#pragma unroll(kUnroll ? kPasses : 1)
+    for (int ps = 0; ps < kPasses; ++ps) {
+        const int r = r0 + ps * RP;
+        if (ROWS % RP != 0 && r >= ROWS) break;
+        const bool row_ok = r < valid_rows;
+        const T* src[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) src[i] = static_cast<const T*>(fallback);
+        if (row_ok) row_ptrs(r, src);
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+#pragma unroll
+            for (int k = 0; k < KC; ++k) {
+                const bool ok = row_ok && tp + TPR * k < valid_chunks;
+                cp_async_16(smem_addr(s[i]) + (chunk0 + ps * RP * C + TPR * k) * 16,
+                            ok ? static_cast<const void*>(src[i] + tp * 8 + TPR * k * 8) : fallback, ok);
+            }
     }
 }
 
-// load_tile as a type (for code shared between kernels of different shared layouts).
+// f32 SIMT kernels: rows [0, ROWS) x columns [0, d) of two global tensors (same row range; row r
+// at a_row(r) / b_row(r), called only for r < valid_rows) into padded shared tiles [ROWS][ld]
+// (ld = d + 1: column reads hit distinct banks); rows >= valid_rows are zero. sb == nullptr:
+// only the first.
+template <int ROWS, int NTHREADS, typename RowA, typename RowB>
+__device__ __forceinline__ void load_rows_f32(float* sa, RowA a_row, float* sb, RowB b_row, int valid_rows, int d,
+                                              int ld, int tid) {
+    for (int idx = tid; idx < ROWS * d; idx += NTHREADS) {
+        const int r = idx / d, c = idx % d;
+        const bool ok = r < valid_rows;
+        sa[r * ld + c] = ok ? a_row(r)[c] : 0.f;
+        if (sb != nullptr) sb[r * ld + c] = ok ? b_row(r)[c] : 0.f;
+    }
+}
+// Row-major tensors (row r at a + r * a_stride); b == nullptr: only the first.
+template <int ROWS, int NTHREADS>
+__device__ __forceinline__ void load_rows_f32(float* sa, const float* a, int64_t a_stride, float* sb, const float* b,
+                                              int64_t b_stride, int valid_rows, int d, int ld, int tid) {
+    load_rows_f32<ROWS, NTHREADS>(
+        sa, [=](int r) { return a + r * a_stride; }, b != nullptr ? sb : nullptr, [=](int r) { return b + r * b_stride; },
+        valid_rows, d, ld, tid);
+}
+
+// load_tile / load_tile_rows as a type (for code shared between kernels of different shared
+// layouts: SeqInfo::load_keys, DkdvWork).
 template <int C, int NTHREADS>
 struct TileLoader {
     template <int ROWS, typename T>
     __device__ __forceinline__ static void load(T* s, const T* g, int64_t row_stride, int valid_rows,
                                                 int valid_chunks, int tid, const void* fallback) {
         load_tile<ROWS, C, NTHREADS>(s, g, row_stride, valid_rows, valid_chunks, tid, fallback);
+    }
+    template <int ROWS, typename T, typename RowPtr>
+    __device__ __forceinline__ static void gather(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
+                                                  const void* fallback) {
+        T* const dst[1] = {s};
+        load_tile_rows<ROWS, C, NTHREADS, false>(
+            dst, [&](int r, const T* (&src)[1]) { src[0] = row_ptr(r); }, valid_rows, valid_chunks, tid, fallback);
+    }
+    // Two tiles of the same rows, every lookup in flight at once (SeqInfo::load_kv).
+    template <int ROWS, typename T, typename RowPtrs>
+    __device__ __forceinline__ static void gather2(T* s0, T* s1, RowPtrs row_ptrs, int valid_rows, int valid_chunks,
+                                                   int tid, const void* fallback) {
+        T* const dst[2] = {s0, s1};
+        load_tile_rows<ROWS, C, NTHREADS, true>(dst, row_ptrs, valid_rows, valid_chunks, tid, fallback);
     }
 };
 

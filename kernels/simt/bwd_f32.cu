@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(F32DqTraits::kNThreads) bwd_dq_f32_kernel(cons
     float* sdS = sV + BN * ld;  // [BM][BN+1]
 
     const int tid = threadIdx.x, r = tid >> 3, sub = tid & 7;
-    const QueryBlockWork w(f, BM);
+    const QueryBlockWork<> w(f, BM);
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;

@@ -18,7 +18,7 @@ __global__ void __launch_bounds__(F32FwdTraits::kNThreads) fwd_f32_kernel(const 
     float* sP = sV + BN * ld;  // [BM][BN+1]
 
     const int tid = threadIdx.x, r = tid >> 3, sub = tid & 7;
-    const QueryBlockWork w(p, BM);
+    const QueryBlockWork<KvPath::kAny> w(p, BM);
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
@@ -42,8 +42,9 @@ __global__ void __launch_bounds__(F32FwdTraits::kNThreads) fwd_f32_kernel(const 
 
     for (int n0 = (n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
         __syncthreads();
-        load_rows_f32<BN, NTH>(sK, kg + (int64_t)n0 * p.k_row_stride, p.k_row_stride, sV, vg + (int64_t)n0 * p.v_row_stride,
-                                p.v_row_stride, si.sk - n0, d, ld, tid);
+        load_rows_f32<BN, NTH>(
+            sK, [&](int r) { return kg + si.key_offset(p, n0 + r, p.k_batch_stride, p.k_row_stride); }, sV,
+            [&](int r) { return vg + si.key_offset(p, n0 + r, p.v_batch_stride, p.v_row_stride); }, si.sk - n0, d, ld, tid);
         __syncthreads();
         float sv[4];
 #pragma unroll

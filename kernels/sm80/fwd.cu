@@ -9,6 +9,9 @@
 
 namespace cf {
 
+// Kt::kPaged: K/V through the block table (flash_api.h). Its own instantiation (dispatch.cu): this
+// kernel is at its register limit, and the table code in the contiguous one made it spill
+// (ptxas -v); the paged one runs 64-row tiles for d = 96 / 128 (config.cuh).
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdParams p) {
     using T = typename Kt::Elem;
@@ -19,6 +22,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
     constexpr int DT = D / 8;    // n8 tiles of O
     constexpr int KS = D / 16;   // k-steps of Q K^T
     constexpr int PS = BN / 16;  // k-steps of P V
+    using Loader = TileLoader<C, NTH>;
+    constexpr bool kPaged = Kt::kPaged;
+    constexpr KvPath kKv = kPaged ? KvPath::kAny : KvPath::kContiguous;  // (SeqInfo)
 
     extern __shared__ __align__(128) unsigned char smem[];
     T* sQ = reinterpret_cast<T*>(smem);
@@ -27,7 +33,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q4 = lane & 3;
-    const QueryBlockWork w(p, BM);
+    const QueryBlockWork<kKv> w(p, BM);
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
@@ -48,8 +54,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
     const int nb_lo = n_lo / BN, nb_hi = (n_hi + BN - 1) / BN;
 
     load_tile<BM, C, NTH>(sQ, qg + (int64_t)m0 * p.q_row_stride, p.q_row_stride, si.sq - m0, dch, tid, p.q);
-    load_tile<BN, C, NTH>(sK, kg + (int64_t)(nb_hi - 1) * BN * p.k_row_stride, p.k_row_stride,
-                          si.sk - (nb_hi - 1) * BN, dch, tid, p.k);
+    if constexpr (kPaged)
+        si.template load_k<Loader, BN>(p, sK, kg, (nb_hi - 1) * BN, dch, tid);
+    else  // as before paging existed: this kernel's register allocation follows even the index arithmetic
+        load_tile<BN, C, NTH>(sK, kg + (int64_t)(nb_hi - 1) * BN * p.k_row_stride, p.k_row_stride,
+                              si.sk - (nb_hi - 1) * BN, dch, tid, p.k);
     cp_async_commit();
 
     float acc[MT][DT][4];
@@ -64,7 +73,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
         const int n0 = nb * BN;
         cp_async_wait<0>();
         __syncthreads();  // K[nb] landed; every warp is done with V[nb+1]
-        load_tile<BN, C, NTH>(sV, vg + (int64_t)n0 * p.v_row_stride, p.v_row_stride, si.sk - n0, dch, tid, p.v);
+        if constexpr (kPaged)
+            si.template load_v<Loader, BN>(p, sV, vg, n0, dch, tid);
+        else
+            load_tile<BN, C, NTH>(sV, vg + (int64_t)n0 * p.v_row_stride, p.v_row_stride, si.sk - n0, dch, tid, p.v);
         cp_async_commit();
 
         float s[MT][NT][4];
@@ -84,8 +96,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
         cp_async_wait<0>();
         __syncthreads();  // V[nb] landed; every warp is done with K[nb]
         if (nb > nb_lo) {
-            load_tile<BN, C, NTH>(sK, kg + (int64_t)(nb - 1) * BN * p.k_row_stride, p.k_row_stride,
-                                  si.sk - (nb - 1) * BN, dch, tid, p.k);
+            if constexpr (kPaged)
+                si.template load_k<Loader, BN>(p, sK, kg, (nb - 1) * BN, dch, tid);
+            else
+                load_tile<BN, C, NTH>(sK, kg + (int64_t)(nb - 1) * BN * p.k_row_stride, p.k_row_stride,
+                                      si.sk - (nb - 1) * BN, dch, tid, p.k);
             cp_async_commit();
         }
         gemm_rs_b<MT, DT, PS, C, 2, T>(acc, pa, sV, 0, 0, lane);
@@ -131,9 +146,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
 }
 
 // ------------------------------------------------------------------ launchers
-template <typename T, int D>
+template <typename T, int D, bool kPaged>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream) {
-    using Kt = FwdTraits<T, D>;
+    using Kt = FwdTraits<T, D, kPaged>;
     auto kern = fwd_tc_kernel<Kt>;
     const int smem = Kt::kSmemBytes;
     if (smem > 48 * 1024) {
@@ -145,7 +160,9 @@ cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-#define CF_INST_FWD(T, D) template cudaError_t run_fwd_tc<T, D>(const CfFwdParams&, cudaStream_t);
+#define CF_INST_FWD(T, D)                                                         \
+    template cudaError_t run_fwd_tc<T, D, false>(const CfFwdParams&, cudaStream_t); \
+    template cudaError_t run_fwd_tc<T, D, true>(const CfFwdParams&, cudaStream_t);
 CF_INST_FWD(__half, 32)
 CF_INST_FWD(__half, 64)
 CF_INST_FWD(__half, 96)

@@ -22,6 +22,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
     constexpr int C = D / 8, NT = BN / 8, DT = D / 8, KS = D / 16, PS = BN / 16;
+    using Loader = TileLoader<C, NTH>;
 
     extern __shared__ __align__(128) unsigned char smem[];
     T* sQ = reinterpret_cast<T*>(smem);
@@ -30,7 +31,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q4 = lane & 3;
     const int split = blockIdx.x, gi = blockIdx.y / sa.mblocks, mb = blockIdx.y % sa.mblocks, b = blockIdx.z;
-    const SeqInfo si(p, b);
+    const SeqInfo si(p, b, KvKind<KvPath::kAny>{});
     const int sq = si.sq, R = sa.pack * sq;
     const int m0 = mb * BM;
     if (m0 >= R) return;
@@ -85,8 +86,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
     for (int st = 0; st < S - 1; ++st) {
         if (st < nblk) {
             const int n0 = (nb_hi - 1 - st) * BN;
-            load_tile<BN, C, NTH>(sK + st * 2 * BN * D, kg + (int64_t)n0 * p.k_row_stride, p.k_row_stride, si.sk - n0, dch, tid, p.k);
-            load_tile<BN, C, NTH>(sK + (st * 2 + 1) * BN * D, vg + (int64_t)n0 * p.v_row_stride, p.v_row_stride, si.sk - n0, dch, tid, p.v);
+            si.template load_kv<Loader, BN>(p, sK + st * 2 * BN * D, sK + (st * 2 + 1) * BN * D, kg, vg, n0, dch, tid);
         }
         cp_async_commit();
     }
@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
             const int nx = it + S - 1;
             if (nx < nblk) {
                 const int st = nx % S, n0 = (nb_hi - 1 - nx) * BN;
-                load_tile<BN, C, NTH>(sK + st * 2 * BN * D, kg + (int64_t)n0 * p.k_row_stride, p.k_row_stride, si.sk - n0, dch, tid, p.k);
-                load_tile<BN, C, NTH>(sK + (st * 2 + 1) * BN * D, vg + (int64_t)n0 * p.v_row_stride, p.v_row_stride, si.sk - n0, dch, tid, p.v);
+                si.template load_kv<Loader, BN>(p, sK + st * 2 * BN * D, sK + (st * 2 + 1) * BN * D, kg, vg, n0, dch,
+                                                tid);
             }
             cp_async_commit();
         }

@@ -100,16 +100,16 @@ struct FwdProducer {
             const T* kg = si.k<T>(p, hk);
             const T* vg = si.v<T>(p, hk);
             auto load_kv = [&](const Pipeline<Kt::kStages>& pipe, T (*dst)[FwdSharedStorage<Kt>::kKVElems], const T* g,
-                               int64_t row_stride, const void* fallback, int j) {
+                               int64_t page_stride, int64_t row_stride, const void* fallback, int j) {
                 const uint32_t n = kv + j;
                 const int nb = t.nb_hi - 1 - j;
                 pipe.producer_acquire(n);
-                load_panels<BN, C, NPT>(dst[pipe.stage(n)], g + (int64_t)nb * BN * row_stride, row_stride, si.sk - nb * BN,
-                                        dch, ptid, fallback);
+                si.template load_keys<PanelLoader<C, NPT>, BN>(p, dst[pipe.stage(n)], g, page_stride, row_stride, nb * BN, dch,
+                                                               ptid, fallback);
                 pipe.producer_commit_cp_async(n);
             };
-            auto load_k = [&](int j) { load_kv(pl.k(), ss.k, kg, p.k_row_stride, p.k, j); };
-            auto load_v = [&](int j) { load_kv(pl.v(), ss.v, vg, p.v_row_stride, p.v, j); };
+            auto load_k = [&](int j) { load_kv(pl.k(), ss.k, kg, p.k_batch_stride, p.k_row_stride, p.k, j); };
+            auto load_v = [&](int j) { load_kv(pl.v(), ss.v, vg, p.v_batch_stride, p.v_row_stride, p.v, j); };
             // K(0) first: its stage may be free before the consumers release Q.
             load_k(0);
             pl.q().producer_acquire(tcount);

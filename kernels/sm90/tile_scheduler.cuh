@@ -21,7 +21,8 @@ struct FwdTile {
     MaskInfo mk;
     int h, m0, m_last, nb_hi, nblocks;
 
-    __device__ __forceinline__ FwdTile(const CfFwdParams& p, int b) : si(p, b), mk(si.sq, si.sk, p.window_left, p.window_right) {}
+    __device__ __forceinline__ FwdTile(const CfFwdParams& p, int b)
+        : si(p, b, KvKind<KvPath::kAny>{}), mk(si.sq, si.sk, p.window_left, p.window_right) {}
     // No query row of this tile exists in its sequence: nothing to load, compute or store.
     __device__ __forceinline__ bool empty() const { return m0 >= si.sq; }
 };

@@ -155,13 +155,41 @@ __device__ __forceinline__ void load_panels(T* s, const T* g, int64_t row_stride
     }
 }
 
-// load_panels as a type (see TileLoader in tile.cuh).
+// load_panels with rows gathered (paged K/V): row r at row_ptr(r), called only for r <
+// valid_rows; one row pass at a time (see load_tile_rows: the producer runs at 40 / 56 registers).
+template <int ROWS, int C, int NTHREADS, typename T, typename RowPtr>
+__device__ __forceinline__ void load_panels_rows(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
+                                                 const void* fallback) {
+    constexpr int RP = NTHREADS / 8;
+    static_assert(C % 8 == 0 && RP % 8 == 0 && ROWS % RP == 0, "as load_panels");
+    const int r0 = tid >> 3, j = tid & 7;
+    const uint32_t dst0 = smem_addr(s) + r0 * kPanelRowBytes + ((j ^ (r0 & 7)) << 4);
+#pragma unroll 1
+    for (int ps = 0; ps < ROWS / RP; ++ps) {
+        const int r = r0 + ps * RP;
+        const bool row_ok = r < valid_rows;
+        const T* src = (row_ok ? row_ptr(r) : static_cast<const T*>(fallback)) + j * 8;
+#pragma unroll
+        for (int p = 0; p < C / 8; ++p) {
+            const bool ok = row_ok && p * 8 + j < valid_chunks;
+            cp_async_16(dst0 + (p * ROWS + ps * RP) * kPanelRowBytes, ok ? static_cast<const void*>(src + p * 64) : fallback,
+                        ok);
+        }
+    }
+}
+
+// load_panels / load_panels_rows as a type (see TileLoader in tile.cuh).
 template <int C, int NTHREADS>
 struct PanelLoader {
     template <int ROWS, typename T>
     __device__ __forceinline__ static void load(T* s, const T* g, int64_t row_stride, int valid_rows,
                                                 int valid_chunks, int tid, const void* fallback) {
         load_panels<ROWS, C, NTHREADS>(s, g, row_stride, valid_rows, valid_chunks, tid, fallback);
+    }
+    template <int ROWS, typename T, typename RowPtr>
+    __device__ __forceinline__ static void gather(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,
+                                                  const void* fallback) {
+        load_panels_rows<ROWS, C, NTHREADS>(s, row_ptr, valid_rows, valid_chunks, tid, fallback);
     }
 };
 

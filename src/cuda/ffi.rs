@@ -48,6 +48,11 @@ pub struct CfFwdParams {
     pub dtype: i32,
     pub total_q: i64,
     pub total_k: i64,
+    pub block_table: *const i32,
+    pub block_table_batch_stride: i64,
+    pub page_block_size: i32,
+    pub num_blocks: i32,
+    pub max_blocks: i32,
 }
 
 #[repr(C)]
@@ -75,8 +80,8 @@ pub struct CfBwdParams {
 
 // The sizes that flash_api.h's field order gives on LP64 (8-byte pointers and int64_t): a
 // field added or dropped on one side only shows up here at compile time.
-const _: () = assert!(std::mem::size_of::<CfFwdParams>() == 240);
-const _: () = assert!(std::mem::size_of::<CfBwdParams>() == 376);
+const _: () = assert!(std::mem::size_of::<CfFwdParams>() == 272);
+const _: () = assert!(std::mem::size_of::<CfBwdParams>() == 408);
 
 extern "C" {
     pub fn cf_fwd_workspace_size(p: *const CfFwdParams) -> usize;

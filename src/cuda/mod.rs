@@ -88,6 +88,7 @@ impl<'a> TensorArg<'a> {
             DType::F16 => base::<f16>(s, stream)?,
             DType::BF16 => base::<bf16>(s, stream)?,
             DType::U32 => base::<u32>(s, stream)?,
+            DType::I32 => base::<i32>(s, stream)?,
             dt => bail!("candle-flash: unexpected dtype {dt:?} on cuda"),
         };
         let offset = l.start_offset() * s.dtype().size_in_bytes();
@@ -127,35 +128,42 @@ struct FwdArgs<'a> {
     v: TensorArg<'a>,
     o: TensorArg<'a>,
     lse: TensorArg<'a>,
-    /// ALiBi slopes, cu_seqlens_q, cu_seqlens_k, where the options have them.
-    options: [Option<TensorArg<'a>>; 3],
+    /// ALiBi slopes, cu_seqlens_q, cu_seqlens_k, block_table, where the options have them.
+    options: [Option<TensorArg<'a>>; 4],
 }
 
-/// The option tensors the kernels read (ALiBi slopes, cu_seqlens_q, cu_seqlens_k), contiguous
-/// (usually the tensors themselves), to be kept alive until the launch is enqueued.
-fn option_tensors(opts: &FlashAttnOptions) -> Result<[Option<Tensor>; 3]> {
+/// The option tensors the kernels read (ALiBi slopes, cu_seqlens_q, cu_seqlens_k, the paged
+/// block table), contiguous (usually the tensors themselves), to be kept alive until the launch
+/// is enqueued.
+fn option_tensors(opts: &FlashAttnOptions) -> Result<[Option<Tensor>; 4]> {
     let vl = opts.varlen.as_ref();
     let contiguous = |t: Option<&Tensor>| t.map(Tensor::contiguous).transpose();
     Ok([
         contiguous(opts.alibi_slopes.as_ref())?,
         contiguous(vl.map(|v| &v.seqlens_q))?,
         contiguous(vl.map(|v| &v.seqlens_k))?,
+        contiguous(opts.paged.as_ref().map(|p| &p.block_table))?,
     ])
 }
 
 /// The storage guards of [`option_tensors`]: read them as [`option_args`].
-fn option_guards(tensors: &[Option<Tensor>; 3]) -> [Option<StorageGuard<'_>>; 3] {
+fn option_guards(tensors: &[Option<Tensor>; 4]) -> [Option<StorageGuard<'_>>; 4] {
     tensors.each_ref().map(|t| t.as_ref().map(Tensor::storage_and_layout))
 }
 
 fn option_args<'a>(
-    guards: &'a [Option<StorageGuard<'_>>; 3],
+    guards: &'a [Option<StorageGuard<'_>>; 4],
     stream: &'a CudaStream,
-) -> Result<[Option<TensorArg<'a>>; 3]> {
+) -> Result<[Option<TensorArg<'a>>; 4]> {
     let arg = |name: &str, g: &'a Option<StorageGuard<'_>>| -> Result<Option<TensorArg<'a>>> {
         g.as_ref().map(|g| TensorArg::read(device_storage::<CudaStorage>(name, g)?, stream)).transpose()
     };
-    Ok([arg("alibi_slopes", &guards[0])?, arg("seqlens_q", &guards[1])?, arg("seqlens_k", &guards[2])?])
+    Ok([
+        arg("alibi_slopes", &guards[0])?,
+        arg("seqlens_q", &guards[1])?,
+        arg("seqlens_k", &guards[2])?,
+        arg("block_table", &guards[3])?,
+    ])
 }
 
 fn window(w: Option<usize>) -> i32 {
@@ -166,11 +174,21 @@ fn window(w: Option<usize>) -> i32 {
 /// checked to fit by `params::validate`.
 fn fwd_params(shape: &AttnShape, opts: &FlashAttnOptions, a: &FwdArgs) -> Result<ffi::CfFwdParams> {
     let varlen = shape.is_varlen;
-    let [q, k, v, o] = [&a.q, &a.k, &a.v, &a.o].map(|t| t.strides(varlen));
+    let [q, o] = [&a.q, &a.o].map(|t| t.strides(varlen));
+    // Paged k / v are (num_blocks, page_block_size, Hkv, D): (page, row, head) strides.
+    let [k, v] = [&a.k, &a.v].map(|t| t.strides(varlen && shape.page_block_size.is_none()));
     let lse_dims = shape.lse_dims();
     let (lse_batch_stride, lse_head_stride) =
         if varlen { (0, lse_dims[1] as i64) } else { ((lse_dims[1] * lse_dims[2]) as i64, lse_dims[2] as i64) };
-    let [alibi, cu_q, cu_k] = a.options.each_ref().map(|t| t.as_ref().map_or(std::ptr::null(), const_ptr));
+    let [alibi, cu_q, cu_k, table] = a.options.each_ref().map(|t| t.as_ref().map_or(std::ptr::null(), const_ptr));
+    // The table as int32 (a u32 table is passed as is, flash_api.h); sizes fit i32 (validate).
+    let (table_stride, page_block_size, num_blocks, max_blocks) = match (&a.options[3], &opts.paged) {
+        (Some(t), Some(paged)) => {
+            let page = paged.page_block_size;
+            (t.stride[0] as i64, page as i32, (shape.total_k / page) as i32, paged.block_table.dim(1)? as i32)
+        }
+        _ => (0, 0, 0, 0),
+    };
     Ok(ffi::CfFwdParams {
         q: const_ptr(&a.q),
         k: const_ptr(&a.k),
@@ -208,6 +226,11 @@ fn fwd_params(shape: &AttnShape, opts: &FlashAttnOptions, a: &FwdArgs) -> Result
         dtype: dtype_code(shape.dtype)?,
         total_q: shape.total_q as i64,
         total_k: shape.total_k as i64,
+        block_table: table as *const i32,
+        block_table_batch_stride: table_stride,
+        page_block_size,
+        num_blocks,
+        max_blocks,
     })
 }
 
