@@ -52,10 +52,12 @@
 //! With the feature, `load` documents loading a model and generating text.
 
 mod attention;
+mod batch;
 mod config;
 mod decode_attn;
 mod kv_cache;
 mod model;
+mod paged_cache;
 mod qlinear;
 mod rotary;
 
@@ -69,9 +71,11 @@ mod load;
 mod sampling;
 
 pub use attention::{AttnImpl, LlamaAttention};
+pub use batch::{FinishReason, Finished, Request, Scheduler, SchedulerConfig, StepOutput};
 pub use config::LlamaConfig;
 pub use kv_cache::KvCache;
 pub use model::{Cache, Llama};
+pub use paged_cache::{PagedKvCache, SeqId};
 pub use qlinear::{QEmbedding, QLinear};
 pub use rotary::{
     apply_rope, apply_rope_interleaved, permute_qk_rows, unpermute_qk_rows, Llama3RopeScaling, Rope, RopeScaling,

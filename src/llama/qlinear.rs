@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 /// Up to this many activation rows, products use the quantized dot kernels (or, for dense f32
 /// weights, the matrix-vector product); above it, `gemm` on dequantized slabs.
-const SMALL_M: usize = 4;
+pub(crate) const SMALL_M: usize = 4;
 
 /// f32 values of the dequantization buffer for the `gemm` path (4 MB): large enough that a layer
 /// of a small model is one slab, small enough that a 49k-row lm_head never exists in f32.
@@ -396,6 +396,121 @@ unsafe fn dot8_packed_avx2(kind: BlockKind, group: &[u8], x: &[XBlock], out: *mu
     _mm256_storeu_ps(out, acc);
 }
 
+/// Activation rows per call of [`dot8_packed_rows_avx2`]: each weight vector loaded and unpacked
+/// once serves this many rows, whose accumulators (two vectors each) still fit in the sixteen
+/// AVX2 registers beside the weights.
+const ROWS_PER_CALL: usize = 4;
+
+/// 8 packed rows (one group, [`pack8`]) dotted with `R` activation rows (`x` holds them one after
+/// the other, `nb` blocks each): `out[r * ldo + j]` = weight row `j` · activation row `r`. Each
+/// activation row gets the operations of [`dot8_packed_avx2`] in the same order (the integer
+/// sums are exact, the float steps per block identical), so its results are bitwise that
+/// kernel's: a sequence decoded in a batch computes what it computes alone.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot8_packed_rows_avx2<const R: usize>(
+    kind: BlockKind,
+    group: &[u8],
+    x: &[XBlock],
+    nb: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    use std::arch::x86_64::*;
+    let gb = GROUP * kind.bytes();
+    let nb = nb.min(group.len() / gb).min(x.len() / R);
+    let p = group.as_ptr();
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let x4 = |r: usize, b: usize, c: usize| {
+        _mm256_set1_epi32(std::ptr::read_unaligned(x[r * nb + b].qs.as_ptr().add(4 * c) as *const i32))
+    };
+    match kind {
+        BlockKind::Q4_1 => {
+            let nib = _mm256_set1_epi8(0xF);
+            for b in 0..nb {
+                let blk = p.add(b * gb);
+                let mut s16 = [_mm256_setzero_si256(); R];
+                for c in 0..4 {
+                    let v = _mm256_loadu_si256(blk.add(32 + 32 * c) as *const __m256i);
+                    let lo = _mm256_and_si256(v, nib);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                    for (r, s) in s16.iter_mut().enumerate() {
+                        *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(lo, x4(r, b, c)));
+                        *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(hi, x4(r, b, 4 + c)));
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+                let m = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i));
+                for (r, (a, s)) in acc.iter_mut().zip(s16).enumerate() {
+                    let xb = &x[r * nb + b];
+                    let isum = _mm256_madd_epi16(s, ones);
+                    *a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), *a);
+                    *a = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.s), *a);
+                }
+            }
+        }
+        BlockKind::Q8_0 => {
+            for b in 0..nb {
+                let blk = p.add(b * gb);
+                let mut isum = [_mm256_setzero_si256(); R];
+                for c in 0..8 {
+                    let v = _mm256_loadu_si256(blk.add(16 + 32 * c) as *const __m256i);
+                    let w = _mm256_sign_epi8(v, v);
+                    for (r, s) in isum.iter_mut().enumerate() {
+                        let prod = _mm256_maddubs_epi16(w, _mm256_sign_epi8(x4(r, b, c), v));
+                        *s = _mm256_add_epi32(*s, _mm256_madd_epi16(prod, ones));
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+                for (r, (a, s)) in acc.iter_mut().zip(isum).enumerate() {
+                    let xb = &x[r * nb + b];
+                    *a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(s), *a);
+                }
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        _mm256_storeu_ps(out.add(r * ldo), *a);
+    }
+}
+
+/// `x (m, k) · Wᵀ` for m > 1 activation rows (quantized, `nb` blocks each) and weights packed
+/// by groups of 8 rows, into `(m, n)`. Parallel over weight rows; each task takes its groups one
+/// at a time and runs every activation row against a group while it is in L1, several rows
+/// per weight load ([`dot8_packed_rows_avx2`]). Through [`small_m_product`] instead, each
+/// activation row re-read the task's whole slice of weights (from L2) and repeated the unpacking:
+/// see bench/NOTES.md ("Batched Llama") for the measured difference.
+#[cfg(target_arch = "x86_64")]
+fn packed_rows_product(w: &BlockWeight, xq: &[XBlock], m: usize) -> Vec<f32> {
+    let (n, nb) = (w.rows, w.cols / QK);
+    let rb = nb * w.kind.bytes();
+    let mut out = vec![0f32; m * n];
+    let per = rows_per_task(n);
+    let dst = out.as_mut_ptr() as usize;
+    (0..n.div_ceil(per)).into_par_iter().for_each(|c| {
+        let r0 = c * per;
+        for g in (r0..n.min(r0 + per)).step_by(GROUP) {
+            let group = &w.data[g * rb..(g + GROUP) * rb];
+            for i0 in (0..m).step_by(ROWS_PER_CALL) {
+                let (x, o) = (&xq[i0 * nb..], (dst as *mut f32).wrapping_add(i0 * n + g));
+                // SAFETY: packed weights exist only where the CPU has AVX2 (`BlockWeight::new`);
+                // `out` is (m, n) and this task alone writes its columns g..g + 8 of rows
+                // i0..i0 + R (R <= m - i0), and `out` outlives the parallel section.
+                unsafe {
+                    match m - i0 {
+                        1 => dot8_packed_rows_avx2::<1>(w.kind, group, x, nb, o, n),
+                        2 => dot8_packed_rows_avx2::<2>(w.kind, group, x, nb, o, n),
+                        3 => dot8_packed_rows_avx2::<3>(w.kind, group, x, nb, o, n),
+                        _ => dot8_packed_rows_avx2::<ROWS_PER_CALL>(w.kind, group, x, nb, o, n),
+                    }
+                }
+            }
+        }
+    });
+    out
+}
+
 fn dot(kind: BlockKind, row: &[u8], x: &[XBlock]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
@@ -662,7 +777,25 @@ impl QLinear {
         }
     }
 
-    fn forward_blocks(&self, w: &BlockWeight, x: &Tensor) -> Result<Tensor> {
+    /// `x (.., in)` → `(.., out)` where the first `few` rows of `x` (its leading dimensions
+    /// flattened) take the few-rows kernels whatever their number, and the rest are multiplied as
+    /// [`Module::forward`] would multiply them alone. A batch of sequences puts its one-token
+    /// decodes first and its prompts after, so that each row gets the arithmetic it would get if
+    /// its sequence ran alone (the two paths round differently: the few-rows kernels quantize the
+    /// activations to 8 bits) while the decodes still share one pass over the weights. On other
+    /// devices and weight kinds, the same as `forward`.
+    pub fn forward_split(&self, x: &Tensor, few: usize) -> Result<Tensor> {
+        match &self.0 {
+            Inner::Dense(l) => match Self::forward_dense_cpu(l.weight(), x, few)? {
+                Some(y) => Ok(y),
+                None => l.forward(x),
+            },
+            Inner::Blocks(w) => self.forward_blocks(w, x, few),
+            Inner::Candle(q, _) => q.forward(x),
+        }
+    }
+
+    fn forward_blocks(&self, w: &BlockWeight, x: &Tensor, few: usize) -> Result<Tensor> {
         let (n, k) = (w.rows, w.cols);
         let mut out_dims = x.dims().to_vec();
         match out_dims.last_mut() {
@@ -672,36 +805,12 @@ impl QLinear {
         let x = x.contiguous()?;
         let out = with_cpu_f32(&x, |xs| {
             let m = xs.len() / k;
-            if m <= SMALL_M {
-                let nb = k / QK;
-                let mut xq = vec![XBlock { qs: [0; QK], d: 0.0, s: 0.0 }; m * nb];
-                for (row, q) in xs.chunks_exact(k).zip(xq.chunks_exact_mut(nb)) {
-                    quantize_row(row, q);
-                }
-                small_m_product(m, n, |r0, i, out| w.dot_rows(r0, &xq[i * nb..(i + 1) * nb], out))
-            } else {
-                let mut out = vec![0f32; m * n];
-                // Each task dequantizes a slab of weight rows into its thread's buffer and
-                // multiplies it right away (single-threaded gemm into its own output columns),
-                // while the slab is still in cache: one parallel section per product instead of
-                // a parallel dequantization followed by a parallel gemm reading it back.
-                let per = rows_per_task(n).min((SLAB_VALUES / k).max(GROUP));
-                let dst = out.as_mut_ptr() as usize;
-                (0..n.div_ceil(per)).into_par_iter().for_each(|c| {
-                    let (r0, rows) = (c * per, per.min(n - c * per));
-                    SLAB.with(|slab| {
-                        let mut slab = slab.borrow_mut();
-                        slab.resize(rows * k, 0.0);
-                        for (j, o) in slab.chunks_exact_mut(k).enumerate() {
-                            w.dequantize_row(r0 + j, o);
-                        }
-                        // SAFETY: `out` is (m, n); this task writes columns r0..r0 + rows of it,
-                        // which no other task writes, and `out` outlives the parallel section.
-                        unsafe { gemm_xwt(m, rows, k, xs, &slab, (dst as *mut f32).add(r0), n, false) };
-                    });
-                });
-                out
+            let few = if m - few.min(m) <= SMALL_M { m } else { few.min(m) };
+            let mut out = blocks_few_rows(w, &xs[..few * k]);
+            if few < m {
+                out.extend(blocks_gemm(w, &xs[few * k..]));
             }
+            out
         });
         match out {
             Some(out) => Tensor::from_vec(out, out_dims, &Device::Cpu),
@@ -712,8 +821,9 @@ impl QLinear {
     }
 
     /// Dense f32 weights on the CPU without gradient tracking: our products instead of candle's
-    /// matmul (see the module documentation). None when that does not apply.
-    fn forward_dense_cpu(w: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+    /// matmul (see the module documentation), the first `few` rows as in [`Self::forward_split`].
+    /// None when that does not apply.
+    fn forward_dense_cpu(w: &Tensor, x: &Tensor, few: usize) -> Result<Option<Tensor>> {
         if w.track_op() || x.track_op() || !x.device().is_cpu() || x.dtype() != DType::F32 {
             return Ok(None);
         }
@@ -727,18 +837,20 @@ impl QLinear {
         let out = with_cpu_f32(w, |ws| {
             with_cpu_f32(&x, |xs| {
                 let m = xs.len() / k;
-                if m <= SMALL_M {
-                    small_m_product(m, n, |r0, i, out| {
-                        for (j, o) in out.iter_mut().enumerate() {
-                            *o = dot_f32(&ws[(r0 + j) * k..(r0 + j + 1) * k], &xs[i * k..(i + 1) * k]);
-                        }
-                    })
-                } else {
-                    let mut out = vec![0f32; m * n];
-                    // SAFETY: xs is (m, k), ws (n, k), out (m, n).
-                    unsafe { gemm_xwt(m, n, k, xs, ws, out.as_mut_ptr(), n, true) };
-                    out
+                let few = if m - few.min(m) <= SMALL_M { m } else { few.min(m) };
+                let mut out = small_m_product(few, n, |r0, i, out| {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = dot_f32(&ws[(r0 + j) * k..(r0 + j + 1) * k], &xs[i * k..(i + 1) * k]);
+                    }
+                });
+                if few < m {
+                    let rest = m - few;
+                    let mut o = vec![0f32; rest * n];
+                    // SAFETY: xs[few * k..] is (rest, k), ws (n, k), o (rest, n).
+                    unsafe { gemm_xwt(rest, n, k, &xs[few * k..], ws, o.as_mut_ptr(), n, true) };
+                    out.extend(o);
                 }
+                out
             })
         });
         match out.flatten() {
@@ -748,14 +860,52 @@ impl QLinear {
     }
 }
 
+/// `x (m, k) · Wᵀ` through the 8-bit activation kernels, for any m (see [`small_m_product`]).
+fn blocks_few_rows(w: &BlockWeight, xs: &[f32]) -> Vec<f32> {
+    let (n, k) = (w.rows, w.cols);
+    let (m, nb) = (xs.len() / k, k / QK);
+    let mut xq = vec![XBlock { qs: [0; QK], d: 0.0, s: 0.0 }; m * nb];
+    for (row, q) in xs.chunks_exact(k).zip(xq.chunks_exact_mut(nb)) {
+        quantize_row(row, q);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if w.packed && m > 1 {
+        return packed_rows_product(w, &xq, m);
+    }
+    small_m_product(m, n, |r0, i, out| w.dot_rows(r0, &xq[i * nb..(i + 1) * nb], out))
+}
+
+/// `x (m, k) · Wᵀ` through dequantized slabs and `gemm`.
+fn blocks_gemm(w: &BlockWeight, xs: &[f32]) -> Vec<f32> {
+    let (n, k) = (w.rows, w.cols);
+    let m = xs.len() / k;
+    let mut out = vec![0f32; m * n];
+    // Each task dequantizes a slab of weight rows into its thread's buffer and multiplies it
+    // right away (single-threaded gemm into its own output columns), while the slab is still in
+    // cache: one parallel section per product instead of a parallel dequantization followed by a
+    // parallel gemm reading it back.
+    let per = rows_per_task(n).min((SLAB_VALUES / k).max(GROUP));
+    let dst = out.as_mut_ptr() as usize;
+    (0..n.div_ceil(per)).into_par_iter().for_each(|c| {
+        let (r0, rows) = (c * per, per.min(n - c * per));
+        SLAB.with(|slab| {
+            let mut slab = slab.borrow_mut();
+            slab.resize(rows * k, 0.0);
+            for (j, o) in slab.chunks_exact_mut(k).enumerate() {
+                w.dequantize_row(r0 + j, o);
+            }
+            // SAFETY: `out` is (m, n); this task writes columns r0..r0 + rows of it, which no
+            // other task writes, and `out` outlives the parallel section.
+            unsafe { gemm_xwt(m, rows, k, xs, &slab, (dst as *mut f32).add(r0), n, false) };
+        });
+    });
+    out
+}
+
 impl Module for QLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match &self.0 {
-            Inner::Dense(l) => match Self::forward_dense_cpu(l.weight(), x)? {
-                Some(y) => Ok(y),
-                None => l.forward(x),
-            },
-            Inner::Blocks(w) => self.forward_blocks(w, x),
+            Inner::Dense(_) | Inner::Blocks(_) => self.forward_split(x, 0),
             Inner::Candle(q, _) => q.forward(x),
         }
     }
