@@ -184,10 +184,43 @@ impl LlamaAttention {
             }))
             .paged(Some(PagedKv::new(&step.block_table, k_cache.dim(1)?)));
         let y = match self.attn_impl {
+            AttnImpl::Flash if step.single > 0 => self.attend_split(&q, k_cache, v_cache, step, &opts)?,
             AttnImpl::Flash => crate::flash_attn_with_options(&q, k_cache, v_cache, &opts)?,
             AttnImpl::Naive => reference::attention(&q, k_cache, v_cache, &opts)?,
         };
         self.o_proj.forward_split(&y.reshape((t, h * d))?, few)
+    }
+
+    /// The step's leading single-token sequences through the CPU decode kernel (what a sequence
+    /// decoding alone runs, see `decode_attn`), the others through the paged attention op.
+    fn attend_split(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        step: &PagedStep,
+        opts: &FlashAttnOptions,
+    ) -> Result<Tensor> {
+        let n = step.single;
+        let w = step.table_width;
+        let seqs: Vec<(&[u32], usize)> = (0..n).map(|i| (&step.host_table[i * w..(i + 1) * w], step.k_lens[i])).collect();
+        let q1 = q.narrow(0, 0, n)?;
+        let Some(y1) = super::decode_attn::decode_attention_paged(&q1, k_cache, v_cache, &seqs, self.softmax_scale)?
+        else {
+            return crate::flash_attn_with_options(q, k_cache, v_cache, opts);
+        };
+        let Some(rest) = &step.rest else { return Ok(y1) };
+        let opts = opts
+            .clone()
+            .varlen(Some(VarLen {
+                seqlens_q: rest.seqlens_q.clone(),
+                seqlens_k: rest.seqlens_k.clone(),
+                max_seqlen_q: rest.max_seqlen_q,
+                max_seqlen_k: step.max_seqlen_k,
+            }))
+            .paged(Some(PagedKv::new(&rest.block_table, k_cache.dim(1)?)));
+        let y2 = crate::flash_attn_with_options(&q.narrow(0, n, q.dim(0)? - n)?, k_cache, v_cache, &opts)?;
+        Tensor::cat(&[&y1, &y2], 0)
     }
 }
 

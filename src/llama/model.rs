@@ -325,13 +325,16 @@ impl Llama {
                 self.dtype
             )
         }
-        // Few-row sequences first (stable), so that their rows form one leading block.
+        // Few-row sequences first (stable), so that their rows form one leading block, and
+        // among them the one-token decodes first, for the CPU decode attention.
         let few_seq = |n: usize| n <= super::qlinear::SMALL_M;
         let mut order: Vec<usize> = (0..batch.len()).collect();
-        order.sort_by_key(|&i| !few_seq(batch[i].1.len()));
+        order.sort_by_key(|&i| (!few_seq(batch[i].1.len()), batch[i].1.len() > 1));
         let few: usize = batch.iter().map(|(_, t)| t.len()).filter(|&n| few_seq(n)).sum();
         let plan: Vec<(SeqId, usize)> = order.iter().map(|&i| (batch[i].0, batch[i].1.len())).collect();
-        let step = cache.prepare(&plan)?;
+        // The decode kernel is the CPU f32 one (the attention `forward` uses for one query row).
+        let split_single = self.device.is_cpu() && self.dtype == DType::F32;
+        let step = cache.prepare(&plan, split_single)?;
         let tokens: Vec<u32> = order.iter().flat_map(|&i| batch[i].1.iter().copied()).collect();
         let t = tokens.len();
         let ids = Tensor::from_vec(tokens, t, &self.device)?;

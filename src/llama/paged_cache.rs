@@ -69,6 +69,25 @@ pub(crate) struct PagedStep {
     pub max_seqlen_k: usize,
     /// The packed row of each sequence's last new token.
     pub last_rows: Vec<u32>,
+    /// The block table on the host, `B × table_width` row-major (for the CPU decode kernel).
+    pub host_table: Vec<u32>,
+    pub table_width: usize,
+    /// Each sequence's cache length after this step.
+    pub k_lens: Vec<usize>,
+    /// With `split_single`: the leading sequences that feed one token each (their attention is
+    /// a row each, [`super::decode_attn::decode_attention_paged`]), and the attention arguments
+    /// of the sequences after them, when there are any.
+    pub single: usize,
+    pub rest: Option<PagedRest>,
+}
+
+/// The paged-attention arguments of a step's sequences after its leading single-token ones.
+#[derive(Debug)]
+pub(crate) struct PagedRest {
+    pub seqlens_q: Tensor,
+    pub seqlens_k: Tensor,
+    pub max_seqlen_q: usize,
+    pub block_table: Tensor,
 }
 
 impl PagedKvCache {
@@ -225,8 +244,10 @@ impl PagedKvCache {
     /// Appends `new_tokens` positions to each sequence of `batch` (allocating the pages they
     /// need) and returns the step's addressing for those tokens packed in the order given. The
     /// K/V rows themselves are written by each layer ([`crate::write_paged_kv`] with
-    /// `slots`). Errors leave the lengths unchanged; a sequence may appear once per step.
-    pub(crate) fn prepare(&mut self, batch: &[(SeqId, usize)]) -> Result<PagedStep> {
+    /// `slots`). Errors leave the lengths unchanged; a sequence may appear once per step. With
+    /// `split_single`, the leading single-token sequences are set apart (see
+    /// [`PagedStep::single`]).
+    pub(crate) fn prepare(&mut self, batch: &[(SeqId, usize)], split_single: bool) -> Result<PagedStep> {
         if batch.is_empty() {
             bail!("paged kv cache: a step needs at least one sequence")
         }
@@ -274,15 +295,37 @@ impl PagedKvCache {
         }
         self.peak_pages_in_use = self.peak_pages_in_use.max(self.pages_in_use());
         let dev = &self.device;
+        let b = batch.len();
+        let single = if split_single { batch.iter().take_while(|(_, n)| *n == 1).count() } else { 0 };
+        let rest = if single > 0 && single < b {
+            let from = |cu: &[u32]| -> Result<Tensor> {
+                let v: Vec<u32> = cu[single..].iter().map(|x| x - cu[single]).collect();
+                Tensor::from_vec(v, b - single + 1, dev)
+            };
+            Some(PagedRest {
+                seqlens_q: from(&cu_q)?,
+                seqlens_k: from(&cu_k)?,
+                max_seqlen_q: batch[single..].iter().map(|(_, n)| *n).max().unwrap_or(0),
+                block_table: Tensor::from_vec(table[single * max_pages..].to_vec(), (b - single, max_pages), dev)?,
+            })
+        } else {
+            None
+        };
+        let k_lens = cu_k.windows(2).map(|w| (w[1] - w[0]) as usize).collect();
         Ok(PagedStep {
             slots: Tensor::from_vec(slots, total, dev)?,
             positions,
-            block_table: Tensor::from_vec(table, (batch.len(), max_pages), dev)?,
-            seqlens_q: Tensor::from_vec(cu_q, batch.len() + 1, dev)?,
-            seqlens_k: Tensor::from_vec(cu_k, batch.len() + 1, dev)?,
+            block_table: Tensor::from_slice(&table, (b, max_pages), dev)?,
+            seqlens_q: Tensor::from_vec(cu_q, b + 1, dev)?,
+            seqlens_k: Tensor::from_vec(cu_k, b + 1, dev)?,
             max_seqlen_q: max_q,
             max_seqlen_k: max_k,
             last_rows: last,
+            host_table: table,
+            table_width: max_pages,
+            k_lens,
+            single,
+            rest,
         })
     }
 }
