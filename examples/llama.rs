@@ -19,8 +19,8 @@ use candle_flash::llama::{
     apply_chat_template, load_with, AttnImpl, ChatMessage, GgufWeights, LoadedLlama, LogitsProcessor, Request,
     Sampling, Scheduler, SchedulerConfig,
 };
-use std::collections::HashMap;
 use clap::Parser;
+use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -252,7 +252,13 @@ fn generate_batch(args: &Args, loaded: &LoadedLlama, tokenizer: &Tokenizer, prom
         for f in step.finished {
             let text = tokenizer.decode(&f.tokens, true).map_err(anyhow::Error::msg)?;
             let prompt = &args.prompt[which[&f.id]];
-            println!("--- sequence {} ({} prompt + {} tokens, {:?}) ---", f.id, f.prompt_tokens, f.tokens.len(), f.reason);
+            println!(
+                "--- sequence {} ({} prompt + {} tokens, {:?}) ---",
+                f.id,
+                f.prompt_tokens,
+                f.tokens.len(),
+                f.reason
+            );
             if args.chat {
                 println!("{}", text.trim());
             } else {

@@ -269,7 +269,10 @@ fn batch_mode(args: &Args, model: &Llama, base: &[u32], sizes: &str, device: &De
         let Some(last) = last else { bail!("--repeats must be at least 1") };
         let (prefill_tps, decode_tps) = (median_best(pre), median_best(dec));
         // What contiguous per-sequence caches of the same lengths hold (f32 K and V).
-        let contiguous_mb = (b * (prompt_len + args.decode_tokens) * 2 * cfg.num_hidden_layers
+        let contiguous_mb = (b
+            * (prompt_len + args.decode_tokens)
+            * 2
+            * cfg.num_hidden_layers
             * cfg.num_key_value_heads
             * cfg.head_dim
             * model.dtype().size_in_bytes()) as f64

@@ -297,7 +297,9 @@ fn alone_logits(m: &Llama, tokens: &[u32]) -> Result<Tensor> {
 fn paged_batch_logits_equal_per_sequence_logits() -> Result<()> {
     for attn in [AttnImpl::Flash, AttnImpl::Naive] {
         let m = tiny_model(6, false, attn, &DEV)?;
-        let seq = |seed: u32, n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 31 + seed * 17 + 5) % VOCAB as u32).collect() };
+        let seq = |seed: u32, n: usize| -> Vec<u32> {
+            (0..n as u32).map(|i| (i * 31 + seed * 17 + 5) % VOCAB as u32).collect()
+        };
         // Token streams (prompt then fed tokens): 0 long, 1 short (few-rows path), 2 joins late
         // and is chunked, 3 reuses 1's pages.
         let streams = [seq(1, 19), seq(2, 9), seq(3, 14), seq(4, 8)];

@@ -203,7 +203,8 @@ impl LlamaAttention {
     ) -> Result<Tensor> {
         let n = step.single;
         let w = step.table_width;
-        let seqs: Vec<(&[u32], usize)> = (0..n).map(|i| (&step.host_table[i * w..(i + 1) * w], step.k_lens[i])).collect();
+        let seqs: Vec<(&[u32], usize)> =
+            (0..n).map(|i| (&step.host_table[i * w..(i + 1) * w], step.k_lens[i])).collect();
         let q1 = q.narrow(0, 0, n)?;
         let Some(y1) = super::decode_attn::decode_attention_paged(&q1, k_cache, v_cache, &seqs, self.softmax_scale)?
         else {

@@ -164,15 +164,7 @@ impl<'m> Scheduler<'m> {
             bail!("scheduler: prefill_chunk must be at least 1 (or None)")
         }
         let cache = model.new_paged_cache(cfg.page_size, cfg.max_pages)?;
-        Ok(Self {
-            model,
-            cache,
-            cfg,
-            waiting: VecDeque::new(),
-            running: vec![],
-            next_id: 0,
-            reserved: 0,
-        })
+        Ok(Self { model, cache, cfg, waiting: VecDeque::new(), running: vec![], next_id: 0, reserved: 0 })
     }
 
     /// Queues a request; returns the id its tokens and result will carry.

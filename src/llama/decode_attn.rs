@@ -102,7 +102,9 @@ pub(crate) fn decode_attention_paged(
         || v_cache.dims() != k_cache.dims()
         || !(cpu_f32(q) && cpu_f32(k_cache) && cpu_f32(v_cache))
         || !(k_cache.is_contiguous() && v_cache.is_contiguous())
-        || seqs.iter().any(|(pages, len)| *len == 0 || pages.len() * page < *len || pages.iter().any(|&p| p as usize >= num_pages))
+        || seqs.iter().any(|(pages, len)| {
+            *len == 0 || pages.len() * page < *len || pages.iter().any(|&p| p as usize >= num_pages)
+        })
     {
         return Ok(None);
     }
@@ -123,7 +125,10 @@ pub(crate) fn decode_attention_paged(
         .iter()
         .map(|(pages, len)| {
             let at = |i: usize, p: u32| (p as usize * page * row, page.min(len - i * page));
-            (0..len.div_ceil(page)).map(|i| at(i, pages[i])).map(|(o, rows)| Run { k: k0 + o, v: v0 + o, rows }).collect()
+            (0..len.div_ceil(page))
+                .map(|i| at(i, pages[i]))
+                .map(|(o, rows)| Run { k: k0 + o, v: v0 + o, rows })
+                .collect()
         })
         .collect();
     let qd = &qd[ql.start_offset()..ql.start_offset() + b * h * d];

@@ -120,7 +120,14 @@ impl DecoderLayer {
     }
 
     /// The packed tokens `x (T, hidden)` of a batch against one layer of a paged cache.
-    fn forward_paged(&self, x: &Tensor, rope: &Rope, kv: &(Tensor, Tensor), step: &PagedStep, few: usize) -> Result<Tensor> {
+    fn forward_paged(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        kv: &(Tensor, Tensor),
+        step: &PagedStep,
+        few: usize,
+    ) -> Result<Tensor> {
         let attn = self.self_attn.forward_paged(&self.input_layernorm.forward(x)?, rope, kv, step, few)?;
         let h = (x + attn)?;
         &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)?, few)?

@@ -218,7 +218,10 @@ impl PagedKvCache {
         let mut cap = (2 * self.capacity).max(want).max(MIN_POOL_PAGES);
         if let Some(max) = self.max_pages {
             if want > max {
-                bail!("paged kv cache: {want} pages needed but the pool is capped at {max} pages of {} rows", self.page_size)
+                bail!(
+                    "paged kv cache: {want} pages needed but the pool is capped at {max} pages of {} rows",
+                    self.page_size
+                )
             }
             cap = cap.min(max);
         }

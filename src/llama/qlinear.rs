@@ -1086,6 +1086,33 @@ mod tests {
         Ok(())
     }
 
+    /// Rows through the few-rows kernels give bitwise the same values whatever the other rows
+    /// (one row alone, or with 1..=12 others: the multi-row packed kernel and its remainders),
+    /// and `forward_split` sends the leading rows there and the rest to the gemm path.
+    #[test]
+    fn few_rows_are_row_independent_and_split() -> Result<()> {
+        for (n, dtype) in [(72, GgmlDType::Q4_1), (72, GgmlDType::Q8_0), (70, GgmlDType::Q4_1)] {
+            let k = 96;
+            let wf = Tensor::from_vec(pseudo_random(n * k, 11), (n, k), &Device::Cpu)?;
+            let lin = QLinear::from_qtensor(QTensor::quantize(&wf, dtype)?, DType::F32)?;
+            let x = Tensor::from_vec(pseudo_random(13 * k, 12), (13, k), &Device::Cpu)?;
+            let alone: Vec<Vec<f32>> =
+                (0..13).map(|i| lin.forward(&x.narrow(0, i, 1)?)?.flatten_all()?.to_vec1()).collect::<Result<_>>()?;
+            for m in 1..=13 {
+                let y = lin.forward_split(&x.narrow(0, 0, m)?, m)?.to_vec2::<f32>()?;
+                for (i, row) in y.iter().enumerate() {
+                    assert_eq!(row, &alone[i], "{dtype:?} n={n}: row {i} of {m}");
+                }
+            }
+            // 3 leading rows on the few-rows path, 10 on gemm (as forward of those 10 alone).
+            let y = lin.forward_split(&x, 3)?;
+            let rest = lin.forward(&x.narrow(0, 3, 10)?)?;
+            assert_eq!(y.narrow(0, 3, 10)?.to_vec2::<f32>()?, rest.to_vec2::<f32>()?);
+            assert_eq!(y.narrow(0, 0, 3)?.to_vec2::<f32>()?, alone[..3].to_vec());
+        }
+        Ok(())
+    }
+
     #[test]
     fn dense_cpu_products_match_candle() -> Result<()> {
         let (n, k) = (33, 40);
