@@ -11,7 +11,7 @@
 use super::qlinear::dot_f32;
 #[cfg(target_arch = "x86_64")]
 use super::qlinear::hsum;
-use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Storage, Tensor};
 use rayon::prelude::*;
 
 /// `q (B, 1, H, D)` against `k`, `v` `(B, Sk, Hkv, D)` (GQA: query head `h` reads KV head
@@ -43,37 +43,21 @@ pub(crate) fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -
     {
         return Ok(None);
     }
-    let q = q.contiguous()?;
-    let (qs, ql) = q.storage_and_layout();
-    let (ks, kl) = k.storage_and_layout();
-    let (vs, vl) = v.storage_and_layout();
-    let (Storage::Cpu(CpuStorage::F32(qd)), Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) =
-        (&*qs, &*ks, &*vs)
-    else {
-        return Ok(None);
-    };
     let row = hkv * d;
     // (offset, batch stride) of k or v when positions are `row` apart and heads `d` apart, with
     // the last element inside the storage.
-    let view = |l: &candle_core::Layout, len: usize| {
+    let view = |l: &Layout, len: usize| {
         let st = l.stride();
         let heads_ok = (hkv == 1 || st[2] == d) && st[3] == 1;
         let positions_ok = sk == 1 || st[1] == row;
         let end = l.start_offset() + (b - 1) * st[0] + (sk - 1) * row + row;
         (heads_ok && positions_ok && end <= len).then_some((l.start_offset(), st[0]))
     };
-    let (Some((k0, kb)), Some((v0, vb))) = (view(kl, kd.len()), view(vl, vd.len())) else {
-        return Ok(None);
-    };
-    let qd = &qd[ql.start_offset()..ql.start_offset() + b * h * d];
-    let group = h / hkv;
-    let mut out = vec![0f32; b * h * d];
-    out.par_chunks_mut(d).enumerate().for_each(|(bh, o)| {
-        let (bi, kh) = (bh / h, bh % h / group);
-        let run = Run { k: k0 + bi * kb, v: v0 + bi * vb, rows: sk };
-        head(&qd[bh * d..(bh + 1) * d], kd, vd, &[run], row, kh * d, scale, o);
-    });
-    Ok(Some(Tensor::from_vec(out, (b, 1, h, d), &Device::Cpu)?))
+    let out = attend_runs(q, k, v, (h, hkv, d), scale, |kl, klen, vl, vlen| {
+        let ((k0, kb), (v0, vb)) = (view(kl, klen)?, view(vl, vlen)?);
+        Some((0..b).map(|bi| vec![Run { k: k0 + bi * kb, v: v0 + bi * vb, rows: sk }]).collect())
+    })?;
+    out.map(|out| Tensor::from_vec(out, (b, 1, h, d), &Device::Cpu)).transpose()
 }
 
 /// The same for one query row per sequence against a paged cache: `q (B, H, D)`, `k_cache` and
@@ -108,37 +92,54 @@ pub(crate) fn decode_attention_paged(
     {
         return Ok(None);
     }
+    let row = hkv * d;
+    let out = attend_runs(q, k_cache, v_cache, (h, hkv, d), scale, |kl, klen, vl, vlen| {
+        let (k0, v0) = (kl.start_offset(), vl.start_offset());
+        if k0 + num_pages * page * row > klen || v0 + num_pages * page * row > vlen {
+            return None;
+        }
+        let runs = seqs.iter().map(|(pages, len)| {
+            let run = |(i, p): (usize, &u32)| {
+                let o = *p as usize * page * row;
+                Run { k: k0 + o, v: v0 + o, rows: page.min(len - i * page) }
+            };
+            pages[..len.div_ceil(page)].iter().enumerate().map(run).collect()
+        });
+        Some(runs.collect())
+    })?;
+    out.map(|out| Tensor::from_vec(out, (b, h, d), &Device::Cpu)).transpose()
+}
+
+/// Every (sequence, query head) of `q` (`B·H` rows of `d` values) against the keys and values
+/// of `k`, `v` (CPU f32) that `runs` locates from their layouts and storage lengths: one list
+/// of runs per sequence, each head's keys in order (None: not of a form the kernels read).
+/// The heads are split over the rayon threads; → the `B·H·d` outputs.
+fn attend_runs(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    (h, hkv, d): (usize, usize, usize),
+    scale: f32,
+    runs: impl FnOnce(&Layout, usize, &Layout, usize) -> Option<Vec<Vec<Run>>>,
+) -> Result<Option<Vec<f32>>> {
     let q = q.contiguous()?;
     let (qs, ql) = q.storage_and_layout();
-    let (ks, kl) = k_cache.storage_and_layout();
-    let (vs, vl) = v_cache.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
     let (Storage::Cpu(CpuStorage::F32(qd)), Storage::Cpu(CpuStorage::F32(kd)), Storage::Cpu(CpuStorage::F32(vd))) =
         (&*qs, &*ks, &*vs)
     else {
         return Ok(None);
     };
-    let (row, (k0, v0)) = (hkv * d, (kl.start_offset(), vl.start_offset()));
-    if k0 + num_pages * page * row > kd.len() || v0 + num_pages * page * row > vd.len() {
-        return Ok(None);
-    }
-    let runs: Vec<Vec<Run>> = seqs
-        .iter()
-        .map(|(pages, len)| {
-            let at = |i: usize, p: u32| (p as usize * page * row, page.min(len - i * page));
-            (0..len.div_ceil(page))
-                .map(|i| at(i, pages[i]))
-                .map(|(o, rows)| Run { k: k0 + o, v: v0 + o, rows })
-                .collect()
-        })
-        .collect();
+    let Some(runs) = runs(kl, kd.len(), vl, vd.len()) else { return Ok(None) };
+    let (b, row, group) = (runs.len(), hkv * d, h / hkv);
     let qd = &qd[ql.start_offset()..ql.start_offset() + b * h * d];
-    let group = h / hkv;
     let mut out = vec![0f32; b * h * d];
     out.par_chunks_mut(d).enumerate().for_each(|(bh, o)| {
         let (bi, kh) = (bh / h, bh % h / group);
         head(&qd[bh * d..(bh + 1) * d], kd, vd, &runs[bi], row, kh * d, scale, o);
     });
-    Ok(Some(Tensor::from_vec(out, (b, h, d), &Device::Cpu)?))
+    Ok(Some(out))
 }
 
 /// `rows` consecutive key/value rows starting at element offsets `k` and `v` of the storage.

@@ -3,8 +3,11 @@
 //!
 //! Always built (no extra dependencies): the attention block ([`LlamaAttention`], in
 //! `attention.rs`), rotary embeddings ([`RotaryEmbedding`], [`apply_rope`], in `rotary.rs`),
-//! the KV cache ([`KvCache`], in `kv_cache.rs`), the config ([`LlamaConfig`]) and the full
-//! model's forward ([`Llama`], built from a `VarBuilder` with Hugging Face tensor names).
+//! the KV cache ([`KvCache`], in `kv_cache.rs`), the config ([`LlamaConfig`]), the full
+//! model's forward ([`Llama`], built from a `VarBuilder` with Hugging Face tensor names), and
+//! batched serving: a paged KV cache shared by many sequences ([`PagedKvCache`], in
+//! `paged_cache.rs`), the forward of several sequences' new tokens packed together
+//! ([`Llama::forward_paged`]) and continuous batching over it ([`Scheduler`], in `batch.rs`).
 //!
 //! With the cargo feature `llama` (which adds tokenizers, serde, serde_json and minijinja):
 //! loading from GGUF files and Hugging Face safetensors folders with the tokenizer (`load`),

@@ -160,7 +160,9 @@ impl BlockWeight {
                 let group = &self.data[(r0 + done) * rb..(r0 + done + GROUP) * rb];
                 // SAFETY: packed weights exist only where the CPU has AVX2 (`new`), and `out`
                 // has the 8 values written.
-                unsafe { dot8_packed_avx2(self.kind, group, x, out[done..done + GROUP].as_mut_ptr()) };
+                unsafe {
+                    dot8_packed_rows_avx2::<1>(self.kind, group, x, x.len(), out[done..done + GROUP].as_mut_ptr(), 0)
+                };
                 done += GROUP;
             }
         }
@@ -342,70 +344,20 @@ pub(crate) unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
 }
 
-/// 8 packed rows (one group, [`pack8`]) dotted with `x`, written to `out[0..8]`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot8_packed_avx2(kind: BlockKind, group: &[u8], x: &[XBlock], out: *mut f32) {
-    use std::arch::x86_64::*;
-    let gb = GROUP * kind.bytes();
-    let nb = x.len().min(group.len() / gb);
-    let p = group.as_ptr();
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = _mm256_setzero_ps();
-    // The activation's 4 values `4c..4c+4` of block `xb`, in every 32-bit lane.
-    let x4 =
-        |xb: &XBlock, c: usize| _mm256_set1_epi32(std::ptr::read_unaligned(xb.qs.as_ptr().add(4 * c) as *const i32));
-    match kind {
-        BlockKind::Q4_1 => {
-            let nib = _mm256_set1_epi8(0xF);
-            for (b, xb) in x.iter().enumerate().take(nb) {
-                let blk = p.add(b * gb);
-                // Eight u8 (0..16) x i8 products of pairs, each at most 2·15·127 in magnitude:
-                // their sum (< 2^15) stays in i16 until one widening at the end of the block.
-                let mut s16 = _mm256_setzero_si256();
-                for c in 0..4 {
-                    let v = _mm256_loadu_si256(blk.add(32 + 32 * c) as *const __m256i);
-                    let lo = _mm256_and_si256(v, nib);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, x4(xb, c)));
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, x4(xb, 4 + c)));
-                }
-                let isum = _mm256_madd_epi16(s16, ones);
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
-                let m = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i));
-                acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
-                acc = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.s), acc);
-            }
-        }
-        BlockKind::Q8_0 => {
-            for (b, xb) in x.iter().enumerate().take(nb) {
-                let blk = p.add(b * gb);
-                let mut isum = _mm256_setzero_si256();
-                for c in 0..8 {
-                    let v = _mm256_loadu_si256(blk.add(16 + 32 * c) as *const __m256i);
-                    // |w| times x with w's sign moved onto x; pairs reach 2·128·127, so widen
-                    // every chunk.
-                    let prod = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x4(xb, c), v));
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, ones));
-                }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
-                acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
-            }
-        }
-    }
-    _mm256_storeu_ps(out, acc);
-}
-
 /// Activation rows per call of [`dot8_packed_rows_avx2`]: each weight vector loaded and unpacked
 /// once serves this many rows, whose accumulators (two vectors each) still fit in the sixteen
 /// AVX2 registers beside the weights.
 const ROWS_PER_CALL: usize = 4;
 
 /// 8 packed rows (one group, [`pack8`]) dotted with `R` activation rows (`x` holds them one after
-/// the other, `nb` blocks each): `out[r * ldo + j]` = weight row `j` · activation row `r`. Each
-/// activation row gets the operations of [`dot8_packed_avx2`] in the same order (the integer
-/// sums are exact, the float steps per block identical), so its results are bitwise that
-/// kernel's: a sequence decoded in a batch computes what it computes alone.
+/// the other, `nb` blocks each): `out[r * ldo + j]` = weight row `j` · activation row `r`.
+///
+/// A 32-bit lane is one weight row, so the integer dot products accumulate per lane against
+/// the activation's 4 values broadcast, and the scales of the 8 rows convert with one
+/// instruction. Each activation row gets the same operations in the same order whatever `R`
+/// (the integer sums are exact, the float steps per block fixed), so a row's result is bitwise
+/// the one-row call's (`R = 1`, the decode of one sequence): a sequence decoded in a batch
+/// computes what it computes alone.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot8_packed_rows_avx2<const R: usize>(
