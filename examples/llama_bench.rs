@@ -19,9 +19,9 @@
 //! `--batch 1,8,32` measures batched generation instead: for each batch size B, B sequences
 //! (prompts of the first `--prompts` length, each a different slice of the text) go through the
 //! continuous-batching `Scheduler` from one paged KV cache: one step prefills all B prompts,
-//! then `--decode-tokens` steps decode one token for each. It reports the aggregate decode
-//! tokens/s (B tokens per step), its ratio to batch 1 in the same run, and the cache's peak
-//! memory (pages in use, and the pool allocated).
+//! then `--decode-tokens` steps decode one token for each. The sizes take turns within each
+//! repeat. It reports the aggregate decode tokens/s (B tokens per step), its ratio to batch 1
+//! in the same run, and the cache's peak memory (pages in use, and the pool allocated).
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -257,17 +257,19 @@ fn batch_mode(args: &Args, model: &Llama, base: &[u32], sizes: &str, device: &De
         bail!("--batch sizes and the prompt length must be at least 1")
     }
     let cfg = model.config();
-    let mut rows = vec![];
-    for &b in &sizes {
-        let (mut pre, mut dec, mut last) = (vec![], vec![], None);
-        for _ in 0..args.repeats {
-            let r = run_batch(model, base, prompt_len, b, args.decode_tokens, args.page_size, device)?;
-            pre.push(r.prefill_tps);
-            dec.push(r.decode_tps);
-            last = Some(r);
+    // Repeats outermost, batch sizes inside: on a shared machine the load drifts over minutes,
+    // and interleaving gives every size the same mix of quiet and busy moments.
+    let mut runs: Vec<Vec<BatchRun>> = sizes.iter().map(|_| vec![]).collect();
+    for _ in 0..args.repeats {
+        for (&b, runs) in sizes.iter().zip(runs.iter_mut()) {
+            runs.push(run_batch(model, base, prompt_len, b, args.decode_tokens, args.page_size, device)?);
         }
-        let Some(last) = last else { bail!("--repeats must be at least 1") };
-        let (prefill_tps, decode_tps) = (median_best(pre), median_best(dec));
+    }
+    let mut rows = vec![];
+    for (&b, runs) in sizes.iter().zip(runs) {
+        let pre = median_best(runs.iter().map(|r| r.prefill_tps).collect());
+        let (prefill_tps, decode_tps) = (pre, median_best(runs.iter().map(|r| r.decode_tps).collect()));
+        let Some(last) = runs.into_iter().last() else { bail!("--repeats must be at least 1") };
         // What contiguous per-sequence caches of the same lengths hold (f32 K and V).
         let contiguous_mb = (b
             * (prompt_len + args.decode_tokens)
