@@ -33,7 +33,7 @@
 
 use super::model::Llama;
 use super::paged_cache::{PagedKvCache, SeqId};
-use candle_core::{bail, Result, Tensor};
+use candle_core::{bail, Device, Result, Tensor};
 use std::collections::VecDeque;
 
 /// One generation request.
@@ -239,9 +239,9 @@ impl<'m> Scheduler<'m> {
 
     /// One forward over the running batch (after admitting waiting requests): feeds each
     /// sequence its next prompt chunk or its last token, samples a token for every sequence
-    /// whose prompt is complete with `sample(id, logits (vocab) f32)`, and retires the
-    /// sequences that stop. Nothing to do: an empty output. After an error (from the model or
-    /// from `sample`) the batch's cache state is undefined: drop the scheduler.
+    /// whose prompt is complete with `sample(id, logits)` (f32 `(vocab)` on the CPU), and
+    /// retires the sequences that stop. Nothing to do: an empty output. After an error (from
+    /// the model or from `sample`) the batch's cache state is undefined: drop the scheduler.
     pub fn step(&mut self, sample: &mut dyn FnMut(SeqId, &Tensor) -> Result<u32>) -> Result<StepOutput> {
         self.admit()?;
         let mut out = StepOutput::default();
@@ -250,7 +250,9 @@ impl<'m> Scheduler<'m> {
         }
         let chunk = self.cfg.prefill_chunk;
         let batch: Vec<(SeqId, &[u32])> = self.running.iter().map(|r| (r.id, r.input(chunk))).collect();
-        let logits = self.model.forward_paged(&batch, &mut self.cache)?;
+        // One copy of the whole (B, vocab) to the host per step (none on the CPU), rather than
+        // one device-to-host synchronisation per sequence when `sample` reads its row.
+        let logits = self.model.forward_paged(&batch, &mut self.cache)?.to_device(&Device::Cpu)?;
         let fed: Vec<usize> = batch.iter().map(|(_, t)| t.len()).collect();
         for (i, n) in fed.into_iter().enumerate() {
             let r = &mut self.running[i];

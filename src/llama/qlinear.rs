@@ -196,19 +196,43 @@ struct XBlock {
     s: f32,
 }
 
-fn quantize_row(x: &[f32], out: &mut [XBlock]) {
+#[inline(always)]
+fn quantize_row_body(x: &[f32], out: &mut [XBlock]) {
     for (xs, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
         let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
         let mut sum = 0i32;
         for (q, v) in b.qs.iter_mut().zip(xs) {
-            *q = (v * inv).round() as i8;
+            // `f32::round` (half away from zero) spelled with `trunc`, which vectorizes where
+            // `round` is a libm call per value (~6% of a batch-32 decode step in perf). Exact:
+            // `y - trunc(y)` has no rounding error.
+            let y = v * inv;
+            let t = y.trunc();
+            *q = (t + if (y - t).abs() >= 0.5 { 1f32.copysign(y) } else { 0.0 }) as i8;
             sum += *q as i32;
         }
         b.d = d;
         b.s = d * sum as f32;
     }
+}
+
+/// The same code compiled for AVX2 (256-bit rounding and conversions).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_row_avx2(x: &[f32], out: &mut [XBlock]) {
+    quantize_row_body(x, out)
+}
+
+/// Activation row `x` as 8-bit blocks (llama.cpp's Q8_1: scale `amax / 127`, values rounded
+/// half away from zero).
+fn quantize_row(x: &[f32], out: &mut [XBlock]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports the features the function is compiled for.
+        return unsafe { quantize_row_avx2(x, out) };
+    }
+    quantize_row_body(x, out)
 }
 
 fn f16_at(b: &[u8], i: usize) -> f32 {
@@ -1067,6 +1091,27 @@ mod tests {
             assert_eq!(y.narrow(0, 0, 3)?.to_vec2::<f32>()?, alone[..3].to_vec());
         }
         Ok(())
+    }
+
+    /// The vectorizable rounding is `f32::round` on every value the quantization meets,
+    /// halfway cases and their neighbours included.
+    #[test]
+    fn quantized_rounding_is_round_half_away() {
+        let mut x: Vec<f32> = pseudo_random(QK * 64, 21).iter().map(|v| v * 5.0).collect();
+        // The block's amax is 127 exactly, so that values k + 0.5 stay halfway after scaling.
+        for (i, v) in x.iter_mut().enumerate().take(QK) {
+            *v = if i == 0 { 127.0 } else { (i as f32 - 16.0) + 0.5 };
+        }
+        x[QK + 1] = 0.49999997;
+        x[QK + 2] = -0.49999997;
+        let mut got = vec![XBlock { qs: [0; QK], d: 0.0, s: 0.0 }; 64];
+        quantize_row(&x, &mut got);
+        for (xs, b) in x.chunks_exact(QK).zip(&got) {
+            let inv = if b.d > 0.0 { 1.0 / b.d } else { 0.0 };
+            for (v, q) in xs.iter().zip(b.qs) {
+                assert_eq!(q, (v * inv).round() as i8, "{v}");
+            }
+        }
     }
 
     #[test]
