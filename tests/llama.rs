@@ -439,6 +439,9 @@ fn bad_batch_inputs_are_errors() -> Result<()> {
     let full = m.forward_paged(&[(0, &[1; 9][..])], &mut cache).unwrap_err().to_string();
     assert!(full.contains("capped at 2 pages"), "{full}");
     assert_eq!(cache.seq_len(0), Some(0));
+    // A token outside the vocabulary (the scheduler checks prompts; the forward checks too).
+    cache.add_sequence(1)?;
+    assert!(m.forward_paged(&[(1, &[VOCAB as u32][..])], &mut cache).is_err());
     // A cache for another model shape.
     let mut cfg = tiny_config(true);
     cfg.num_hidden_layers = 1;
