@@ -5,13 +5,22 @@
 //! the GPU. The example needs the `llama` feature (the library's loading, tokenizer, sampling
 //! and chat templates).
 //! The text is streamed as it is generated; prefill and decode speeds go to stderr at the end.
+//!
+//! Several sequences at once: repeat `--prompt`, and/or give `--batch N` (N sequences running
+//! together; fewer prompts than N are cycled to make N requests). They are served by the
+//! library's continuous-batching `Scheduler` from one paged KV cache: each step packs every
+//! running sequence's new tokens into one forward, finished sequences leave and waiting ones
+//! take their place. Each sequence's text is printed when it finishes, the aggregate speed at
+//! the end.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use candle_flash::llama::{
-    apply_chat_template, load_with, AttnImpl, ChatMessage, GgufWeights, LogitsProcessor, Sampling,
+    apply_chat_template, load_with, AttnImpl, ChatMessage, GgufWeights, LoadedLlama, LogitsProcessor, Request,
+    Sampling, Scheduler, SchedulerConfig,
 };
 use clap::Parser;
+use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -29,8 +38,16 @@ struct Args {
     /// tokenizer.json)
     #[arg(long, default_value = DEFAULT_MODEL)]
     model: PathBuf,
-    #[arg(long, default_value = "Gravity is")]
-    prompt: String,
+    /// Repeat for several sequences (generated together, see --batch)
+    #[arg(long, default_values_t = ["Gravity is".to_string()])]
+    prompt: Vec<String>,
+    /// Sequences running at once (continuous batching from a paged KV cache); with fewer
+    /// prompts, they are cycled to make this many requests. Default: one per prompt
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Rows per page of the batched mode's KV cache
+    #[arg(long, default_value_t = 16)]
+    page_size: usize,
     /// Wrap the prompt as a user message in the model's chat template
     #[arg(long)]
     chat: bool,
@@ -147,29 +164,19 @@ fn main() -> Result<()> {
     );
     let tokenizer = loaded.tokenizer.as_ref().context("the model has no tokenizer (tokenizer.json / GGUF metadata)")?;
 
-    let (text, add_special) = if args.chat {
-        let template = loaded.chat_template.as_deref().context("--chat: the model has no chat template")?;
-        let bos = loaded.bos_token.clone().unwrap_or_default();
-        let eos = loaded.eos_token.clone().unwrap_or_default();
-        let text = apply_chat_template(template, &[ChatMessage::new("user", &args.prompt)], true, &bos, &eos)?;
-        // A template that writes the BOS itself must not get a second one from the tokenizer.
-        let add_special = bos.is_empty() || !text.starts_with(&bos);
-        (text, add_special)
-    } else {
-        (args.prompt.clone(), true)
-    };
-    let prompt = tokenizer.encode(text.as_str(), add_special).map_err(anyhow::Error::msg)?.get_ids().to_vec();
-    if prompt.is_empty() {
-        bail!("the prompt encodes to no tokens")
+    let prompts: Vec<Vec<u32>> =
+        args.prompt.iter().map(|p| encode_prompt(&loaded, tokenizer, p, args.chat)).collect::<Result<_>>()?;
+    if prompts.len() > 1 || args.batch.is_some_and(|b| b > 1) {
+        return generate_batch(&args, &loaded, tokenizer, &prompts);
     }
-
+    let prompt = &prompts[0];
     let mut sampler = LogitsProcessor::new(Sampling::from_args(args.temperature, args.top_p), args.seed);
     let mut stream = TextStream::new(tokenizer);
     let mut stdout = std::io::stdout();
     if !args.chat {
-        print!("{}", args.prompt);
+        print!("{}", args.prompt[0]);
     }
-    let out = loaded.model.generate(&prompt, args.max_tokens, &mut sampler, &loaded.stop_token_ids, |token| {
+    let out = loaded.model.generate(prompt, args.max_tokens, &mut sampler, &loaded.stop_token_ids, |token| {
         if let Some(piece) = stream.push(token).map_err(candle_core::Error::wrap)? {
             print!("{piece}");
             stdout.flush()?;
@@ -184,6 +191,90 @@ fn main() -> Result<()> {
         out.prefill_secs,
         out.tokens.len(),
         out.decode_tokens_per_sec(),
+    );
+    Ok(())
+}
+
+/// The prompt's tokens (as a chat user message with `chat`).
+fn encode_prompt(loaded: &LoadedLlama, tokenizer: &Tokenizer, prompt: &str, chat: bool) -> Result<Vec<u32>> {
+    let (text, add_special) = if chat {
+        let template = loaded.chat_template.as_deref().context("--chat: the model has no chat template")?;
+        let bos = loaded.bos_token.clone().unwrap_or_default();
+        let eos = loaded.eos_token.clone().unwrap_or_default();
+        let text = apply_chat_template(template, &[ChatMessage::new("user", prompt)], true, &bos, &eos)?;
+        // A template that writes the BOS itself must not get a second one from the tokenizer.
+        let add_special = bos.is_empty() || !text.starts_with(&bos);
+        (text, add_special)
+    } else {
+        (prompt.to_string(), true)
+    };
+    let ids = tokenizer.encode(text.as_str(), add_special).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    if ids.is_empty() {
+        bail!("the prompt {prompt:?} encodes to no tokens")
+    }
+    Ok(ids)
+}
+
+/// Several sequences through the continuous-batching scheduler; each sequence's text when it
+/// finishes, the aggregate speed at the end.
+fn generate_batch(args: &Args, loaded: &LoadedLlama, tokenizer: &Tokenizer, prompts: &[Vec<u32>]) -> Result<()> {
+    let n = args.batch.unwrap_or(prompts.len()).max(prompts.len());
+    let max_batch = args.batch.unwrap_or(n);
+    let cfg = SchedulerConfig { max_batch, page_size: args.page_size, ..Default::default() };
+    let mut sched = Scheduler::new(&loaded.model, cfg)?;
+    let sampling = Sampling::from_args(args.temperature, args.top_p);
+    let mut samplers = HashMap::new();
+    let mut which = HashMap::new();
+    for i in 0..n {
+        let req = Request::new(prompts[i % prompts.len()].clone(), args.max_tokens).stop_tokens(&loaded.stop_token_ids);
+        let id = sched.add(req)?;
+        // Each sequence its own seed, so that sampled copies of one prompt differ.
+        samplers.insert(id, LogitsProcessor::new(sampling, args.seed.wrapping_add(id)));
+        which.insert(id, i % prompts.len());
+    }
+    eprintln!("{n} sequences, at most {max_batch} at once, pages of {} rows", args.page_size);
+    let t0 = Instant::now();
+    let (mut generated, mut prefill_tokens, mut decode_tokens, mut decode_secs) = (0, 0, 0, 0.0);
+    while !sched.is_idle() {
+        let t = Instant::now();
+        let step = sched.step(&mut |id, logits| match samplers.get_mut(&id) {
+            Some(s) => s.sample(logits),
+            None => candle_core::bail!("no sampler for sequence {id}"),
+        })?;
+        // Steps that feed only generated tokens are the decode speed; those with a prompt in
+        // them are prefill-bound.
+        if step.prefill_tokens == 0 {
+            decode_secs += t.elapsed().as_secs_f64();
+            decode_tokens += step.decode_tokens;
+        }
+        prefill_tokens += step.prefill_tokens;
+        generated += step.tokens.len();
+        for f in step.finished {
+            let text = tokenizer.decode(&f.tokens, true).map_err(anyhow::Error::msg)?;
+            let prompt = &args.prompt[which[&f.id]];
+            println!(
+                "--- sequence {} ({} prompt + {} tokens, {:?}) ---",
+                f.id,
+                f.prompt_tokens,
+                f.tokens.len(),
+                f.reason
+            );
+            if args.chat {
+                println!("{}", text.trim());
+            } else {
+                println!("{prompt}{text}");
+            }
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let c = sched.cache();
+    eprintln!(
+        "{n} sequences: {prefill_tokens} prompt + {generated} generated tokens in {secs:.2}s: {:.1} generated tokens/s overall, decode steps {:.1} tokens/s | KV cache: peak {} pages in use, pool {} pages ({:.1} MB)",
+        generated as f64 / secs,
+        decode_tokens as f64 / decode_secs.max(1e-9),
+        c.peak_pages_in_use(),
+        c.capacity_pages(),
+        c.pool_bytes() as f64 / 1e6,
     );
     Ok(())
 }

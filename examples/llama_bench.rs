@@ -15,10 +15,19 @@
 //! (an interpreter with `llama-cpp-python` installed), `bench/llama_cpp_bench.py` then measures
 //! llama.cpp on the same GGUF file and the same prompt tokens, with `--threads` threads, in the
 //! same run (method: bench/NOTES.md).
+//!
+//! `--batch 1,8,32` measures batched generation instead: for each batch size B, B sequences
+//! (prompts of the first `--prompts` length, each a different slice of the text) go through the
+//! continuous-batching `Scheduler` from one paged KV cache: one step prefills all B prompts,
+//! then `--decode-tokens` steps decode one token for each. The sizes take turns within each
+//! repeat. It reports the aggregate decode tokens/s (B tokens per step), its ratio to batch 1
+//! in the same run, and the cache's peak memory (pages in use, and the pool allocated).
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
-use candle_flash::llama::{load_with, AttnImpl, Cache, GgufWeights, Llama, LogitsProcessor, Sampling};
+use candle_flash::llama::{
+    load_with, AttnImpl, Cache, GgufWeights, Llama, LogitsProcessor, Request, Sampling, Scheduler, SchedulerConfig,
+};
 use clap::Parser;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -62,6 +71,13 @@ struct Args {
     /// A Python interpreter with llama-cpp-python: also measure llama.cpp on the same tokens
     #[arg(long)]
     llama_cpp_python: Option<PathBuf>,
+    /// Comma-separated batch sizes: measure batched generation (see the module documentation)
+    /// instead of the single-sequence runs
+    #[arg(long)]
+    batch: Option<String>,
+    /// Rows per page of the batched mode's KV cache
+    #[arg(long, default_value_t = 16)]
+    page_size: usize,
 }
 
 /// Runs `f` and returns its result, its seconds and its peak heap growth in MB (CPU only).
@@ -181,6 +197,122 @@ fn run(
     Ok((prompt.len() as f64 / prefill_secs, prefill_peak, decode_tokens as f64 / decode_secs, decode_peak))
 }
 
+/// One batched measurement.
+struct BatchRun {
+    prefill_tps: f64,
+    decode_tps: f64,
+    /// MB of the pages in use at the peak, and of the pool allocated.
+    cache_in_use_mb: f64,
+    cache_pool_mb: f64,
+}
+
+/// `b` sequences of `prompt_len` tokens (each a different slice of `base`) through the
+/// scheduler: one prefill step for all, then `decode_tokens` greedy decode steps.
+fn run_batch(
+    model: &Llama,
+    base: &[u32],
+    prompt_len: usize,
+    b: usize,
+    decode_tokens: usize,
+    page_size: usize,
+    device: &Device,
+) -> Result<BatchRun> {
+    let mut sched = Scheduler::new(model, SchedulerConfig { max_batch: b, page_size, ..Default::default() })?;
+    for i in 0..b {
+        let prompt: Vec<u32> = base.iter().copied().cycle().skip(i).take(prompt_len).collect();
+        // The first token comes from the prefill step, then one per decode step.
+        sched.add(Request::new(prompt, decode_tokens + 1))?;
+    }
+    let mut greedy = |_, logits: &Tensor| Scheduler::greedy(logits);
+    let (first, prefill_secs, _) = measure(device, || Ok(sched.step(&mut greedy)?))?;
+    if first.prefill_tokens != b * prompt_len || sched.running() != b {
+        bail!("batch {b}: the first step fed {} prompt tokens for {} sequences", first.prefill_tokens, sched.running())
+    }
+    let (steps, decode_secs, _) = measure(device, || {
+        let mut steps = 0;
+        while !sched.is_idle() {
+            let step = sched.step(&mut greedy)?;
+            if step.decode_tokens != b || step.prefill_tokens != 0 {
+                bail!("batch {b}: a decode step fed {} tokens", step.decode_tokens + step.prefill_tokens)
+            }
+            steps += 1;
+        }
+        Ok(steps)
+    })?;
+    let c = sched.cache();
+    let layer_page_mb = c.page_bytes() as f64 * c.num_layers() as f64 / 1e6;
+    Ok(BatchRun {
+        prefill_tps: (b * prompt_len) as f64 / prefill_secs,
+        decode_tps: (b * steps) as f64 / decode_secs,
+        cache_in_use_mb: c.peak_pages_in_use() as f64 * layer_page_mb,
+        cache_pool_mb: c.pool_bytes() as f64 / 1e6,
+    })
+}
+
+/// The batched mode: every batch size of `sizes`, `args.repeats` times each, then a table.
+fn batch_mode(args: &Args, model: &Llama, base: &[u32], sizes: &str, device: &Device) -> Result<()> {
+    let sizes: Vec<usize> = sizes.split(',').map(|s| s.trim().parse().context("--batch")).collect::<Result<_>>()?;
+    let prompt_len: usize = args.prompts.split(',').next().unwrap_or("128").trim().parse().context("--prompts")?;
+    if sizes.contains(&0) || prompt_len == 0 {
+        bail!("--batch sizes and the prompt length must be at least 1")
+    }
+    let cfg = model.config();
+    // Repeats outermost, batch sizes inside: on a shared machine the load drifts over minutes,
+    // and interleaving gives every size the same mix of quiet and busy moments.
+    let mut runs: Vec<Vec<BatchRun>> = sizes.iter().map(|_| vec![]).collect();
+    for _ in 0..args.repeats {
+        for (&b, runs) in sizes.iter().zip(runs.iter_mut()) {
+            runs.push(run_batch(model, base, prompt_len, b, args.decode_tokens, args.page_size, device)?);
+        }
+    }
+    let mut rows = vec![];
+    for (&b, runs) in sizes.iter().zip(runs) {
+        let pre = median_best(runs.iter().map(|r| r.prefill_tps).collect());
+        let (prefill_tps, decode_tps) = (pre, median_best(runs.iter().map(|r| r.decode_tps).collect()));
+        let Some(last) = runs.into_iter().last() else { bail!("--repeats must be at least 1") };
+        // What contiguous per-sequence caches of the same lengths hold (f32 K and V).
+        let contiguous_mb = (b
+            * (prompt_len + args.decode_tokens)
+            * 2
+            * cfg.num_hidden_layers
+            * cfg.num_key_value_heads
+            * cfg.head_dim
+            * model.dtype().size_in_bytes()) as f64
+            / 1e6;
+        println!(
+            "{}",
+            serde_json::json!({
+                "batch": b, "prompt_tokens": prompt_len, "decode_tokens": args.decode_tokens,
+                "page_size": args.page_size, "dtype": args.dtype, "weights": args.weights, "device": args.device,
+                "prefill_tokens_per_s_median": prefill_tps.0, "decode_tokens_per_s_median": decode_tps.0,
+                "decode_tokens_per_s_best": decode_tps.1, "cache_in_use_mb": last.cache_in_use_mb,
+                "cache_pool_mb": last.cache_pool_mb, "contiguous_cache_mb": contiguous_mb,
+            })
+        );
+        rows.push((b, prefill_tps, decode_tps, last, contiguous_mb));
+    }
+    println!(
+        "\n| batch | prompt | prefill tok/s (median) | aggregate decode tok/s ({} steps, median / best) | vs batch {} | cache MB: peak in use / pool / contiguous |",
+        args.decode_tokens, sizes[0]
+    );
+    println!("|---|---|---|---|---|---|");
+    let first = rows.first().map_or(1.0, |r| r.2 .0);
+    for (b, pre, dec, r, contiguous) in &rows {
+        println!(
+            "| {b} | {prompt_len} | {:.1} | {:.1} / {:.1} | {:.2}x | {:.1} / {:.1} / {:.1} |",
+            pre.0,
+            dec.0,
+            dec.1,
+            dec.0 / first,
+            r.cache_in_use_mb,
+            r.cache_pool_mb,
+            contiguous
+        );
+    }
+    println!("\npeak RSS: {} MB", peak_rss_mb().map_or("-".to_string(), |x| format!("{x:.0}")));
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if !args.model.exists() {
@@ -218,6 +350,9 @@ fn main() -> Result<()> {
 
     // Warm-up: first-touch allocations and thread pools.
     run(&model, &prompt_tokens(&base, 16), 2, &device)?;
+    if let Some(sizes) = &args.batch {
+        return batch_mode(&args, &model, &base, sizes, &device);
+    }
 
     let mut rows = vec![];
     for &n in &lengths {

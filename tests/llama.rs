@@ -8,8 +8,9 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_flash::llama::{
-    apply_rope, apply_rope_interleaved, permute_qk_rows, unpermute_qk_rows, AttnImpl, Cache, KvCache, Llama,
-    Llama3RopeScaling, LlamaAttention, LlamaConfig, RopeScaling, RotaryEmbedding,
+    apply_rope, apply_rope_interleaved, permute_qk_rows, unpermute_qk_rows, AttnImpl, Cache, FinishReason, KvCache,
+    Llama, Llama3RopeScaling, LlamaAttention, LlamaConfig, Request, RopeScaling, RotaryEmbedding, Scheduler,
+    SchedulerConfig,
 };
 use candle_nn::{Linear, VarBuilder};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -280,6 +281,173 @@ fn bad_model_inputs_are_errors() -> Result<()> {
     let m = tiny_model(4, true, AttnImpl::Flash, &DEV)?;
     assert!(m.forward(&ids(&[1, 2]), Some(&mut Cache::new(1, 4))).is_err());
     assert!(m.forward(&ids(&[]), None).is_err());
+    Ok(())
+}
+
+/// Per-sequence reference for the batched forward: the logits of every position of `prompt`
+/// followed by `extra`, one sequence alone through the contiguous cache.
+fn alone_logits(m: &Llama, tokens: &[u32]) -> Result<Tensor> {
+    m.forward_all(&ids(tokens), None)?.squeeze(0)
+}
+
+/// The batched forward against a paged cache: sequences of different lengths join (prompt
+/// prefills packed beside one-token decodes), one prompt arrives in chunks, one sequence
+/// leaves and its pages serve a later one; every logit row equals that sequence's alone.
+#[test]
+fn paged_batch_logits_equal_per_sequence_logits() -> Result<()> {
+    for attn in [AttnImpl::Flash, AttnImpl::Naive] {
+        let m = tiny_model(6, false, attn, &DEV)?;
+        let seq = |seed: u32, n: usize| -> Vec<u32> {
+            (0..n as u32).map(|i| (i * 31 + seed * 17 + 5) % VOCAB as u32).collect()
+        };
+        // Token streams (prompt then fed tokens): 0 long, 1 short (few-rows path), 2 joins late
+        // and is chunked, 3 reuses 1's pages.
+        let streams = [seq(1, 19), seq(2, 9), seq(3, 14), seq(4, 8)];
+        let want: Vec<Tensor> = streams.iter().map(|s| alone_logits(&m, s)).collect::<Result<_>>()?;
+        let mut cache = m.new_paged_cache(4, Some(32))?;
+        // Each step: (sequence, tokens fed from its stream).
+        let steps: &[&[(u64, usize)]] = &[
+            &[(0, 11), (1, 3)],
+            &[(0, 1), (1, 1), (2, 5)],
+            &[(1, 1), (0, 1), (2, 6)],
+            &[(0, 1), (1, 4), (2, 1)], // 1 ends after this step
+            &[(2, 1), (3, 5), (0, 1)],
+            &[(3, 3), (0, 4), (2, 1)],
+        ];
+        let mut fed = [0usize; 4];
+        let mut peak_capacity = 0;
+        for (i, step) in steps.iter().enumerate() {
+            for &(s, _) in step.iter() {
+                if fed[s as usize] == 0 {
+                    cache.add_sequence(s)?;
+                }
+            }
+            let batch: Vec<(u64, &[u32])> =
+                step.iter().map(|&(s, n)| (s, &streams[s as usize][fed[s as usize]..fed[s as usize] + n])).collect();
+            let logits = m.forward_paged(&batch, &mut cache)?;
+            assert_eq!(logits.dims(), &[step.len(), VOCAB]);
+            for (row, &(s, n)) in step.iter().enumerate() {
+                let s = s as usize;
+                fed[s] += n;
+                assert_eq!(cache.seq_len(s as u64), Some(fed[s]));
+                let diff = max_abs_diff(&logits.get(row)?, &want[s].get(fed[s] - 1)?);
+                assert!(diff < 1e-4, "{attn:?} step {i} sequence {s}: batched vs alone logits differ by {diff}");
+            }
+            if i == 3 {
+                let before = cache.pages_in_use();
+                cache.remove_sequence(1)?;
+                assert_eq!(cache.pages_in_use(), before - 9usize.div_ceil(4));
+            }
+            peak_capacity = peak_capacity.max(cache.capacity_pages());
+        }
+        assert_eq!(fed, [19, 9, 14, 8]);
+        // Pages follow the tokens in use: 19 + 14 + 8 rows in pages of 4 at the end, 1's pages
+        // reused by 3 (the pool never grew past its first 16 pages).
+        assert_eq!(cache.pages_in_use(), 5 + 4 + 2);
+        assert_eq!(peak_capacity, 16);
+        for s in [0, 2, 3] {
+            cache.remove_sequence(s)?;
+        }
+        assert_eq!(cache.pages_in_use(), 0);
+    }
+    Ok(())
+}
+
+/// Continuous batching: more requests than batch slots, of different prompt lengths and token
+/// budgets, one ending on a stop token; each one's greedy tokens equal its run alone (through
+/// the scheduler with one slot, bitwise, and through the contiguous cache), and the pages of
+/// finished sequences serve the waiting ones (the pool stays within `max_pages`).
+#[test]
+fn scheduler_joins_leaves_and_reuses_pages() -> Result<()> {
+    let m = tiny_model(7, true, AttnImpl::Flash, &DEV)?;
+    let prompts: Vec<Vec<u32>> = [(1u32, 12usize), (2, 3), (3, 7), (4, 1), (5, 20), (6, 5)]
+        .iter()
+        .map(|&(seed, n)| (0..n as u32).map(|i| (i * 13 + seed * 29 + 1) % VOCAB as u32).collect())
+        .collect();
+    let budgets = [6usize, 9, 4, 7, 5, 8];
+    let alone: Vec<Vec<u32>> = prompts.iter().zip(budgets).map(|(p, n)| greedy(&m, p, n)).collect::<Result<_>>()?;
+    // Request 2 stops at its third token.
+    let stop = alone[2][2];
+    let want_len = |i: usize| if i == 2 { alone[2].iter().position(|&t| t == stop).unwrap() + 1 } else { budgets[i] };
+    let run = |max_batch: usize, chunk: Option<usize>| -> Result<(Vec<Vec<u32>>, usize, usize)> {
+        let cfg = SchedulerConfig { max_batch, page_size: 4, max_pages: Some(12), prefill_chunk: chunk };
+        let mut sched = Scheduler::new(&m, cfg)?;
+        for (i, (p, n)) in prompts.iter().zip(budgets).enumerate() {
+            let req = Request::new(p.clone(), n);
+            let id = sched.add(if i == 2 { req.stop_tokens(&[stop]) } else { req })?;
+            assert_eq!(id, i as u64);
+        }
+        let (mut out, mut peak_running, mut peak_capacity) = (vec![vec![]; prompts.len()], 0, 0);
+        while !sched.is_idle() {
+            let step = sched.step(&mut |_, logits| Scheduler::greedy(logits))?;
+            peak_running = peak_running.max(sched.running() + step.finished.len());
+            peak_capacity = peak_capacity.max(sched.cache().capacity_pages());
+            for f in step.finished {
+                let i = f.id as usize;
+                assert_eq!(f.reason, if i == 2 { FinishReason::Stop } else { FinishReason::Length });
+                assert_eq!(f.prompt_tokens, prompts[i].len());
+                out[i] = f.tokens;
+            }
+        }
+        assert_eq!(sched.cache().pages_in_use(), 0);
+        Ok((out, peak_running, peak_capacity))
+    };
+    let (one, _, _) = run(1, None)?;
+    for (i, toks) in one.iter().enumerate() {
+        assert_eq!(toks.as_slice(), &alone[i][..want_len(i)], "request {i}: scheduler alone vs contiguous");
+    }
+    for (max_batch, chunk) in [(3, None), (4, Some(3)), (6, None)] {
+        let (out, peak_running, peak_capacity) = run(max_batch, chunk)?;
+        // Not every request fits the 12 pages at once: the batch is full only up to that.
+        assert!(peak_running <= max_batch && peak_running >= 2, "max_batch {max_batch}: peak {peak_running}");
+        assert!(peak_capacity <= 12);
+        if chunk.is_none() {
+            assert_eq!(out, one, "max_batch {max_batch}: batched vs alone (bitwise)");
+        } else {
+            for (i, toks) in out.iter().enumerate() {
+                assert_eq!(toks.as_slice(), &alone[i][..want_len(i)], "request {i}: chunked prefill");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_batch_inputs_are_errors() -> Result<()> {
+    let m = tiny_model(8, true, AttnImpl::Flash, &DEV)?;
+    let sched = |cfg: SchedulerConfig| Scheduler::new(&m, cfg);
+    assert!(sched(SchedulerConfig { max_batch: 0, ..Default::default() }).is_err());
+    assert!(sched(SchedulerConfig { page_size: 0, ..Default::default() }).is_err());
+    assert!(sched(SchedulerConfig { prefill_chunk: Some(0), ..Default::default() }).is_err());
+    assert!(sched(SchedulerConfig { max_pages: Some(0), ..Default::default() }).is_err());
+    let mut s = sched(SchedulerConfig { page_size: 4, max_pages: Some(2), ..Default::default() })?;
+    assert!(s.add(Request::new(vec![], 3)).is_err());
+    assert!(s.add(Request::new(vec![1], 0)).is_err());
+    assert!(s.add(Request::new(vec![VOCAB as u32], 3)).is_err());
+    let too_long = s.add(Request::new(vec![1; 6], 4)).unwrap_err().to_string();
+    assert!(too_long.contains("needs 3 pages"), "{too_long}");
+    assert!(s.is_idle());
+    // The cache: unknown or repeated sequences, empty steps, a pool cap.
+    let mut cache = m.new_paged_cache(4, Some(2))?;
+    assert!(m.forward_paged(&[(0, &[1, 2][..])], &mut cache).is_err());
+    cache.add_sequence(0)?;
+    assert!(cache.add_sequence(0).is_err());
+    assert!(cache.remove_sequence(5).is_err());
+    assert!(m.forward_paged(&[], &mut cache).is_err());
+    assert!(m.forward_paged(&[(0, &[][..])], &mut cache).is_err());
+    assert!(m.forward_paged(&[(0, &[1][..]), (0, &[2][..])], &mut cache).is_err());
+    let full = m.forward_paged(&[(0, &[1; 9][..])], &mut cache).unwrap_err().to_string();
+    assert!(full.contains("capped at 2 pages"), "{full}");
+    assert_eq!(cache.seq_len(0), Some(0));
+    // A token outside the vocabulary (the scheduler checks prompts; the forward checks too).
+    cache.add_sequence(1)?;
+    assert!(m.forward_paged(&[(1, &[VOCAB as u32][..])], &mut cache).is_err());
+    // A cache for another model shape.
+    let mut cfg = tiny_config(true);
+    cfg.num_hidden_layers = 1;
+    let mut other = candle_flash::llama::PagedKvCache::new(&cfg, 4, None, DType::F32, &DEV)?;
+    other.add_sequence(0)?;
+    assert!(m.forward_paged(&[(0, &[1][..])], &mut other).is_err());
     Ok(())
 }
 
@@ -629,6 +797,60 @@ mod app {
         }
         println!("SmolLM2 quantized vs dequantized: top-1 agreement {agree}/{total}, max |logit diff| {worst:.3}");
         assert!(agree * 10 >= total * 9, "top-1 agreement {agree}/{total}");
+        Ok(())
+    }
+
+    /// Batched generation with the real model (quantized weights, as the example runs it):
+    /// prompts of different lengths and budgets, more of them than batch slots so that they
+    /// join and leave mid-run; each sequence's greedy tokens equal its run alone through
+    /// `generate` (the contiguous cache), and bitwise its run alone through the scheduler.
+    #[test]
+    fn smollm2_batched_greedy_equals_alone() -> Result<()> {
+        let Some(path) = smollm2() else { return Ok(()) };
+        let loaded = load_with(&path, DType::F32, &DEV, AttnImpl::Flash, GgufWeights::Quantized, &mut |_, _| {})?;
+        let tok = loaded.tokenizer.as_ref().expect("tokenizer in the GGUF");
+        let chat = france_chat(&loaded)?;
+        let texts = [
+            "Gravity is",
+            "The quick brown fox jumps over the lazy dog. The capital of France is",
+            chat.as_str(),
+            "Hi",
+            "Water boils at a temperature of",
+            "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+        ];
+        let budgets = [12, 6, 10, 8, 5, 9];
+        let prompts: Vec<Vec<u32>> = texts
+            .iter()
+            .map(|t| tok.encode(*t, true).map(|e| e.get_ids().to_vec()).map_err(candle_core::Error::wrap))
+            .collect::<Result<_>>()?;
+        let stop = &loaded.stop_token_ids;
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .zip(budgets)
+            .map(|(p, n)| {
+                let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
+                Ok(loaded.model.generate(p, n, &mut sampler, stop, |_| Ok(()))?.tokens)
+            })
+            .collect::<Result<_>>()?;
+        let run = |max_batch: usize| -> Result<Vec<Vec<u32>>> {
+            let mut sched = Scheduler::new(&loaded.model, SchedulerConfig { max_batch, ..Default::default() })?;
+            for (p, n) in prompts.iter().zip(budgets) {
+                sched.add(Request::new(p.clone(), n).stop_tokens(stop))?;
+            }
+            let mut out = vec![vec![]; prompts.len()];
+            for f in sched.run(&mut |_, logits| Scheduler::greedy(logits))? {
+                out[f.id as usize] = f.tokens;
+            }
+            Ok(out)
+        };
+        let one = run(1)?;
+        let batched = run(4)?;
+        for (i, text) in texts.iter().enumerate() {
+            assert_eq!(batched[i], one[i], "{text:?}: batched vs scheduler alone");
+            assert_eq!(batched[i], alone[i], "{text:?}: batched vs generate alone");
+        }
+        let decoded = tok.decode(&batched[2], true).map_err(candle_core::Error::wrap)?;
+        println!("SmolLM2 batched (4 of 6 at once): {:?} -> {decoded:?}", texts[2]);
         Ok(())
     }
 

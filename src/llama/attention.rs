@@ -4,10 +4,11 @@
 
 use super::config::LlamaConfig;
 use super::kv_cache::KvCache;
+use super::paged_cache::PagedStep;
 use super::qlinear::QLinear;
 use super::qlinear::WeightSource;
 use super::rotary::{apply_rope, Rope};
-use crate::{reference, FlashAttnOptions};
+use crate::{reference, FlashAttnOptions, PagedKv, VarLen};
 use candle_core::{bail, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use std::str::FromStr;
@@ -120,7 +121,7 @@ impl LlamaAttention {
     pub fn forward(&self, x: &Tensor, rope: &Rope, cache: Option<&mut KvCache>) -> Result<Tensor> {
         let (b, s, _hidden) = x.dims3()?;
         let (h, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let (q, k, v) = self.proj.forward(x)?;
+        let (q, k, v) = self.proj.forward(x, 0)?;
         let q = apply_rope(&q.reshape((b, s, h, d))?, rope)?;
         let k = apply_rope(&k.reshape((b, s, hkv, d))?, rope)?;
         let v = v.reshape((b, s, hkv, d))?;
@@ -147,6 +148,83 @@ impl LlamaAttention {
     }
 }
 
+impl LlamaAttention {
+    /// The packed new tokens `x (T, hidden)` of several sequences against a paged cache (one
+    /// layer's K/V pools `(pages, page_size, Hkv, D)`): rotary embeddings at each token's own
+    /// position (`rope` from [`RotaryEmbedding::rope_at`]), the new K/V rows written into their
+    /// slots, then causal varlen attention of each sequence's new queries over all its cached
+    /// keys through the block table. `few`: the leading rows that take the few-rows linear
+    /// kernels ([`QLinear::forward_split`]). → `(T, hidden)`.
+    ///
+    /// [`RotaryEmbedding::rope_at`]: super::rotary::RotaryEmbedding::rope_at
+    pub(crate) fn forward_paged(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        (k_cache, v_cache): &(Tensor, Tensor),
+        step: &PagedStep,
+        few: usize,
+    ) -> Result<Tensor> {
+        let (t, _hidden) = x.dims2()?;
+        let (h, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let (q, k, v) = self.proj.forward(x, few)?;
+        // rope_thd wants (B, S, H, D): the packed tokens are one "sequence" of T positions, each
+        // with its own row of the tables.
+        let q = apply_rope(&q.reshape((1, t, h, d))?, rope)?.reshape((t, h, d))?;
+        let k = apply_rope(&k.reshape((1, t, hkv, d))?, rope)?.reshape((t, hkv, d))?;
+        let v = v.reshape((t, hkv, d))?;
+        crate::write_paged_kv(k_cache, v_cache, &k, &v, &step.slots)?;
+        let opts = FlashAttnOptions::new(self.softmax_scale)
+            .causal(true)
+            .varlen(Some(VarLen {
+                seqlens_q: step.seqlens_q.clone(),
+                seqlens_k: step.seqlens_k.clone(),
+                max_seqlen_q: step.max_seqlen_q,
+                max_seqlen_k: step.max_seqlen_k,
+            }))
+            .paged(Some(PagedKv::new(&step.block_table, k_cache.dim(1)?)));
+        let y = match self.attn_impl {
+            AttnImpl::Flash if step.single > 0 => self.attend_split(&q, k_cache, v_cache, step, &opts)?,
+            AttnImpl::Flash => crate::flash_attn_with_options(&q, k_cache, v_cache, &opts)?,
+            AttnImpl::Naive => reference::attention(&q, k_cache, v_cache, &opts)?,
+        };
+        self.o_proj.forward_split(&y.reshape((t, h * d))?, few)
+    }
+
+    /// The step's leading single-token sequences through the CPU decode kernel (what a sequence
+    /// decoding alone runs, see `decode_attn`), the others through the paged attention op.
+    fn attend_split(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        step: &PagedStep,
+        opts: &FlashAttnOptions,
+    ) -> Result<Tensor> {
+        let n = step.single;
+        let w = step.table_width;
+        let seqs: Vec<(&[u32], usize)> =
+            (0..n).map(|i| (&step.host_table[i * w..(i + 1) * w], step.k_lens[i])).collect();
+        let q1 = q.narrow(0, 0, n)?;
+        let Some(y1) = super::decode_attn::decode_attention_paged(&q1, k_cache, v_cache, &seqs, self.softmax_scale)?
+        else {
+            return crate::flash_attn_with_options(q, k_cache, v_cache, opts);
+        };
+        let Some(rest) = &step.rest else { return Ok(y1) };
+        let opts = opts
+            .clone()
+            .varlen(Some(VarLen {
+                seqlens_q: rest.seqlens_q.clone(),
+                seqlens_k: rest.seqlens_k.clone(),
+                max_seqlen_q: rest.max_seqlen_q,
+                max_seqlen_k: step.max_seqlen_k,
+            }))
+            .paged(Some(PagedKv::new(&rest.block_table, k_cache.dim(1)?)));
+        let y2 = crate::flash_attn_with_options(&q.narrow(0, n, q.dim(0)? - n)?, k_cache, v_cache, &opts)?;
+        Tensor::cat(&[&y1, &y2], 0)
+    }
+}
+
 /// The q/k/v projections. Quantized weights are fused into one `(q + 2·kv, hidden)` matrix: one
 /// product per layer instead of three (on the CPU each product is a parallel section with its
 /// own scheduling cost, which matters at one token per step). Dense weights stay separate so
@@ -167,11 +245,14 @@ impl Projections {
         Ok(Self::Separate { q, k, v })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    /// `few`: see [`QLinear::forward_split`].
+    fn forward(&self, x: &Tensor, few: usize) -> Result<(Tensor, Tensor, Tensor)> {
         match self {
-            Self::Separate { q, k, v } => Ok((q.forward(x)?, k.forward(x)?, v.forward(x)?)),
+            Self::Separate { q, k, v } => {
+                Ok((q.forward_split(x, few)?, k.forward_split(x, few)?, v.forward_split(x, few)?))
+            }
             Self::Fused { qkv, q_out, kv_out } => {
-                let y = qkv.forward(x)?;
+                let y = qkv.forward_split(x, few)?;
                 let last = y.rank() - 1;
                 Ok((
                     y.narrow(last, 0, *q_out)?,

@@ -3,8 +3,11 @@
 //!
 //! Always built (no extra dependencies): the attention block ([`LlamaAttention`], in
 //! `attention.rs`), rotary embeddings ([`RotaryEmbedding`], [`apply_rope`], in `rotary.rs`),
-//! the KV cache ([`KvCache`], in `kv_cache.rs`), the config ([`LlamaConfig`]) and the full
-//! model's forward ([`Llama`], built from a `VarBuilder` with Hugging Face tensor names).
+//! the KV cache ([`KvCache`], in `kv_cache.rs`), the config ([`LlamaConfig`]), the full
+//! model's forward ([`Llama`], built from a `VarBuilder` with Hugging Face tensor names), and
+//! batched serving: a paged KV cache shared by many sequences ([`PagedKvCache`], in
+//! `paged_cache.rs`), the forward of several sequences' new tokens packed together
+//! ([`Llama::forward_paged`]) and continuous batching over it ([`Scheduler`], in `batch.rs`).
 //!
 //! With the cargo feature `llama` (which adds tokenizers, serde, serde_json and minijinja):
 //! loading from GGUF files and Hugging Face safetensors folders with the tokenizer (`load`),
@@ -52,10 +55,12 @@
 //! With the feature, `load` documents loading a model and generating text.
 
 mod attention;
+mod batch;
 mod config;
 mod decode_attn;
 mod kv_cache;
 mod model;
+mod paged_cache;
 mod qlinear;
 mod rotary;
 
@@ -69,9 +74,11 @@ mod load;
 mod sampling;
 
 pub use attention::{AttnImpl, LlamaAttention};
+pub use batch::{FinishReason, Finished, Request, Scheduler, SchedulerConfig, StepOutput};
 pub use config::LlamaConfig;
 pub use kv_cache::KvCache;
 pub use model::{Cache, Llama};
+pub use paged_cache::{PagedKvCache, SeqId};
 pub use qlinear::{QEmbedding, QLinear};
 pub use rotary::{
     apply_rope, apply_rope_interleaved, permute_qk_rows, unpermute_qk_rows, Llama3RopeScaling, Rope, RopeScaling,

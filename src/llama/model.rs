@@ -5,6 +5,7 @@
 use super::attention::{AttnImpl, LlamaAttention};
 use super::config::LlamaConfig;
 use super::kv_cache::KvCache;
+use super::paged_cache::{PagedKvCache, PagedStep, SeqId};
 use super::qlinear::{QEmbedding, QLinear, WeightSource};
 use super::rotary::{Rope, RotaryEmbedding};
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
@@ -62,19 +63,20 @@ impl Mlp {
         Ok(Self { gate_up, down_proj: ws.linear(i, h, "down_proj")? })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `few`: see [`QLinear::forward_split`].
+    fn forward(&self, x: &Tensor, few: usize) -> Result<Tensor> {
         let (gate, up) = match &self.gate_up {
-            GateUp::Separate(g, u) => (g.forward(x)?, u.forward(x)?),
+            GateUp::Separate(g, u) => (g.forward_split(x, few)?, u.forward_split(x, few)?),
             GateUp::Fused(gu, i) => {
-                let y = gu.forward(x)?;
+                let y = gu.forward_split(x, few)?;
                 if let Some(h) = silu_mul_halves(&y, *i)? {
-                    return self.down_proj.forward(&h);
+                    return self.down_proj.forward_split(&h, few);
                 }
                 let last = y.rank() - 1;
                 (y.narrow(last, 0, *i)?, y.narrow(last, *i, *i)?)
             }
         };
-        self.down_proj.forward(&(candle_nn::ops::silu(&gate)? * up)?)
+        self.down_proj.forward_split(&(candle_nn::ops::silu(&gate)? * up)?, few)
     }
 }
 
@@ -114,7 +116,21 @@ struct DecoderLayer {
 impl DecoderLayer {
     fn forward(&self, x: &Tensor, rope: &Rope, cache: Option<&mut KvCache>) -> Result<Tensor> {
         let h = (x + self.self_attn.forward(&self.input_layernorm.forward(x)?, rope, cache)?)?;
-        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?
+        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)?, 0)?
+    }
+
+    /// The packed tokens `x (T, hidden)` of a batch against one layer of a paged cache.
+    fn forward_paged(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        kv: &(Tensor, Tensor),
+        step: &PagedStep,
+        few: usize,
+    ) -> Result<Tensor> {
+        let attn = self.self_attn.forward_paged(&self.input_layernorm.forward(x)?, rope, kv, step, few)?;
+        let h = (x + attn)?;
+        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)?, few)?
     }
 }
 
@@ -279,6 +295,70 @@ impl Llama {
         let x = self.hidden(input_ids, cache)?;
         let s = x.dim(1)?;
         self.lm_head.forward(&x.narrow(1, s - 1, 1)?.contiguous()?)?.squeeze(1)?.to_dtype(DType::F32)
+    }
+
+    /// An empty paged cache for this model (its dtype and device), pages of `page_size` rows,
+    /// at most `max_pages` pages per layer when given.
+    pub fn new_paged_cache(&self, page_size: usize, max_pages: Option<usize>) -> Result<PagedKvCache> {
+        PagedKvCache::new(&self.cfg, page_size, max_pages, self.dtype, &self.device)
+    }
+
+    /// One step of several sequences at once: `batch` lists each sequence's new tokens (a whole
+    /// prompt, a chunk of one, or the one token sampled last), which are packed into one
+    /// `(T, hidden)` activation, each at its own position; their K/V rows go into `cache`'s
+    /// pages and each sequence attends to its own cached keys (the paged varlen attention).
+    /// Returns the logits (f32) of each sequence's last new token, `(B, vocab)`, in `batch`'s
+    /// order. Every sequence must have been added to the cache ([`PagedKvCache::add_sequence`])
+    /// and appear at most once.
+    ///
+    /// Rows keep the arithmetic they would have alone: sequences with at most a few new tokens
+    /// (decodes) are packed first and take the few-rows linear kernels together, longer chunks
+    /// after them take the prefill path ([`QLinear::forward_split`]); every other part of the
+    /// step works row by row. On error the cache must be considered corrupt for the sequences of
+    /// the batch (their lengths have advanced); remove them.
+    pub fn forward_paged(&self, batch: &[(SeqId, &[u32])], cache: &mut PagedKvCache) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        if cache.num_layers() != self.layers.len() {
+            bail!("llama: paged cache has {} layers, the model {}", cache.num_layers(), self.layers.len())
+        }
+        let (k0, _) = cache.layer(0)?;
+        let (_, _, hkv, d) = k0.dims4()?;
+        if (hkv, d) != (cfg.num_key_value_heads, cfg.head_dim) || k0.dtype() != self.dtype {
+            bail!(
+                "llama: paged cache of {hkv} kv heads of dim {d} in {:?}, the model has {} of {} in {:?}",
+                k0.dtype(),
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                self.dtype
+            )
+        }
+        // Few-row sequences first (stable), so that their rows form one leading block, and
+        // among them the one-token decodes first, for the CPU decode attention.
+        let few_seq = |n: usize| n <= super::qlinear::SMALL_M;
+        let mut order: Vec<usize> = (0..batch.len()).collect();
+        order.sort_by_key(|&i| (!few_seq(batch[i].1.len()), batch[i].1.len() > 1));
+        let few: usize = batch.iter().map(|(_, t)| t.len()).filter(|&n| few_seq(n)).sum();
+        let plan: Vec<(SeqId, usize)> = order.iter().map(|&i| (batch[i].0, batch[i].1.len())).collect();
+        // The decode kernel is the CPU f32 one (the attention `forward` uses for one query row).
+        let split_single = self.device.is_cpu() && self.dtype == DType::F32;
+        let step = cache.prepare(&plan, split_single)?;
+        let tokens: Vec<u32> = order.iter().flat_map(|&i| batch[i].1.iter().copied()).collect();
+        let t = tokens.len();
+        let ids = Tensor::from_vec(tokens, t, &self.device)?;
+        let rope = self.rotary.rope_at(&step.positions, self.dtype, &self.device)?;
+        let mut x = self.embed_tokens.forward(&ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward_paged(&x, &rope, cache.layer(i)?, &step, few)?;
+        }
+        // Each sequence's last row, back in the caller's order.
+        let mut last = vec![0u32; batch.len()];
+        for (&i, &row) in order.iter().zip(&step.last_rows) {
+            last[i] = row;
+        }
+        let last = Tensor::from_vec(last, batch.len(), &self.device)?;
+        let x = self.norm.forward(&x.index_select(&last, 0)?)?;
+        // Every row through the few-rows kernels, as a sequence alone has one row here.
+        self.lm_head.forward_split(&x, batch.len())?.to_dtype(DType::F32)
     }
 
     /// Logits (f32) of every position, `(B, S, vocab)`.

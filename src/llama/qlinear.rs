@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 /// Up to this many activation rows, products use the quantized dot kernels (or, for dense f32
 /// weights, the matrix-vector product); above it, `gemm` on dequantized slabs.
-const SMALL_M: usize = 4;
+pub(crate) const SMALL_M: usize = 4;
 
 /// f32 values of the dequantization buffer for the `gemm` path (4 MB): large enough that a layer
 /// of a small model is one slab, small enough that a 49k-row lm_head never exists in f32.
@@ -160,7 +160,9 @@ impl BlockWeight {
                 let group = &self.data[(r0 + done) * rb..(r0 + done + GROUP) * rb];
                 // SAFETY: packed weights exist only where the CPU has AVX2 (`new`), and `out`
                 // has the 8 values written.
-                unsafe { dot8_packed_avx2(self.kind, group, x, out[done..done + GROUP].as_mut_ptr()) };
+                unsafe {
+                    dot8_packed_rows_avx2::<1>(self.kind, group, x, x.len(), out[done..done + GROUP].as_mut_ptr(), 0)
+                };
                 done += GROUP;
             }
         }
@@ -194,19 +196,43 @@ struct XBlock {
     s: f32,
 }
 
-fn quantize_row(x: &[f32], out: &mut [XBlock]) {
+#[inline(always)]
+fn quantize_row_body(x: &[f32], out: &mut [XBlock]) {
     for (xs, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
         let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
         let mut sum = 0i32;
         for (q, v) in b.qs.iter_mut().zip(xs) {
-            *q = (v * inv).round() as i8;
+            // `f32::round` (half away from zero) spelled with `trunc`, which vectorizes where
+            // `round` is a libm call per value (~6% of a batch-32 decode step in perf). Exact:
+            // `y - trunc(y)` has no rounding error.
+            let y = v * inv;
+            let t = y.trunc();
+            *q = (t + if (y - t).abs() >= 0.5 { 1f32.copysign(y) } else { 0.0 }) as i8;
             sum += *q as i32;
         }
         b.d = d;
         b.s = d * sum as f32;
     }
+}
+
+/// The same code compiled for AVX2 (256-bit rounding and conversions).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_row_avx2(x: &[f32], out: &mut [XBlock]) {
+    quantize_row_body(x, out)
+}
+
+/// Activation row `x` as 8-bit blocks (llama.cpp's Q8_1: scale `amax / 127`, values rounded
+/// half away from zero).
+fn quantize_row(x: &[f32], out: &mut [XBlock]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports the features the function is compiled for.
+        return unsafe { quantize_row_avx2(x, out) };
+    }
+    quantize_row_body(x, out)
 }
 
 fn f16_at(b: &[u8], i: usize) -> f32 {
@@ -342,58 +368,126 @@ pub(crate) unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
 }
 
-/// 8 packed rows (one group, [`pack8`]) dotted with `x`, written to `out[0..8]`.
+/// Activation rows per call of [`dot8_packed_rows_avx2`]: each weight vector loaded and unpacked
+/// once serves this many rows, whose accumulators (two vectors each) still fit in the sixteen
+/// AVX2 registers beside the weights.
+const ROWS_PER_CALL: usize = 4;
+
+/// 8 packed rows (one group, [`pack8`]) dotted with `R` activation rows (`x` holds them one after
+/// the other, `nb` blocks each): `out[r * ldo + j]` = weight row `j` · activation row `r`.
+///
+/// A 32-bit lane is one weight row, so the integer dot products accumulate per lane against
+/// the activation's 4 values broadcast, and the scales of the 8 rows convert with one
+/// instruction. Each activation row gets the same operations in the same order whatever `R`
+/// (the integer sums are exact, the float steps per block fixed), so a row's result is bitwise
+/// the one-row call's (`R = 1`, the decode of one sequence): a sequence decoded in a batch
+/// computes what it computes alone.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot8_packed_avx2(kind: BlockKind, group: &[u8], x: &[XBlock], out: *mut f32) {
+unsafe fn dot8_packed_rows_avx2<const R: usize>(
+    kind: BlockKind,
+    group: &[u8],
+    x: &[XBlock],
+    nb: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
     use std::arch::x86_64::*;
     let gb = GROUP * kind.bytes();
-    let nb = x.len().min(group.len() / gb);
+    let nb = nb.min(group.len() / gb).min(x.len() / R);
     let p = group.as_ptr();
     let ones = _mm256_set1_epi16(1);
-    let mut acc = _mm256_setzero_ps();
-    // The activation's 4 values `4c..4c+4` of block `xb`, in every 32-bit lane.
-    let x4 =
-        |xb: &XBlock, c: usize| _mm256_set1_epi32(std::ptr::read_unaligned(xb.qs.as_ptr().add(4 * c) as *const i32));
+    let mut acc = [_mm256_setzero_ps(); R];
+    // Unchecked: `nb` is clamped above so that every `r * nb + b` is inside `x` (a bounds check
+    // per broadcast cost the one-row decode a few percent).
+    let xp = x.as_ptr();
+    let x4 = |r: usize, b: usize, c: usize| {
+        _mm256_set1_epi32(std::ptr::read_unaligned((*xp.add(r * nb + b)).qs.as_ptr().add(4 * c) as *const i32))
+    };
     match kind {
         BlockKind::Q4_1 => {
             let nib = _mm256_set1_epi8(0xF);
-            for (b, xb) in x.iter().enumerate().take(nb) {
+            for b in 0..nb {
                 let blk = p.add(b * gb);
-                // Eight u8 (0..16) x i8 products of pairs, each at most 2·15·127 in magnitude:
-                // their sum (< 2^15) stays in i16 until one widening at the end of the block.
-                let mut s16 = _mm256_setzero_si256();
+                let mut s16 = [_mm256_setzero_si256(); R];
                 for c in 0..4 {
                     let v = _mm256_loadu_si256(blk.add(32 + 32 * c) as *const __m256i);
                     let lo = _mm256_and_si256(v, nib);
                     let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, x4(xb, c)));
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, x4(xb, 4 + c)));
+                    for (r, s) in s16.iter_mut().enumerate() {
+                        *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(lo, x4(r, b, c)));
+                        *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(hi, x4(r, b, 4 + c)));
+                    }
                 }
-                let isum = _mm256_madd_epi16(s16, ones);
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
                 let m = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i));
-                acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
-                acc = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.s), acc);
+                for (r, (a, s)) in acc.iter_mut().zip(s16).enumerate() {
+                    let xb = &*xp.add(r * nb + b);
+                    let isum = _mm256_madd_epi16(s, ones);
+                    *a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), *a);
+                    *a = _mm256_fmadd_ps(m, _mm256_set1_ps(xb.s), *a);
+                }
             }
         }
         BlockKind::Q8_0 => {
-            for (b, xb) in x.iter().enumerate().take(nb) {
+            for b in 0..nb {
                 let blk = p.add(b * gb);
-                let mut isum = _mm256_setzero_si256();
+                let mut isum = [_mm256_setzero_si256(); R];
                 for c in 0..8 {
                     let v = _mm256_loadu_si256(blk.add(16 + 32 * c) as *const __m256i);
-                    // |w| times x with w's sign moved onto x; pairs reach 2·128·127, so widen
-                    // every chunk.
-                    let prod = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x4(xb, c), v));
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, ones));
+                    let w = _mm256_sign_epi8(v, v);
+                    for (r, s) in isum.iter_mut().enumerate() {
+                        let prod = _mm256_maddubs_epi16(w, _mm256_sign_epi8(x4(r, b, c), v));
+                        *s = _mm256_add_epi32(*s, _mm256_madd_epi16(prod, ones));
+                    }
                 }
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
-                acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(isum), acc);
+                for (r, (a, s)) in acc.iter_mut().zip(isum).enumerate() {
+                    let xb = &*xp.add(r * nb + b);
+                    *a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb.d)), _mm256_cvtepi32_ps(s), *a);
+                }
             }
         }
     }
-    _mm256_storeu_ps(out, acc);
+    for (r, a) in acc.iter().enumerate() {
+        _mm256_storeu_ps(out.add(r * ldo), *a);
+    }
+}
+
+/// `x (m, k) · Wᵀ` for m > 1 activation rows (quantized, `nb` blocks each) and weights packed
+/// by groups of 8 rows, into `(m, n)`. Parallel over weight rows; each task takes its groups one
+/// at a time and runs every activation row against a group while it is in L1, several rows
+/// per weight load ([`dot8_packed_rows_avx2`]). Through [`small_m_product`] instead, each
+/// activation row re-read the task's whole slice of weights (from L2) and repeated the unpacking:
+/// see bench/NOTES.md ("Batched Llama") for the measured difference.
+#[cfg(target_arch = "x86_64")]
+fn packed_rows_product(w: &BlockWeight, xq: &[XBlock], m: usize) -> Vec<f32> {
+    let (n, nb) = (w.rows, w.cols / QK);
+    let rb = nb * w.kind.bytes();
+    let mut out = vec![0f32; m * n];
+    let per = rows_per_task(n);
+    let dst = out.as_mut_ptr() as usize;
+    (0..n.div_ceil(per)).into_par_iter().for_each(|c| {
+        let r0 = c * per;
+        for g in (r0..n.min(r0 + per)).step_by(GROUP) {
+            let group = &w.data[g * rb..(g + GROUP) * rb];
+            for i0 in (0..m).step_by(ROWS_PER_CALL) {
+                let (x, o) = (&xq[i0 * nb..], (dst as *mut f32).wrapping_add(i0 * n + g));
+                // SAFETY: packed weights exist only where the CPU has AVX2 (`BlockWeight::new`);
+                // `out` is (m, n) and this task alone writes its columns g..g + 8 of rows
+                // i0..i0 + R (R <= m - i0), and `out` outlives the parallel section.
+                unsafe {
+                    match m - i0 {
+                        1 => dot8_packed_rows_avx2::<1>(w.kind, group, x, nb, o, n),
+                        2 => dot8_packed_rows_avx2::<2>(w.kind, group, x, nb, o, n),
+                        3 => dot8_packed_rows_avx2::<3>(w.kind, group, x, nb, o, n),
+                        _ => dot8_packed_rows_avx2::<ROWS_PER_CALL>(w.kind, group, x, nb, o, n),
+                    }
+                }
+            }
+        }
+    });
+    out
 }
 
 fn dot(kind: BlockKind, row: &[u8], x: &[XBlock]) -> f32 {
@@ -662,7 +756,25 @@ impl QLinear {
         }
     }
 
-    fn forward_blocks(&self, w: &BlockWeight, x: &Tensor) -> Result<Tensor> {
+    /// `x (.., in)` → `(.., out)` where the first `few` rows of `x` (its leading dimensions
+    /// flattened) take the few-rows kernels whatever their number, and the rest are multiplied as
+    /// [`Module::forward`] would multiply them alone. A batch of sequences puts its one-token
+    /// decodes first and its prompts after, so that each row gets the arithmetic it would get if
+    /// its sequence ran alone (the two paths round differently: the few-rows kernels quantize the
+    /// activations to 8 bits) while the decodes still share one pass over the weights. On other
+    /// devices and weight kinds, the same as `forward`.
+    pub fn forward_split(&self, x: &Tensor, few: usize) -> Result<Tensor> {
+        match &self.0 {
+            Inner::Dense(l) => match Self::forward_dense_cpu(l.weight(), x, few)? {
+                Some(y) => Ok(y),
+                None => l.forward(x),
+            },
+            Inner::Blocks(w) => self.forward_blocks(w, x, few),
+            Inner::Candle(q, _) => q.forward(x),
+        }
+    }
+
+    fn forward_blocks(&self, w: &BlockWeight, x: &Tensor, few: usize) -> Result<Tensor> {
         let (n, k) = (w.rows, w.cols);
         let mut out_dims = x.dims().to_vec();
         match out_dims.last_mut() {
@@ -672,35 +784,14 @@ impl QLinear {
         let x = x.contiguous()?;
         let out = with_cpu_f32(&x, |xs| {
             let m = xs.len() / k;
-            if m <= SMALL_M {
-                let nb = k / QK;
-                let mut xq = vec![XBlock { qs: [0; QK], d: 0.0, s: 0.0 }; m * nb];
-                for (row, q) in xs.chunks_exact(k).zip(xq.chunks_exact_mut(nb)) {
-                    quantize_row(row, q);
+            match if m - few.min(m) <= SMALL_M { m } else { few.min(m) } {
+                0 => blocks_gemm(w, xs),
+                few if few == m => blocks_few_rows(w, xs),
+                few => {
+                    let mut out = blocks_few_rows(w, &xs[..few * k]);
+                    out.extend(blocks_gemm(w, &xs[few * k..]));
+                    out
                 }
-                small_m_product(m, n, |r0, i, out| w.dot_rows(r0, &xq[i * nb..(i + 1) * nb], out))
-            } else {
-                let mut out = vec![0f32; m * n];
-                // Each task dequantizes a slab of weight rows into its thread's buffer and
-                // multiplies it right away (single-threaded gemm into its own output columns),
-                // while the slab is still in cache: one parallel section per product instead of
-                // a parallel dequantization followed by a parallel gemm reading it back.
-                let per = rows_per_task(n).min((SLAB_VALUES / k).max(GROUP));
-                let dst = out.as_mut_ptr() as usize;
-                (0..n.div_ceil(per)).into_par_iter().for_each(|c| {
-                    let (r0, rows) = (c * per, per.min(n - c * per));
-                    SLAB.with(|slab| {
-                        let mut slab = slab.borrow_mut();
-                        slab.resize(rows * k, 0.0);
-                        for (j, o) in slab.chunks_exact_mut(k).enumerate() {
-                            w.dequantize_row(r0 + j, o);
-                        }
-                        // SAFETY: `out` is (m, n); this task writes columns r0..r0 + rows of it,
-                        // which no other task writes, and `out` outlives the parallel section.
-                        unsafe { gemm_xwt(m, rows, k, xs, &slab, (dst as *mut f32).add(r0), n, false) };
-                    });
-                });
-                out
             }
         });
         match out {
@@ -712,8 +803,9 @@ impl QLinear {
     }
 
     /// Dense f32 weights on the CPU without gradient tracking: our products instead of candle's
-    /// matmul (see the module documentation). None when that does not apply.
-    fn forward_dense_cpu(w: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+    /// matmul (see the module documentation), the first `few` rows as in [`Self::forward_split`].
+    /// None when that does not apply.
+    fn forward_dense_cpu(w: &Tensor, x: &Tensor, few: usize) -> Result<Option<Tensor>> {
         if w.track_op() || x.track_op() || !x.device().is_cpu() || x.dtype() != DType::F32 {
             return Ok(None);
         }
@@ -727,18 +819,18 @@ impl QLinear {
         let out = with_cpu_f32(w, |ws| {
             with_cpu_f32(&x, |xs| {
                 let m = xs.len() / k;
-                if m <= SMALL_M {
-                    small_m_product(m, n, |r0, i, out| {
-                        for (j, o) in out.iter_mut().enumerate() {
-                            *o = dot_f32(&ws[(r0 + j) * k..(r0 + j + 1) * k], &xs[i * k..(i + 1) * k]);
-                        }
-                    })
-                } else {
-                    let mut out = vec![0f32; m * n];
-                    // SAFETY: xs is (m, k), ws (n, k), out (m, n).
-                    unsafe { gemm_xwt(m, n, k, xs, ws, out.as_mut_ptr(), n, true) };
-                    out
+                let few = if m - few.min(m) <= SMALL_M { m } else { few.min(m) };
+                let mut out = small_m_product(few, n, |r0, i, out| {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = dot_f32(&ws[(r0 + j) * k..(r0 + j + 1) * k], &xs[i * k..(i + 1) * k]);
+                    }
+                });
+                if few < m {
+                    out.resize(m * n, 0.0);
+                    // SAFETY: xs[few * k..] is (m - few, k), ws (n, k), out[few * n..] (m - few, n).
+                    unsafe { gemm_xwt(m - few, n, k, &xs[few * k..], ws, out[few * n..].as_mut_ptr(), n, true) };
                 }
+                out
             })
         });
         match out.flatten() {
@@ -748,14 +840,52 @@ impl QLinear {
     }
 }
 
+/// `x (m, k) · Wᵀ` through the 8-bit activation kernels, for any m (see [`small_m_product`]).
+fn blocks_few_rows(w: &BlockWeight, xs: &[f32]) -> Vec<f32> {
+    let (n, k) = (w.rows, w.cols);
+    let (m, nb) = (xs.len() / k, k / QK);
+    let mut xq = vec![XBlock { qs: [0; QK], d: 0.0, s: 0.0 }; m * nb];
+    for (row, q) in xs.chunks_exact(k).zip(xq.chunks_exact_mut(nb)) {
+        quantize_row(row, q);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if w.packed && m > 1 {
+        return packed_rows_product(w, &xq, m);
+    }
+    small_m_product(m, n, |r0, i, out| w.dot_rows(r0, &xq[i * nb..(i + 1) * nb], out))
+}
+
+/// `x (m, k) · Wᵀ` through dequantized slabs and `gemm`.
+fn blocks_gemm(w: &BlockWeight, xs: &[f32]) -> Vec<f32> {
+    let (n, k) = (w.rows, w.cols);
+    let m = xs.len() / k;
+    let mut out = vec![0f32; m * n];
+    // Each task dequantizes a slab of weight rows into its thread's buffer and multiplies it
+    // right away (single-threaded gemm into its own output columns), while the slab is still in
+    // cache: one parallel section per product instead of a parallel dequantization followed by a
+    // parallel gemm reading it back.
+    let per = rows_per_task(n).min((SLAB_VALUES / k).max(GROUP));
+    let dst = out.as_mut_ptr() as usize;
+    (0..n.div_ceil(per)).into_par_iter().for_each(|c| {
+        let (r0, rows) = (c * per, per.min(n - c * per));
+        SLAB.with(|slab| {
+            let mut slab = slab.borrow_mut();
+            slab.resize(rows * k, 0.0);
+            for (j, o) in slab.chunks_exact_mut(k).enumerate() {
+                w.dequantize_row(r0 + j, o);
+            }
+            // SAFETY: `out` is (m, n); this task writes columns r0..r0 + rows of it, which no
+            // other task writes, and `out` outlives the parallel section.
+            unsafe { gemm_xwt(m, rows, k, xs, &slab, (dst as *mut f32).add(r0), n, false) };
+        });
+    });
+    out
+}
+
 impl Module for QLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match &self.0 {
-            Inner::Dense(l) => match Self::forward_dense_cpu(l.weight(), x)? {
-                Some(y) => Ok(y),
-                None => l.forward(x),
-            },
-            Inner::Blocks(w) => self.forward_blocks(w, x),
+            Inner::Dense(_) | Inner::Blocks(_) => self.forward_split(x, 0),
             Inner::Candle(q, _) => q.forward(x),
         }
     }
@@ -934,6 +1064,54 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    /// Rows through the few-rows kernels give bitwise the same values whatever the other rows
+    /// (one row alone, or with 1..=12 others: the multi-row packed kernel and its remainders),
+    /// and `forward_split` sends the leading rows there and the rest to the gemm path.
+    #[test]
+    fn few_rows_are_row_independent_and_split() -> Result<()> {
+        for (n, dtype) in [(72, GgmlDType::Q4_1), (72, GgmlDType::Q8_0), (70, GgmlDType::Q4_1)] {
+            let k = 96;
+            let wf = Tensor::from_vec(pseudo_random(n * k, 11), (n, k), &Device::Cpu)?;
+            let lin = QLinear::from_qtensor(QTensor::quantize(&wf, dtype)?, DType::F32)?;
+            let x = Tensor::from_vec(pseudo_random(13 * k, 12), (13, k), &Device::Cpu)?;
+            let alone: Vec<Vec<f32>> =
+                (0..13).map(|i| lin.forward(&x.narrow(0, i, 1)?)?.flatten_all()?.to_vec1()).collect::<Result<_>>()?;
+            for m in 1..=13 {
+                let y = lin.forward_split(&x.narrow(0, 0, m)?, m)?.to_vec2::<f32>()?;
+                for (i, row) in y.iter().enumerate() {
+                    assert_eq!(row, &alone[i], "{dtype:?} n={n}: row {i} of {m}");
+                }
+            }
+            // 3 leading rows on the few-rows path, 10 on gemm (as forward of those 10 alone).
+            let y = lin.forward_split(&x, 3)?;
+            let rest = lin.forward(&x.narrow(0, 3, 10)?)?;
+            assert_eq!(y.narrow(0, 3, 10)?.to_vec2::<f32>()?, rest.to_vec2::<f32>()?);
+            assert_eq!(y.narrow(0, 0, 3)?.to_vec2::<f32>()?, alone[..3].to_vec());
+        }
+        Ok(())
+    }
+
+    /// The vectorizable rounding is `f32::round` on every value the quantization meets,
+    /// halfway cases and their neighbours included.
+    #[test]
+    fn quantized_rounding_is_round_half_away() {
+        let mut x: Vec<f32> = pseudo_random(QK * 64, 21).iter().map(|v| v * 5.0).collect();
+        // The block's amax is 127 exactly, so that values k + 0.5 stay halfway after scaling.
+        for (i, v) in x.iter_mut().enumerate().take(QK) {
+            *v = if i == 0 { 127.0 } else { (i as f32 - 16.0) + 0.5 };
+        }
+        x[QK + 1] = 0.49999997;
+        x[QK + 2] = -0.49999997;
+        let mut got = vec![XBlock { qs: [0; QK], d: 0.0, s: 0.0 }; 64];
+        quantize_row(&x, &mut got);
+        for (xs, b) in x.chunks_exact(QK).zip(&got) {
+            let inv = if b.d > 0.0 { 1.0 / b.d } else { 0.0 };
+            for (v, q) in xs.iter().zip(b.qs) {
+                assert_eq!(q, (v * inv).round() as i8, "{v}");
+            }
+        }
     }
 
     #[test]

@@ -100,10 +100,27 @@ impl RotaryEmbedding {
     /// The tables for positions `start..start + len`. Angles are formed in f64 so that late
     /// positions keep their precision before the cos/sin are rounded to `dtype`.
     pub fn rope(&self, start: usize, len: usize, dtype: DType, device: &Device) -> Result<Rope> {
-        let half = self.inv_freq.len();
+        self.tables(start, start..start + len, dtype, device)
+    }
+
+    /// The tables for arbitrary positions, one row each (a batch of packed sequences, each at
+    /// its own position); `start` of the result is the first position (0 when empty).
+    pub fn rope_at(&self, positions: &[usize], dtype: DType, device: &Device) -> Result<Rope> {
+        let start = positions.first().copied().unwrap_or(0);
+        self.tables(start, positions.iter().copied(), dtype, device)
+    }
+
+    fn tables(
+        &self,
+        start: usize,
+        positions: impl ExactSizeIterator<Item = usize>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Rope> {
+        let (half, len) = (self.inv_freq.len(), positions.len());
         let mut cos = Vec::with_capacity(len * half);
         let mut sin = Vec::with_capacity(len * half);
-        for pos in start..start + len {
+        for pos in positions {
             for f in &self.inv_freq {
                 let (s, c) = (pos as f64 * f).sin_cos();
                 cos.push(c as f32);

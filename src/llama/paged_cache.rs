@@ -1,0 +1,334 @@
+//! The K/V cache of many sequences at once, in pages: one pool of pages per layer shared by
+//! every sequence, a free list, and a block table per sequence (vLLM's layout, read by
+//! [`crate::flash_attn_varlen_paged_windowed`] and written by [`crate::write_paged_kv`]).
+//!
+//! A contiguous cache per sequence must hold each sequence's maximal length from the start (or
+//! copy itself when it grows), so a batch costs `batch × max length` rows. Here a sequence takes
+//! one page at a time as it grows and gives its pages back when it leaves, so the rows allocated
+//! follow the tokens in use, and a finished sequence's pages serve the next one without any copy.
+
+use super::config::LlamaConfig;
+use candle_core::{bail, DType, Device, Result, Tensor};
+use std::collections::BTreeMap;
+
+/// Identifies a sequence in a [`PagedKvCache`] (and in a [`super::Scheduler`]).
+pub type SeqId = u64;
+
+/// Pages the pool starts with on its first growth (a pool grows by doubling, capped at
+/// `max_pages`, so a handful of small sequences does not reallocate it many times).
+const MIN_POOL_PAGES: usize = 16;
+
+#[derive(Clone, Debug, Default)]
+struct SeqPages {
+    pages: Vec<u32>,
+    len: usize,
+}
+
+/// Per layer, K and V pages `(num_pages, page_size, Hkv, D)`; per sequence, its pages in order
+/// and its length. Key `j` of a sequence is row `j % page_size` of its page `j / page_size`.
+///
+/// The pool starts empty and grows by doubling when the free list runs out (each growth copies
+/// the pool once, so a row is copied O(1) times on average), up to `max_pages` when given; the
+/// pages of a removed sequence go back to the free list and are handed out again before the pool
+/// grows. Device-generic: the pool lives on the model's device and every write and read goes
+/// through tensor ops.
+#[derive(Debug)]
+pub struct PagedKvCache {
+    layers: Vec<(Tensor, Tensor)>,
+    page_size: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    device: Device,
+    /// Pages the pool holds (allocated), in use or free.
+    capacity: usize,
+    max_pages: Option<usize>,
+    /// Free pages, the next one handed out last (a stack: a page just freed is reused first,
+    /// while its memory is likely still in cache).
+    free: Vec<u32>,
+    seqs: BTreeMap<SeqId, SeqPages>,
+    peak_pages_in_use: usize,
+}
+
+/// One forward step's addressing, built by [`PagedKvCache::prepare`] for the packed new tokens of
+/// the step's sequences (in the order given): everything the layers need, made once per step
+/// and shared by all of them.
+#[derive(Debug)]
+pub(crate) struct PagedStep {
+    /// `[T]` u32: the cache slot (page · page_size + row) of each new token.
+    pub slots: Tensor,
+    /// The position in its sequence of each new token (for the rotary embedding).
+    pub positions: Vec<usize>,
+    /// `[B, max_pages]` u32: each sequence's pages (rows padded with page 0, never read).
+    pub block_table: Tensor,
+    /// `[B + 1]` u32: cumulative new-token counts (the packed queries).
+    pub seqlens_q: Tensor,
+    /// `[B + 1]` u32: cumulative cache lengths after this step (the keys).
+    pub seqlens_k: Tensor,
+    pub max_seqlen_q: usize,
+    pub max_seqlen_k: usize,
+    /// The packed row of each sequence's last new token.
+    pub last_rows: Vec<u32>,
+    /// The block table on the host, `B × table_width` row-major (for the CPU decode kernel).
+    pub host_table: Vec<u32>,
+    pub table_width: usize,
+    /// Each sequence's cache length after this step.
+    pub k_lens: Vec<usize>,
+    /// With `split_single`: the leading sequences that feed one token each (their attention is
+    /// a row each, [`super::decode_attn::decode_attention_paged`]), and the attention arguments
+    /// of the sequences after them, when there are any.
+    pub single: usize,
+    pub rest: Option<PagedRest>,
+}
+
+/// The paged-attention arguments of a step's sequences after its leading single-token ones.
+#[derive(Debug)]
+pub(crate) struct PagedRest {
+    pub seqlens_q: Tensor,
+    pub seqlens_k: Tensor,
+    pub max_seqlen_q: usize,
+    pub block_table: Tensor,
+}
+
+impl PagedKvCache {
+    /// An empty cache for `cfg`'s layers and K/V heads, in `dtype` on `device`, with pages of
+    /// `page_size` rows; at most `max_pages` pages per layer when given (None: the pool grows
+    /// as long as memory allows).
+    pub fn new(
+        cfg: &LlamaConfig,
+        page_size: usize,
+        max_pages: Option<usize>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if page_size == 0 {
+            bail!("paged kv cache: page_size must be at least 1")
+        }
+        if max_pages == Some(0) {
+            bail!("paged kv cache: max_pages must be at least 1 (or None)")
+        }
+        let empty = Tensor::zeros((0, page_size, cfg.num_key_value_heads, cfg.head_dim), dtype, device)?;
+        Ok(Self {
+            layers: vec![(empty.clone(), empty); cfg.num_hidden_layers],
+            page_size,
+            num_kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            dtype,
+            device: device.clone(),
+            capacity: 0,
+            max_pages,
+            free: vec![],
+            seqs: BTreeMap::new(),
+            peak_pages_in_use: 0,
+        })
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Pages the pool holds per layer (in use or free).
+    pub fn capacity_pages(&self) -> usize {
+        self.capacity
+    }
+
+    /// The cap on [`Self::capacity_pages`], if any.
+    pub fn max_pages(&self) -> Option<usize> {
+        self.max_pages
+    }
+
+    /// Pages held by sequences (per layer).
+    pub fn pages_in_use(&self) -> usize {
+        self.capacity - self.free.len()
+    }
+
+    /// The most pages ever in use at once (per layer).
+    pub fn peak_pages_in_use(&self) -> usize {
+        self.peak_pages_in_use
+    }
+
+    /// Bytes of one page in one layer, K and V together.
+    pub fn page_bytes(&self) -> usize {
+        2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype.size_in_bytes()
+    }
+
+    /// Bytes the pool holds on the device, every layer, K and V.
+    pub fn pool_bytes(&self) -> usize {
+        self.capacity * self.page_bytes() * self.layers.len()
+    }
+
+    /// Tokens cached for `seq` (None: not in the cache).
+    pub fn seq_len(&self, seq: SeqId) -> Option<usize> {
+        self.seqs.get(&seq).map(|s| s.len)
+    }
+
+    /// The sequences in the cache.
+    pub fn sequences(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.seqs.keys().copied()
+    }
+
+    /// Layer `i`'s K and V pools `(capacity_pages, page_size, Hkv, D)`.
+    pub fn layer(&self, i: usize) -> Result<&(Tensor, Tensor)> {
+        match self.layers.get(i) {
+            Some(l) => Ok(l),
+            None => bail!("paged kv cache: layer {i} of {}", self.layers.len()),
+        }
+    }
+
+    /// Starts an empty sequence.
+    pub fn add_sequence(&mut self, seq: SeqId) -> Result<()> {
+        if self.seqs.contains_key(&seq) {
+            bail!("paged kv cache: sequence {seq} is already in the cache")
+        }
+        self.seqs.insert(seq, SeqPages::default());
+        Ok(())
+    }
+
+    /// Ends a sequence: its pages go back to the free list (their contents are left as they are
+    /// and overwritten by the next owner's writes).
+    pub fn remove_sequence(&mut self, seq: SeqId) -> Result<()> {
+        match self.seqs.remove(&seq) {
+            Some(s) => {
+                // Reversed, so that the sequence's first page is handed out first again.
+                self.free.extend(s.pages.into_iter().rev());
+                Ok(())
+            }
+            None => bail!("paged kv cache: sequence {seq} is not in the cache"),
+        }
+    }
+
+    /// Pages that `tokens` more tokens of `seq` need beyond those it holds.
+    pub fn pages_needed(&self, seq: Option<SeqId>, tokens: usize) -> usize {
+        let (len, held) = seq.and_then(|s| self.seqs.get(&s)).map_or((0, 0), |s| (s.len, s.pages.len()));
+        (len + tokens).div_ceil(self.page_size).saturating_sub(held)
+    }
+
+    /// Pages that can still be handed out: the free list, plus what the pool may grow by.
+    pub fn pages_available(&self) -> usize {
+        self.free.len() + self.max_pages.map_or(usize::MAX - self.capacity, |m| m - self.capacity)
+    }
+
+    /// Grows every layer's pool to hold at least `needed` more free pages (doubling, capped).
+    fn grow(&mut self, needed: usize) -> Result<()> {
+        let want = self.capacity - self.free.len() + needed;
+        let mut cap = (2 * self.capacity).max(want).max(MIN_POOL_PAGES);
+        if let Some(max) = self.max_pages {
+            if want > max {
+                bail!(
+                    "paged kv cache: {want} pages needed but the pool is capped at {max} pages of {} rows",
+                    self.page_size
+                )
+            }
+            cap = cap.min(max);
+        }
+        if cap > u32::MAX as usize / self.page_size {
+            bail!("paged kv cache: {cap} pages of {} rows are more slots than u32 addresses", self.page_size)
+        }
+        let shape = (cap, self.page_size, self.num_kv_heads, self.head_dim);
+        for (k, v) in self.layers.iter_mut() {
+            for t in [k, v] {
+                let new = Tensor::zeros(shape, self.dtype, &self.device)?;
+                if self.capacity > 0 {
+                    new.slice_set(t, 0, 0)?;
+                }
+                *t = new;
+            }
+        }
+        // Highest page last out, so that pages are handed out in increasing order.
+        self.free.splice(0..0, (self.capacity as u32..cap as u32).rev());
+        self.capacity = cap;
+        Ok(())
+    }
+
+    /// Appends `new_tokens` positions to each sequence of `batch` (allocating the pages they
+    /// need) and returns the step's addressing for those tokens packed in the order given. The
+    /// K/V rows themselves are written by each layer ([`crate::write_paged_kv`] with
+    /// `slots`). Errors leave the lengths unchanged; a sequence may appear once per step. With
+    /// `split_single`, the leading single-token sequences are set apart (see
+    /// [`PagedStep::single`]).
+    pub(crate) fn prepare(&mut self, batch: &[(SeqId, usize)], split_single: bool) -> Result<PagedStep> {
+        if batch.is_empty() {
+            bail!("paged kv cache: a step needs at least one sequence")
+        }
+        let mut needed = 0;
+        for (i, &(seq, n)) in batch.iter().enumerate() {
+            if n == 0 {
+                bail!("paged kv cache: sequence {seq} has no new tokens in this step")
+            }
+            if !self.seqs.contains_key(&seq) {
+                bail!("paged kv cache: sequence {seq} is not in the cache (add_sequence first)")
+            }
+            if batch[..i].iter().any(|(s, _)| *s == seq) {
+                bail!("paged kv cache: sequence {seq} appears twice in one step")
+            }
+            needed += self.pages_needed(Some(seq), n);
+        }
+        if needed > self.free.len() {
+            self.grow(needed - self.free.len())?;
+        }
+        let total: usize = batch.iter().map(|(_, n)| n).sum();
+        let (mut slots, mut positions) = (Vec::with_capacity(total), Vec::with_capacity(total));
+        let (mut cu_q, mut cu_k, mut last) = (vec![0u32], vec![0u32], Vec::with_capacity(batch.len()));
+        let (mut max_q, mut max_k, mut max_pages) = (0, 0, 0);
+        for &(seq, n) in batch {
+            let Some(s) = self.seqs.get_mut(&seq) else { bail!("paged kv cache: sequence {seq} vanished") };
+            let end = s.len + n;
+            while s.pages.len() < end.div_ceil(self.page_size) {
+                let Some(p) = self.free.pop() else { bail!("paged kv cache: free list ran out after growth") };
+                s.pages.push(p);
+            }
+            for pos in s.len..end {
+                slots.push(s.pages[pos / self.page_size] * self.page_size as u32 + (pos % self.page_size) as u32);
+                positions.push(pos);
+            }
+            s.len = end;
+            cu_q.push(cu_q[cu_q.len() - 1] + n as u32);
+            cu_k.push(cu_k[cu_k.len() - 1] + end as u32);
+            last.push(cu_q[cu_q.len() - 1] - 1);
+            (max_q, max_k, max_pages) = (max_q.max(n), max_k.max(end), max_pages.max(s.pages.len()));
+        }
+        let mut table = vec![0u32; batch.len() * max_pages];
+        for (row, (seq, _)) in table.chunks_exact_mut(max_pages).zip(batch) {
+            let pages = &self.seqs[seq].pages;
+            row[..pages.len()].copy_from_slice(pages);
+        }
+        self.peak_pages_in_use = self.peak_pages_in_use.max(self.pages_in_use());
+        let dev = &self.device;
+        let b = batch.len();
+        let single = if split_single { batch.iter().take_while(|(_, n)| *n == 1).count() } else { 0 };
+        let rest = if single > 0 && single < b {
+            let from = |cu: &[u32]| -> Result<Tensor> {
+                let v: Vec<u32> = cu[single..].iter().map(|x| x - cu[single]).collect();
+                Tensor::from_vec(v, b - single + 1, dev)
+            };
+            Some(PagedRest {
+                seqlens_q: from(&cu_q)?,
+                seqlens_k: from(&cu_k)?,
+                max_seqlen_q: batch[single..].iter().map(|(_, n)| *n).max().unwrap_or(0),
+                block_table: Tensor::from_vec(table[single * max_pages..].to_vec(), (b - single, max_pages), dev)?,
+            })
+        } else {
+            None
+        };
+        let k_lens = cu_k.windows(2).map(|w| (w[1] - w[0]) as usize).collect();
+        Ok(PagedStep {
+            slots: Tensor::from_vec(slots, total, dev)?,
+            positions,
+            block_table: Tensor::from_slice(&table, (b, max_pages), dev)?,
+            seqlens_q: Tensor::from_vec(cu_q, b + 1, dev)?,
+            seqlens_k: Tensor::from_vec(cu_k, b + 1, dev)?,
+            max_seqlen_q: max_q,
+            max_seqlen_k: max_k,
+            last_rows: last,
+            host_table: table,
+            table_width: max_pages,
+            k_lens,
+            single,
+            rest,
+        })
+    }
+}
