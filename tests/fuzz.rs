@@ -194,7 +194,9 @@ fn evaluate(
         if t.dtype() == dtype && t.device().same_device(device) {
             Ok(t.clone())
         } else {
-            t.to_dtype(dtype)?.to_device(device)
+            // Move first, then convert there: an empty CUDA tensor is a view of a non-empty
+            // buffer, which moves, while a conversion on CUDA would ask for a 0-byte buffer.
+            t.to_device(device)?.to_dtype(dtype)
         }
     };
     let [q, k, v] = [&x[0], &x[1], &x[2]].map(|t| prepare(t).and_then(|t| Var::from_tensor(&t)));
