@@ -1,35 +1,47 @@
-//! CPU forward: one rayon task per (sequence, query head, Q tile); online softmax over K tiles.
+//! CPU forward: one rayon task per (sequence, KV head, Q tile); online softmax over K tiles.
 //! K/V rows come from packed tensors or a paged cache alike ([`KvRows`]).
+//!
+//! The scores are computed transposed, Sᵀ = K Qᵀ (keys × query rows): Qᵀ is packed once per
+//! task and K is read in place, so no K tile is ever transposed; the softmax then runs down the
+//! columns, vectorised across query rows, and O += P V reads Pᵀ's columns as P's rows.
 
 use super::kv::KvRows;
-use super::{dense_f32, exp_shifted_sum, logits_row, tile_matmul, MatRef, SharedMut, K_TILE, Q_TILE};
+use super::simd::{tile_matmul, vectorized, CpuIsa, MatRef};
+use super::{dense_f32, exp_poly, logits_row, CpuTiles, SharedMut};
 use crate::params::{AttnShape, FlashAttnOptions, HostData, RowKeys};
 use candle_core::{CpuStorage, Layout, Result};
 use rayon::prelude::*;
 
-/// Per-worker scratch, O(tile): the packed Q tile, scores, output accumulator, running max
-/// and sum, and (paged K/V only) the K and V tiles copied out of their pages.
+/// Per-worker scratch, O(tile): Qᵀ, the transposed scores, the output accumulator, running
+/// max and sum, one score column, and (paged K/V only) the K and V tiles copied out of their
+/// pages.
 struct Scratch {
-    q_pack: Vec<f32>,
+    q_t: Vec<f32>,
     k_tile: Vec<f32>,
     v_tile: Vec<f32>,
-    scores: Vec<f32>,
+    scores_t: Vec<f32>,
     acc: Vec<f32>,
     row_max: Vec<f32>,
     row_sum: Vec<f32>,
+    shift: Vec<f32>,
+    correction: Vec<f32>,
+    column: Vec<f32>,
 }
 
 impl Scratch {
-    fn new(d: usize, rows: usize, paged: bool) -> Self {
-        let kv_tile = if paged { K_TILE * d } else { 0 };
+    fn new(d: usize, rows: usize, k_cols: usize, paged: bool) -> Self {
+        let kv_tile = if paged { k_cols * d } else { 0 };
         Self {
-            q_pack: vec![0.0; rows * d],
+            q_t: vec![0.0; d * rows],
             k_tile: vec![0.0; kv_tile],
             v_tile: vec![0.0; kv_tile],
-            scores: vec![0.0; rows * K_TILE],
+            scores_t: vec![0.0; k_cols * rows],
             acc: vec![0.0; rows * d],
             row_max: vec![0.0; rows],
             row_sum: vec![0.0; rows],
+            shift: vec![0.0; rows],
+            correction: vec![0.0; rows],
+            column: vec![0.0; k_cols],
         }
     }
 }
@@ -38,7 +50,7 @@ impl Scratch {
 /// log-sum-exp (f32, laid out as `shape.lse_dims()`).
 ///
 /// A task covers a few query rows of *every* query head that shares one KV head (GQA/MQA),
-/// packed into one tile of about [`Q_TILE`] rows: each K/V tile is then read once per group
+/// packed into one tile of about [`CpuTiles::q_rows`] rows: each K/V tile is then read once per group
 /// rather than once per head, and decoding (one query row) still gets matrix-sized products.
 pub(crate) fn forward(
     shape: &AttnShape,
@@ -48,6 +60,7 @@ pub(crate) fn forward(
     (v, v_l): (&CpuStorage, &Layout),
 ) -> Result<(CpuStorage, Vec<f32>)> {
     let host = shape.host()?;
+    let (isa, tiles) = (CpuIsa::active(), CpuTiles::get());
     let q = dense_f32(q, q_l)?;
     let (k, v) = (KvRows::new(shape, host, k, k_l)?, KvRows::new(shape, host, v, v_l)?);
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
@@ -55,7 +68,7 @@ pub(crate) fn forward(
     let mut out = vec![f32::NAN; shape.total_q * h * d];
     let mut lse = vec![f32::NEG_INFINITY; shape.lse_dims().iter().product()];
 
-    let rows_per_head = (Q_TILE / group).max(1);
+    let rows_per_head = (tiles.q_rows / group).max(1);
     let tasks: Vec<(usize, usize, usize)> = host
         .seqs
         .iter()
@@ -67,29 +80,42 @@ pub(crate) fn forward(
         .collect();
     let (out_ptr, lse_ptr) = (SharedMut(out.as_mut_ptr()), SharedMut(lse.as_mut_ptr()));
     tasks.par_iter().for_each_init(
-        || Scratch::new(d, rows_per_head * group, shape.page_block_size.is_some()),
+        || Scratch::new(d, rows_per_head * group, tiles.k_cols, shape.page_block_size.is_some()),
         |scratch, &(b, kv_head, i0)| {
             let rows = rows_per_head.min(host.seqs[b].q_len - i0);
             // SAFETY: the task (b, kv_head, i0) writes only the out and lse slots of rows
             // i0..i0+rows of sequence b for the query heads of `kv_head`; no two tasks share one.
             unsafe {
-                forward_tile(shape, host, opts, (&q, &k, &v), (out_ptr, lse_ptr), (b, kv_head, i0, rows), scratch)
+                let task = Task { isa, k_cols: tiles.k_cols, b, kv_head, i0, q_rows: rows };
+                forward_tile(shape, host, opts, (&q, &k, &v), (out_ptr, lse_ptr), task, scratch)
             }
         },
     );
     Ok((super::storage_from_f32(out, shape.dtype)?, lse))
 }
 
+/// One forward task: query rows `i0..i0 + q_rows` of sequence `b`, for every query head of
+/// `kv_head`'s group, with the instruction set and key tile of the call.
+#[derive(Clone, Copy)]
+struct Task {
+    isa: CpuIsa,
+    k_cols: usize,
+    b: usize,
+    kv_head: usize,
+    i0: usize,
+    q_rows: usize,
+}
+
 /// # Safety
-/// `out` and `lse` must point to buffers of `total_q*H*D` and `lse_dims` elements, and no
-/// other thread may write the slots of this tile.
+/// `out` and `lse` must point to buffers of `total_q*H*D` and `lse_dims` elements, no other
+/// thread may write the slots of this tile, and `task.isa` must not exceed the CPU's.
 unsafe fn forward_tile(
     shape: &AttnShape,
     host: &HostData,
     opts: &FlashAttnOptions,
     (q, k, v): (&[f32], &KvRows, &KvRows),
     (out, lse): (SharedMut, SharedMut),
-    (b, kv_head, i0, q_rows): (usize, usize, usize, usize),
+    Task { isa, k_cols, b, kv_head, i0, q_rows }: Task,
     scratch: &mut Scratch,
 ) {
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
@@ -98,69 +124,84 @@ unsafe fn forward_tile(
     // Packed row p is query row i0 + p % q_rows of head kv_head*group + p / q_rows.
     let rows = q_rows * group;
     let row_of = |p: usize| (kv_head * group + p / q_rows, i0 + p % q_rows);
-    let Scratch { q_pack, k_tile, v_tile, scores, acc, row_max, row_sum } = scratch;
+    let Scratch { q_t, k_tile, v_tile, scores_t, acc, row_max, row_sum, shift, correction, column } = scratch;
+    // Qᵀ (d × rows): column p is packed row p.
     for p in 0..rows {
         let (head, i) = row_of(p);
         let src = (seq.q_start + i) * q_rs + head * d;
-        q_pack[p * d..(p + 1) * d].copy_from_slice(&q[src..src + d]);
+        for (c, &x) in q[src..src + d].iter().enumerate() {
+            q_t[c * rows + p] = x;
+        }
     }
 
     let ranges: Vec<RowKeys> = (0..rows).map(|p| shape.row_keys(opts, host, b, row_of(p).1)).collect();
     // Each row's keys lie in its hull; K tiles outside the union of the hulls are skipped.
     let k_lo = ranges.iter().filter(|r| !r.is_empty()).map(|r| r.hull.0).min().unwrap_or(0);
     let k_hi = ranges.iter().map(|r| r.hull.1).max().unwrap_or(0);
+    // Tiles inside every row's hull (and no gap) need no mask: the common case.
+    let (all_lo, all_hi) = (
+        ranges.iter().map(|r| r.hull.0).max().unwrap_or(0),
+        ranges.iter().map(|r| if r.gap.is_some() { 0 } else { r.hull.1 }).min().unwrap_or(0),
+    );
+    let plain_logits = opts.softcap.is_none() && !host.has_alibi();
 
     acc[..rows * d].fill(0.0);
     row_max[..rows].fill(f32::NEG_INFINITY);
     row_sum[..rows].fill(0.0);
 
-    for j0 in (k_lo..k_hi).step_by(K_TILE) {
-        let cols = K_TILE.min(k_hi - j0);
+    for j0 in (k_lo..k_hi).step_by(k_cols) {
+        let cols = k_cols.min(k_hi - j0);
+        let s_t = &mut scores_t[..cols * rows];
         let (k_ptr, k_rs) = k.tile(host, (b, kv_head, d), (j0, cols), k_tile);
-        // S = Q Kᵀ for this tile.
+        // Sᵀ = scale · K Qᵀ for this tile (keys × rows).
         tile_matmul(
-            (rows, cols, d),
-            scores.as_mut_ptr(),
-            K_TILE,
+            isa,
+            (cols, rows, d),
+            s_t.as_mut_ptr(),
+            rows,
             false,
-            MatRef::rows(q_pack.as_ptr(), d),
-            MatRef::transposed(k_ptr, k_rs),
-            1.0,
+            MatRef::rows(k_ptr, k_rs),
+            (q_t.as_ptr(), rows),
+            opts.softmax_scale,
         );
-        for r in 0..rows {
-            let row = &mut scores[r * K_TILE..r * K_TILE + cols];
-            let (head, i) = row_of(r);
-            let alibi = host.alibi_slope(b, head).map(|s| (s, i as isize + seq.diag_offset()));
-            logits_row(row, j0, ranges[r].hull, opts.softmax_scale, opts.softcap, alibi);
-            if let Some((lo, hi)) = ranges[r].gap {
-                // Keys between the window and an mm-prefix range stay masked.
-                let (lo, hi) = (lo.clamp(j0, j0 + cols) - j0, hi.clamp(j0, j0 + cols) - j0);
-                row[lo..hi].fill(f32::NEG_INFINITY);
+        if !(plain_logits && all_lo <= j0 && j0 + cols <= all_hi) {
+            // Softcap, ALiBi and masks per query row, through the one row rule.
+            for (r, keys) in ranges.iter().enumerate() {
+                let column = &mut column[..cols];
+                column.iter_mut().enumerate().for_each(|(j, x)| *x = s_t[j * rows + r]);
+                let (head, i) = row_of(r);
+                let alibi = host.alibi_slope(b, head).map(|s| (s, i as isize + seq.diag_offset()));
+                logits_row(column, j0, keys.hull, 1.0, opts.softcap, alibi);
+                if let Some((lo, hi)) = keys.gap {
+                    // Keys between the window and an mm-prefix range stay masked.
+                    let (lo, hi) = (lo.clamp(j0, j0 + cols) - j0, hi.clamp(j0, j0 + cols) - j0);
+                    column[lo..hi].fill(f32::NEG_INFINITY);
+                }
+                column.iter().enumerate().for_each(|(j, &x)| s_t[j * rows + r] = x);
             }
-            let new_max = row_max[r].max(super::row_max(row));
-            if new_max == f32::NEG_INFINITY {
-                // Nothing visible to this row yet: its probabilities are all zero.
-                row.fill(0.0);
-                continue;
-            }
-            let sum = exp_shifted_sum(row, new_max);
-            // Rescale what was accumulated under the old max (exp(-inf) = 0 on the first tile).
-            let correction = (row_max[r] - new_max).exp();
-            if correction != 1.0 {
-                acc[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= correction);
-            }
-            row_sum[r] = row_sum[r] * correction + sum;
-            row_max[r] = new_max;
         }
-        // O += P V.
+        online_softmax_columns(
+            isa,
+            s_t,
+            rows,
+            (&mut row_max[..rows], &mut row_sum[..rows]),
+            (&mut shift[..rows], &mut correction[..rows]),
+        );
+        for (r, &corr) in correction[..rows].iter().enumerate() {
+            if corr != 1.0 {
+                acc[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= corr);
+            }
+        }
+        // O += P V, P = (Sᵀ)ᵀ read in place.
         let (v_ptr, v_rs) = v.tile(host, (b, kv_head, d), (j0, cols), v_tile);
         tile_matmul(
+            isa,
             (rows, d, cols),
             acc.as_mut_ptr(),
             d,
             true,
-            MatRef::rows(scores.as_ptr(), K_TILE),
-            MatRef::rows(v_ptr, v_rs),
+            MatRef::transposed(s_t.as_ptr(), rows),
+            (v_ptr, v_rs),
             1.0,
         );
     }
@@ -179,4 +220,41 @@ unsafe fn forward_tile(
             dst.fill(0.0);
         }
     }
+}
+
+/// One step of the online softmax on a transposed score tile (`s_t`: keys × `rows`, each
+/// column a query row), vectorised across the columns: new running max, `s_t ← exp(s_t − max)`
+/// (masked -inf → 0), running sum rescaled and extended, and the factor `correction` by which
+/// the row's accumulated output must be rescaled. A column that has seen no key keeps max
+/// -inf, sum 0, and gets zero probabilities (its shift is 0, so exp(-inf - 0) = 0, not NaN).
+fn online_softmax_columns(
+    isa: CpuIsa,
+    s_t: &mut [f32],
+    rows: usize,
+    (row_max, row_sum): (&mut [f32], &mut [f32]),
+    (shift, correction): (&mut [f32], &mut [f32]),
+) {
+    vectorized(isa, || {
+        shift.copy_from_slice(row_max);
+        for key in s_t.chunks_exact(rows) {
+            shift.iter_mut().zip(key).for_each(|(m, &x)| *m = if x > *m { x } else { *m });
+        }
+        for (((c, s), m), l) in
+            correction.iter_mut().zip(shift.iter_mut()).zip(row_max.iter_mut()).zip(row_sum.iter_mut())
+        {
+            // exp(-inf) = 0 on a column's first visible tile; 1 while nothing is visible yet.
+            *c = if *s == f32::NEG_INFINITY { 1.0 } else { exp_poly(*m - *s) };
+            *l *= *c;
+            *m = *s;
+            if *s == f32::NEG_INFINITY {
+                *s = 0.0;
+            }
+        }
+        for key in s_t.chunks_exact_mut(rows) {
+            for ((x, s), l) in key.iter_mut().zip(shift.iter()).zip(row_sum.iter_mut()) {
+                *x = exp_poly(*x - *s);
+                *l += *x;
+            }
+        }
+    })
 }

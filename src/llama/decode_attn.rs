@@ -101,7 +101,7 @@ fn head(q: &[f32], keys: &[f32], values: &[f32], row: usize, off: usize, scale: 
         }
     }
     let max = crate::cpu::row_max(&p);
-    let sum = crate::cpu::exp_shifted_sum(&mut p, max);
+    let sum = crate::cpu::exp_shifted_sum(crate::cpu::CpuIsa::active(), &mut p, max);
     if simd {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
