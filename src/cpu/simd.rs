@@ -512,3 +512,63 @@ mod x86 {
         f()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every instruction set the CPU has, against an f64 product: shapes that break every
+    /// register block (rows 1..=13, columns up to 3 blocks plus a partial vector), strided and
+    /// transposed A, accumulate or not, over a NaN-filled C when not accumulating.
+    #[test]
+    fn tile_matmul_matches_f64() {
+        let mut seed = 1u64;
+        let mut rand = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        for isa in CpuIsa::ALL.into_iter().filter(|&i| i <= CpuIsa::detected()) {
+            for m in [1, 2, 3, 5, 6, 7, 13] {
+                for n in [1, 7, 8, 9, 16, 17, 31, 48, 64, 65, 200] {
+                    for k in [0, 1, 5, 64] {
+                        for (transposed, accumulate) in [(false, false), (true, true), (true, false)] {
+                            let (lda, ldb, ldc) = (k + 3, n + 5, n + 2);
+                            let a: Vec<f32> = (0..m.max(k) * (lda + m + 3)).map(|_| rand()).collect();
+                            let b: Vec<f32> = (0..k * ldb).map(|_| rand()).collect();
+                            let c0: Vec<f32> = (0..m * ldc).map(|_| rand()).collect();
+                            let a_at =
+                                |r: usize, p: usize| if transposed { a[p * (m + 3) + r] } else { a[r * lda + p] };
+                            let view = if transposed {
+                                MatRef::transposed(a.as_ptr(), m + 3)
+                            } else {
+                                MatRef::rows(a.as_ptr(), lda)
+                            };
+                            let mut c = if accumulate { c0.clone() } else { vec![f32::NAN; m * ldc] };
+                            // SAFETY: a, b and c hold every element the extents and strides address.
+                            unsafe {
+                                tile_matmul(
+                                    isa,
+                                    (m, n, k),
+                                    c.as_mut_ptr(),
+                                    ldc,
+                                    accumulate,
+                                    view,
+                                    (b.as_ptr(), ldb),
+                                    0.5,
+                                )
+                            };
+                            for r in 0..m {
+                                for j in 0..n {
+                                    let dot: f64 = (0..k).map(|p| a_at(r, p) as f64 * b[p * ldb + j] as f64).sum();
+                                    let want = 0.5 * dot + if accumulate { c0[r * ldc + j] as f64 } else { 0.0 };
+                                    let got = c[r * ldc + j] as f64;
+                                    assert!((got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{isa:?} {m}x{n}x{k} t={transposed} acc={accumulate} ({r},{j}): {got} vs {want}");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
