@@ -19,7 +19,6 @@ pub use simd::{with_cpu_isa, CpuIsa};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Layout, Result};
 use half::{bf16, f16};
-use simd::vectorized;
 use std::borrow::Cow;
 use std::sync::OnceLock;
 
@@ -185,17 +184,16 @@ pub(crate) fn logits_row(
     row[vis_hi..].fill(f32::NEG_INFINITY);
 }
 
-/// `x ← exp(x - shift)` over a row, returning the row's sum. A polynomial exp (Cody-Waite
-/// reduction, degree-6 Taylor on [-ln2/2, ln2/2], ~2e-7 relative error) that the compiler
-/// vectorises for `isa`. On 64x64 tiles libm's scalar `expf` took longer than one of the
-/// tile's matrix products; this takes about a quarter of that (bench/NOTES.md).
-/// Arguments below -87 (including -inf, i.e. masked keys) give exactly 0.
-#[inline]
-pub(crate) fn exp_shifted_sum(isa: CpuIsa, row: &mut [f32], shift: f32) -> f32 {
-    vectorized(isa, || {
+simd::multiversion! {
+    /// `x ← exp(x - shift)` over a row, returning the row's sum. A polynomial exp (Cody-Waite
+    /// reduction, degree-6 Taylor on [-ln2/2, ln2/2], ~2e-7 relative error) that the compiler
+    /// vectorises for `isa`. On 64x64 tiles libm's scalar `expf` took longer than one of the
+    /// tile's matrix products; this takes about a quarter of that (bench/NOTES.md).
+    /// Arguments below -87 (including -inf, i.e. masked keys) give exactly 0.
+    pub(crate) fn exp_shifted_sum(row: &mut [f32], shift: f32) -> f32 {
         row.iter_mut().for_each(|x| *x = exp_poly(*x - shift));
         row_sum(row)
-    })
+    }
 }
 
 #[inline(always)]

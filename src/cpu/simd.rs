@@ -105,21 +105,40 @@ pub fn with_cpu_isa<R>(isa: CpuIsa, f: impl FnOnce() -> R) -> (CpuIsa, R) {
     (used, result)
 }
 
-/// Runs `f` compiled for `isa`'s vector width: the closure's loops (plain Rust, written to
-/// vectorise) are inlined into a function with those target features, so the exp and the
-/// row/column reductions get AVX-512 or AVX2 code where the CPU has it.
-#[inline(always)]
-pub(crate) fn vectorized<R>(isa: CpuIsa, f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    match isa {
-        // SAFETY: `isa` never exceeds `CpuIsa::detected()` (see `active` and `with_cpu_isa`),
-        // so the CPU has every feature these functions enable.
-        CpuIsa::Avx512 | CpuIsa::Avx512Bf16 => return unsafe { x86::run_avx512(f) },
-        CpuIsa::Avx2 => return unsafe { x86::run_avx2(f) },
-        CpuIsa::Portable => {}
-    }
-    f()
+/// Defines `fn name(isa: CpuIsa, args...)` whose body (plain Rust, written to vectorise) is
+/// compiled once per instruction set, inside a `#[target_feature]` function, and picked by
+/// `isa` at run time: so the exp and the row/column reductions get AVX-512 or AVX2 code where
+/// the CPU has it. (A closure passed to a generic `#[target_feature]` runner is not enough:
+/// LLVM keeps a large closure out of line, compiled for the baseline, SSE2; measured.)
+macro_rules! multiversion {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        $vis fn $name(isa: $crate::cpu::CpuIsa, $($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+            unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                body($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                body($($arg),*)
+            }
+            match isa {
+                // SAFETY: `isa` never exceeds `CpuIsa::detected()` (see `CpuIsa::active` and
+                // `with_cpu_isa`), so the CPU has every feature these functions enable.
+                #[cfg(target_arch = "x86_64")]
+                $crate::cpu::CpuIsa::Avx512 | $crate::cpu::CpuIsa::Avx512Bf16 => unsafe { avx512($($arg),*) },
+                #[cfg(target_arch = "x86_64")]
+                $crate::cpu::CpuIsa::Avx2 => unsafe { avx2($($arg),*) },
+                _ => body($($arg),*),
+            }
+        }
+    };
 }
+pub(crate) use multiversion;
 
 /// A strided matrix view: element (r, c) at `ptr[r * row_stride + c * col_stride]`.
 #[derive(Clone, Copy)]
@@ -496,20 +515,6 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     pub(super) unsafe fn matmul_avx512(dims: (usize, usize, usize), out: Out, a: MatRef, b: (*const f32, usize)) {
         matmul::<Avx512>(dims, out, a, b)
-    }
-
-    /// # Safety
-    /// The CPU must have AVX-512 F, BW and VL.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-    pub(super) unsafe fn run_avx512<R>(f: impl FnOnce() -> R) -> R {
-        f()
-    }
-
-    /// # Safety
-    /// The CPU must have AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn run_avx2<R>(f: impl FnOnce() -> R) -> R {
-        f()
     }
 }
 
