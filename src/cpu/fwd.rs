@@ -6,10 +6,10 @@
 //! columns, vectorised across query rows, and O += P V reads Pᵀ's columns as P's rows.
 
 use super::kv::KvRows;
-use super::simd::{tile_matmul, CpuIsa, MatRef};
+use super::simd::{bf16_pair, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
 use super::{dense_f32, exp_poly, logits_row, CpuTiles, SharedMut};
 use crate::params::{AttnShape, FlashAttnOptions, HostData, RowKeys};
-use candle_core::{CpuStorage, Layout, Result};
+use candle_core::{CpuStorage, DType, Layout, Result};
 use rayon::prelude::*;
 
 /// Per-worker scratch, O(tile): Qᵀ, the K and V tiles (f32, contiguous), the transposed
@@ -24,12 +24,30 @@ struct Scratch {
     row_sum: Vec<f32>,
     correction: Vec<f32>,
     column: Vec<f32>,
+    /// The bf16-pair operands (AVX-512 BF16 on bf16 inputs only, else empty): Qᵀ, K, P and V
+    /// with pairs along the reduction axis of each product.
+    pairs: PairScratch,
+}
+
+#[derive(Default)]
+struct PairScratch {
+    q_t: Vec<u32>,
+    k: Vec<u32>,
+    p: Vec<u32>,
+    v: Vec<u32>,
 }
 
 impl Scratch {
-    fn new(d: usize, rows: usize, k_cols: usize) -> Self {
+    fn new(d: usize, rows: usize, k_cols: usize, bf16_pairs: bool) -> Self {
         let kv_tile = k_cols * d;
+        let (d2, k2) = (d.div_ceil(2), k_cols.div_ceil(2));
+        let pairs = if bf16_pairs {
+            PairScratch { q_t: vec![0; d2 * rows], k: vec![0; k_cols * d2], p: vec![0; k2 * rows], v: vec![0; k2 * d] }
+        } else {
+            PairScratch::default()
+        };
         Self {
+            pairs,
             q_t: vec![0.0; d * rows],
             k_tile: vec![0.0; kv_tile],
             v_tile: vec![0.0; kv_tile],
@@ -58,6 +76,9 @@ pub(crate) fn forward(
 ) -> Result<(CpuStorage, Vec<f32>)> {
     let host = shape.host()?;
     let (isa, tiles) = (CpuIsa::active(), CpuTiles::get());
+    // bf16 inputs on a CPU with the BF16 dot product: both products on bf16 pairs with f32
+    // accumulation (P rounded to bf16 for P V, as the GPU kernels do).
+    let bf16_pairs = isa == CpuIsa::Avx512Bf16 && shape.dtype == DType::BF16;
     let q = dense_f32(q, q_l)?;
     let (k, v) = (KvRows::new(shape, host, k, k_l)?, KvRows::new(shape, host, v, v_l)?);
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
@@ -77,13 +98,13 @@ pub(crate) fn forward(
         .collect();
     let (out_ptr, lse_ptr) = (SharedMut(out.as_mut_ptr()), SharedMut(lse.as_mut_ptr()));
     tasks.par_iter().for_each_init(
-        || Scratch::new(d, rows_per_head * group, tiles.k_cols),
+        || Scratch::new(d, rows_per_head * group, tiles.k_cols, bf16_pairs),
         |scratch, &(b, kv_head, i0)| {
             let rows = rows_per_head.min(host.seqs[b].q_len - i0);
             // SAFETY: the task (b, kv_head, i0) writes only the out and lse slots of rows
             // i0..i0+rows of sequence b for the query heads of `kv_head`; no two tasks share one.
             unsafe {
-                let task = Task { isa, k_cols: tiles.k_cols, b, kv_head, i0, q_rows: rows };
+                let task = Task { isa, bf16_pairs, k_cols: tiles.k_cols, b, kv_head, i0, q_rows: rows };
                 forward_tile(shape, host, opts, (&q, &k, &v), (out_ptr, lse_ptr), task, scratch)
             }
         },
@@ -96,6 +117,7 @@ pub(crate) fn forward(
 #[derive(Clone, Copy)]
 struct Task {
     isa: CpuIsa,
+    bf16_pairs: bool,
     k_cols: usize,
     b: usize,
     kv_head: usize,
@@ -112,7 +134,7 @@ unsafe fn forward_tile(
     opts: &FlashAttnOptions,
     (q, k, v): (&[f32], &KvRows, &KvRows),
     (out, lse): (SharedMut, SharedMut),
-    Task { isa, k_cols, b, kv_head, i0, q_rows }: Task,
+    Task { isa, bf16_pairs, k_cols, b, kv_head, i0, q_rows }: Task,
     scratch: &mut Scratch,
 ) {
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
@@ -121,13 +143,20 @@ unsafe fn forward_tile(
     // Packed row p is query row i0 + p % q_rows of head kv_head*group + p / q_rows.
     let rows = q_rows * group;
     let row_of = |p: usize| (kv_head * group + p / q_rows, i0 + p % q_rows);
-    let Scratch { q_t, k_tile, v_tile, scores_t, acc, row_max, row_sum, correction, column } = scratch;
+    let Scratch { q_t, k_tile, v_tile, scores_t, acc, row_max, row_sum, correction, column, pairs } = scratch;
+    let d2 = d.div_ceil(2);
     // Qᵀ (d × rows): column p is packed row p.
     for p in 0..rows {
         let (head, i) = row_of(p);
         let src = (seq.q_start + i) * q_rs + head * d;
         for (c, &x) in q[src..src + d].iter().enumerate() {
             q_t[c * rows + p] = x;
+        }
+        if bf16_pairs {
+            for c2 in 0..d2 {
+                let hi = if 2 * c2 + 1 < d { q[src + 2 * c2 + 1] } else { 0.0 };
+                pairs.q_t[c2 * rows + p] = bf16_pair(q[src + 2 * c2], hi);
+            }
         }
     }
 
@@ -151,16 +180,32 @@ unsafe fn forward_tile(
         let s_t = &mut scores_t[..cols * rows];
         let k_rows = k.tile(host, (b, kv_head, d), (j0, cols), k_tile);
         // Sᵀ = scale · K Qᵀ for this tile (keys × rows).
-        tile_matmul(
-            isa,
-            (cols, rows, d),
-            s_t.as_mut_ptr(),
-            rows,
-            false,
-            MatRef::rows(k_rows.as_ptr(), d),
-            (q_t.as_ptr(), rows),
-            opts.softmax_scale,
-        );
+        if bf16_pairs {
+            pack_row_pairs(isa, k_rows, d, &mut pairs.k[..cols * d2]);
+            let k2 = MatRef::rows(pairs.k.as_ptr().cast(), d2);
+            tile_matmul_bf16_pairs(
+                isa,
+                (cols, rows, d2),
+                s_t.as_mut_ptr(),
+                rows,
+                false,
+                k2,
+                (pairs.q_t.as_ptr().cast(), rows),
+                opts.softmax_scale,
+            );
+        } else {
+            let q_t = (q_t.as_ptr(), rows);
+            tile_matmul(
+                isa,
+                (cols, rows, d),
+                s_t.as_mut_ptr(),
+                rows,
+                false,
+                MatRef::rows(k_rows.as_ptr(), d),
+                q_t,
+                opts.softmax_scale,
+            );
+        }
         if !(plain_logits && all_lo <= j0 && j0 + cols <= all_hi) {
             // Softcap, ALiBi and masks per query row, through the one row rule.
             for (r, keys) in ranges.iter().enumerate() {
@@ -179,18 +224,32 @@ unsafe fn forward_tile(
         }
         online_softmax_columns(isa, s_t, rows, &mut row_max[..rows], &mut row_sum[..rows], &mut correction[..rows]);
         rescale_rows(isa, &mut acc[..rows * d], d, &correction[..rows]);
-        // O += P V, P = (Sᵀ)ᵀ read in place.
+        // O += P V, P = (Sᵀ)ᵀ read in place (or as bf16 pairs of consecutive keys).
         let v_rows = v.tile(host, (b, kv_head, d), (j0, cols), v_tile);
-        tile_matmul(
-            isa,
-            (rows, d, cols),
-            acc.as_mut_ptr(),
-            d,
-            true,
-            MatRef::transposed(s_t.as_ptr(), rows),
-            (v_rows.as_ptr(), d),
-            1.0,
-        );
+        if bf16_pairs {
+            let k2 = cols.div_ceil(2);
+            for j2 in 0..k2 {
+                let (j, next) = (2 * j2, (2 * j2 + 1 < cols).then_some(2 * j2 + 1));
+                let p_rows = (&s_t[j * rows..(j + 1) * rows], next.map(|n| &s_t[n * rows..(n + 1) * rows]));
+                pack_pairs(isa, p_rows.0, p_rows.1, &mut pairs.p[j2 * rows..(j2 + 1) * rows]);
+                let v_pair = (&v_rows[j * d..(j + 1) * d], next.map(|n| &v_rows[n * d..(n + 1) * d]));
+                pack_pairs(isa, v_pair.0, v_pair.1, &mut pairs.v[j2 * d..(j2 + 1) * d]);
+            }
+            let p2 = MatRef::transposed(pairs.p.as_ptr().cast(), rows);
+            tile_matmul_bf16_pairs(
+                isa,
+                (rows, d, k2),
+                acc.as_mut_ptr(),
+                d,
+                true,
+                p2,
+                (pairs.v.as_ptr().cast(), d),
+                1.0,
+            );
+        } else {
+            let p = MatRef::transposed(s_t.as_ptr(), rows);
+            tile_matmul(isa, (rows, d, cols), acc.as_mut_ptr(), d, true, p, (v_rows.as_ptr(), d), 1.0);
+        }
     }
 
     for r in 0..rows {
@@ -271,6 +330,34 @@ super::simd::multiversion! {
         for (row, &c) in acc.chunks_exact_mut(d).zip(correction) {
             if c != 1.0 {
                 row.iter_mut().for_each(|x| *x *= c);
+            }
+        }
+    }
+}
+
+super::simd::multiversion! {
+    /// bf16 pairs for [`tile_matmul_bf16_pairs`] from two rows of the reduction axis side by
+    /// side: `dst[i] = (even[i], odd[i])`, a zero half without `odd` (an odd length's end).
+    fn pack_pairs(even: &[f32], odd: Option<&[f32]>, dst: &mut [u32]) {
+        match odd {
+            Some(odd) => dst.iter_mut().zip(even.iter().zip(odd)).for_each(|(o, (&lo, &hi))| *o = bf16_pair(lo, hi)),
+            None => dst.iter_mut().zip(even).for_each(|(o, &lo)| *o = bf16_pair(lo, 0.0)),
+        }
+    }
+}
+
+super::simd::multiversion! {
+    /// bf16 pairs along each row of `row` values (the reduction axis), a zero half after an odd
+    /// length: rows of `row.div_ceil(2)` pairs.
+    fn pack_row_pairs(src: &[f32], row: usize, dst: &mut [u32]) {
+        let row2 = row.div_ceil(2);
+        for (src, dst) in src.chunks_exact(row).zip(dst.chunks_exact_mut(row2)) {
+            let mut pairs = src.chunks_exact(2);
+            for (o, pair) in dst.iter_mut().zip(&mut pairs) {
+                *o = bf16_pair(pair[0], pair[1]);
+            }
+            if let [last] = pairs.remainder() {
+                dst[row2 - 1] = bf16_pair(*last, 0.0);
             }
         }
     }
