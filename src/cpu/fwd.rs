@@ -80,7 +80,7 @@ pub(crate) fn forward(
     // accumulation (P rounded to bf16 for P V, as the GPU kernels do).
     let bf16_pairs = isa == CpuIsa::Avx512Bf16 && shape.dtype == DType::BF16;
     let q = dense_f32(q, q_l)?;
-    let (k, v) = (KvRows::new(shape, host, k, k_l)?, KvRows::new(shape, host, v, v_l)?);
+    let (k, v) = (KvRows::new(isa, shape, host, k, k_l)?, KvRows::new(isa, shape, host, v, v_l)?);
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
     // NaN until written: every (row, head) slot is written below, masked rows included.
     let mut out = vec![f32::NAN; shape.total_q * h * d];
