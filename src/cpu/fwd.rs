@@ -1,4 +1,5 @@
-//! CPU forward: one rayon task per (sequence, KV head, Q tile); online softmax over K tiles.
+//! CPU forward: one rayon task per (sequence, KV head, a few Q tiles); online softmax over K
+//! tiles.
 //! K/V rows come from packed tensors or a paged cache alike ([`KvRows`]).
 //!
 //! The scores are computed transposed, Sᵀ = K Qᵀ (keys × query rows): Qᵀ is packed once per
@@ -12,51 +13,70 @@ use crate::params::{AttnShape, FlashAttnOptions, HostData, RowKeys};
 use candle_core::{CpuStorage, DType, Layout, Result};
 use rayon::prelude::*;
 
-/// Per-worker scratch, O(tile): Qᵀ, the K and V tiles (f32, contiguous), the transposed
-/// scores, the output accumulator, running max and sum, and one score column.
-struct Scratch {
+/// One query tile of a task: `q_rows` query rows from `i0` for every query head of the group
+/// (packed row p is query row `i0 + p % q_rows` of the group's head `p / q_rows`), its Qᵀ,
+/// output accumulator and online-softmax state, and the keys its rows see.
+struct QueryTile {
+    i0: usize,
+    q_rows: usize,
     q_t: Vec<f32>,
-    k_tile: Vec<f32>,
-    v_tile: Vec<f32>,
-    scores_t: Vec<f32>,
+    /// Qᵀ as bf16 pairs along d (AVX-512 BF16 on bf16 inputs only, else empty).
+    q_t_pairs: Vec<u32>,
     acc: Vec<f32>,
     row_max: Vec<f32>,
     row_sum: Vec<f32>,
     correction: Vec<f32>,
-    column: Vec<f32>,
-    /// The bf16-pair operands (AVX-512 BF16 on bf16 inputs only, else empty): Qᵀ, K, P and V
-    /// with pairs along the reduction axis of each product.
-    pairs: PairScratch,
+    ranges: Vec<RowKeys>,
+    /// The union of the rows' key hulls, and the keys every row sees whole (no mask edge).
+    keys: (usize, usize),
+    all_see: (usize, usize),
 }
 
-#[derive(Default)]
-struct PairScratch {
-    q_t: Vec<u32>,
-    k: Vec<u32>,
-    p: Vec<u32>,
-    v: Vec<u32>,
-}
-
-impl Scratch {
-    fn new(d: usize, rows: usize, k_cols: usize, bf16_pairs: bool) -> Self {
-        let kv_tile = k_cols * d;
-        let (d2, k2) = (d.div_ceil(2), k_cols.div_ceil(2));
-        let pairs = if bf16_pairs {
-            PairScratch { q_t: vec![0; d2 * rows], k: vec![0; k_cols * d2], p: vec![0; k2 * rows], v: vec![0; k2 * d] }
-        } else {
-            PairScratch::default()
-        };
+impl QueryTile {
+    fn new(d: usize, rows: usize, bf16_pairs: bool) -> Self {
         Self {
-            pairs,
+            i0: 0,
+            q_rows: 0,
             q_t: vec![0.0; d * rows],
-            k_tile: vec![0.0; kv_tile],
-            v_tile: vec![0.0; kv_tile],
-            scores_t: vec![0.0; k_cols * rows],
+            q_t_pairs: if bf16_pairs { vec![0; d.div_ceil(2) * rows] } else { vec![] },
             acc: vec![0.0; rows * d],
             row_max: vec![0.0; rows],
             row_sum: vec![0.0; rows],
             correction: vec![0.0; rows],
+            ranges: Vec::with_capacity(rows),
+            keys: (0, 0),
+            all_see: (0, 0),
+        }
+    }
+}
+
+/// Per-worker scratch, O(tile): the task's query tiles, the K and V tiles (f32, contiguous),
+/// the transposed scores, one score column, and the bf16-pair operands (AVX-512 BF16 on bf16
+/// inputs only, else empty): K, P and V with pairs along the reduction axis of each product.
+struct Scratch {
+    tiles: Vec<QueryTile>,
+    k_tile: Vec<f32>,
+    v_tile: Vec<f32>,
+    scores_t: Vec<f32>,
+    column: Vec<f32>,
+    k_pairs: Vec<u32>,
+    p_pairs: Vec<u32>,
+    v_pairs: Vec<u32>,
+}
+
+impl Scratch {
+    fn new(d: usize, (rows, tiles_per_task): (usize, usize), k_cols: usize, bf16_pairs: bool) -> Self {
+        let (d2, k2) = (d.div_ceil(2), k_cols.div_ceil(2));
+        let pairs = |n: usize| if bf16_pairs { vec![0; n] } else { vec![] };
+        Self {
+            tiles: (0..tiles_per_task).map(|_| QueryTile::new(d, rows, bf16_pairs)).collect(),
+            k_tile: vec![0.0; k_cols * d],
+            v_tile: vec![0.0; k_cols * d],
+            scores_t: vec![0.0; k_cols * rows],
             column: vec![0.0; k_cols],
+            k_pairs: pairs(k_cols * d2),
+            p_pairs: pairs(k2 * rows),
+            v_pairs: pairs(k2 * d),
         }
     }
 }
@@ -64,9 +84,11 @@ impl Scratch {
 /// Forward on the CPU. Returns the output (q's dtype, q's shape, contiguous) and the
 /// log-sum-exp (f32, laid out as `shape.lse_dims()`).
 ///
-/// A task covers a few query rows of *every* query head that shares one KV head (GQA/MQA),
-/// packed into one tile of about [`CpuTiles::q_rows`] rows: each K/V tile is then read once per group
+/// A query tile holds a few query rows of *every* query head that shares one KV head
+/// (GQA/MQA), about [`CpuTiles::q_rows`] rows in all: each K/V tile is read once per group
 /// rather than once per head, and decoding (one query row) still gets matrix-sized products.
+/// A task runs up to [`CpuTiles::q_tiles_per_task`] consecutive query tiles against each K/V
+/// tile in turn, so the K/V tile is copied (and widened) once for all of them.
 pub(crate) fn forward(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
@@ -87,25 +109,29 @@ pub(crate) fn forward(
     let mut lse = vec![f32::NEG_INFINITY; shape.lse_dims().iter().product()];
 
     let rows_per_head = (tiles.q_rows / group).max(1);
+    // Query tiles per task: as many as allowed while leaving every thread four tasks or more.
+    let query_tiles: usize =
+        host.seqs.iter().map(|s| s.q_len.div_ceil(rows_per_head)).sum::<usize>() * shape.num_kv_heads;
+    let per_task = (query_tiles / (4 * rayon::current_num_threads())).clamp(1, tiles.q_tiles_per_task);
+    let task_rows = rows_per_head * per_task;
     let tasks: Vec<(usize, usize, usize)> = host
         .seqs
         .iter()
         .enumerate()
         .flat_map(|(b, seq)| {
-            (0..shape.num_kv_heads)
-                .flat_map(move |kvh| (0..seq.q_len).step_by(rows_per_head).map(move |i0| (b, kvh, i0)))
+            (0..shape.num_kv_heads).flat_map(move |kvh| (0..seq.q_len).step_by(task_rows).map(move |i0| (b, kvh, i0)))
         })
         .collect();
     let (out_ptr, lse_ptr) = (SharedMut(out.as_mut_ptr()), SharedMut(lse.as_mut_ptr()));
     tasks.par_iter().for_each_init(
-        || Scratch::new(d, rows_per_head * group, tiles.k_cols, bf16_pairs),
+        || Scratch::new(d, (rows_per_head * group, per_task), tiles.k_cols, bf16_pairs),
         |scratch, &(b, kv_head, i0)| {
-            let rows = rows_per_head.min(host.seqs[b].q_len - i0);
+            let q_rows = task_rows.min(host.seqs[b].q_len - i0);
             // SAFETY: the task (b, kv_head, i0) writes only the out and lse slots of rows
-            // i0..i0+rows of sequence b for the query heads of `kv_head`; no two tasks share one.
+            // i0..i0+q_rows of sequence b for the query heads of `kv_head`; no two tasks share one.
             unsafe {
-                let task = Task { isa, bf16_pairs, k_cols: tiles.k_cols, b, kv_head, i0, q_rows: rows };
-                forward_tile(shape, host, opts, (&q, &k, &v), (out_ptr, lse_ptr), task, scratch)
+                let task = Task { isa, bf16_pairs, k_cols: tiles.k_cols, b, kv_head, i0, q_rows, rows_per_head };
+                forward_task(shape, host, opts, (&q, &k, &v), (out_ptr, lse_ptr), task, scratch)
             }
         },
     );
@@ -113,7 +139,8 @@ pub(crate) fn forward(
 }
 
 /// One forward task: query rows `i0..i0 + q_rows` of sequence `b`, for every query head of
-/// `kv_head`'s group, with the instruction set and key tile of the call.
+/// `kv_head`'s group, in query tiles of `rows_per_head` rows per head, with the instruction
+/// set and key tile of the call.
 #[derive(Clone, Copy)]
 struct Task {
     isa: CpuIsa,
@@ -123,147 +150,150 @@ struct Task {
     kv_head: usize,
     i0: usize,
     q_rows: usize,
+    rows_per_head: usize,
 }
 
 /// # Safety
 /// `out` and `lse` must point to buffers of `total_q*H*D` and `lse_dims` elements, no other
-/// thread may write the slots of this tile, and `task.isa` must not exceed the CPU's.
-unsafe fn forward_tile(
+/// thread may write the slots of this task, and `task.isa` must not exceed the CPU's.
+unsafe fn forward_task(
     shape: &AttnShape,
     host: &HostData,
     opts: &FlashAttnOptions,
     (q, k, v): (&[f32], &KvRows, &KvRows),
     (out, lse): (SharedMut, SharedMut),
-    Task { isa, bf16_pairs, k_cols, b, kv_head, i0, q_rows }: Task,
+    Task { isa, bf16_pairs, k_cols, b, kv_head, i0, q_rows, rows_per_head }: Task,
     scratch: &mut Scratch,
 ) {
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
     let seq = &host.seqs[b];
     let q_rs = h * d;
-    // Packed row p is query row i0 + p % q_rows of head kv_head*group + p / q_rows.
-    let rows = q_rows * group;
-    let row_of = |p: usize| (kv_head * group + p / q_rows, i0 + p % q_rows);
-    let Scratch { q_t, k_tile, v_tile, scores_t, acc, row_max, row_sum, correction, column, pairs } = scratch;
     let d2 = d.div_ceil(2);
-    // Qᵀ (d × rows): column p is packed row p.
-    for p in 0..rows {
-        let (head, i) = row_of(p);
-        let src = (seq.q_start + i) * q_rs + head * d;
-        for (c, &x) in q[src..src + d].iter().enumerate() {
-            q_t[c * rows + p] = x;
-        }
-        if bf16_pairs {
-            for c2 in 0..d2 {
-                let hi = if 2 * c2 + 1 < d { q[src + 2 * c2 + 1] } else { 0.0 };
-                pairs.q_t[c2 * rows + p] = bf16_pair(q[src + 2 * c2], hi);
+    let Scratch { tiles, k_tile, v_tile, scores_t, column, k_pairs, p_pairs, v_pairs } = scratch;
+    let tiles = &mut tiles[..q_rows.div_ceil(rows_per_head)];
+    let row_of = |t: &QueryTile, p: usize| (kv_head * group + p / t.q_rows, t.i0 + p % t.q_rows);
+    for (n, t) in tiles.iter_mut().enumerate() {
+        t.i0 = i0 + n * rows_per_head;
+        t.q_rows = rows_per_head.min(i0 + q_rows - t.i0);
+        let rows = t.q_rows * group;
+        // Qᵀ (d × rows): column p is packed row p.
+        for p in 0..rows {
+            let (head, i) = row_of(t, p);
+            let src = (seq.q_start + i) * q_rs + head * d;
+            for (c, &x) in q[src..src + d].iter().enumerate() {
+                t.q_t[c * rows + p] = x;
+            }
+            if bf16_pairs {
+                for c2 in 0..d2 {
+                    let hi = if 2 * c2 + 1 < d { q[src + 2 * c2 + 1] } else { 0.0 };
+                    t.q_t_pairs[c2 * rows + p] = bf16_pair(q[src + 2 * c2], hi);
+                }
             }
         }
+        t.ranges.clear();
+        let (t_i0, t_rows) = (t.i0, t.q_rows);
+        t.ranges.extend((0..rows).map(|p| shape.row_keys(opts, host, b, t_i0 + p % t_rows)));
+        let ranges = &t.ranges;
+        // Each row's keys lie in its hull; K tiles outside the union of the hulls are skipped.
+        t.keys = (
+            ranges.iter().filter(|r| !r.is_empty()).map(|r| r.hull.0).min().unwrap_or(0),
+            ranges.iter().map(|r| r.hull.1).max().unwrap_or(0),
+        );
+        // Tiles inside every row's hull (and no gap) need no mask: the common case.
+        t.all_see = (
+            ranges.iter().map(|r| r.hull.0).max().unwrap_or(0),
+            ranges.iter().map(|r| if r.gap.is_some() { 0 } else { r.hull.1 }).min().unwrap_or(0),
+        );
+        t.acc[..rows * d].fill(0.0);
+        t.row_max[..rows].fill(f32::NEG_INFINITY);
+        t.row_sum[..rows].fill(0.0);
     }
-
-    let ranges: Vec<RowKeys> = (0..rows).map(|p| shape.row_keys(opts, host, b, row_of(p).1)).collect();
-    // Each row's keys lie in its hull; K tiles outside the union of the hulls are skipped.
-    let k_lo = ranges.iter().filter(|r| !r.is_empty()).map(|r| r.hull.0).min().unwrap_or(0);
-    let k_hi = ranges.iter().map(|r| r.hull.1).max().unwrap_or(0);
-    // Tiles inside every row's hull (and no gap) need no mask: the common case.
-    let (all_lo, all_hi) = (
-        ranges.iter().map(|r| r.hull.0).max().unwrap_or(0),
-        ranges.iter().map(|r| if r.gap.is_some() { 0 } else { r.hull.1 }).min().unwrap_or(0),
-    );
     let plain_logits = opts.softcap.is_none() && !host.has_alibi();
-
-    acc[..rows * d].fill(0.0);
-    row_max[..rows].fill(f32::NEG_INFINITY);
-    row_sum[..rows].fill(0.0);
+    let k_lo = tiles.iter().filter(|t| t.keys.1 > t.keys.0).map(|t| t.keys.0).min().unwrap_or(0);
+    let k_hi = tiles.iter().map(|t| t.keys.1).max().unwrap_or(0);
 
     for j0 in (k_lo..k_hi).step_by(k_cols) {
         let cols = k_cols.min(k_hi - j0);
-        let s_t = &mut scores_t[..cols * rows];
         let k_rows = k.tile(host, (b, kv_head, d), (j0, cols), k_tile);
-        // Sᵀ = scale · K Qᵀ for this tile (keys × rows).
-        if bf16_pairs {
-            pack_row_pairs(isa, k_rows, d, &mut pairs.k[..cols * d2]);
-            let k2 = MatRef::rows(pairs.k.as_ptr().cast(), d2);
-            tile_matmul_bf16_pairs(
-                isa,
-                (cols, rows, d2),
-                s_t.as_mut_ptr(),
-                rows,
-                false,
-                k2,
-                (pairs.q_t.as_ptr().cast(), rows),
-                opts.softmax_scale,
-            );
-        } else {
-            let q_t = (q_t.as_ptr(), rows);
-            tile_matmul(
-                isa,
-                (cols, rows, d),
-                s_t.as_mut_ptr(),
-                rows,
-                false,
-                MatRef::rows(k_rows.as_ptr(), d),
-                q_t,
-                opts.softmax_scale,
-            );
-        }
-        if !(plain_logits && all_lo <= j0 && j0 + cols <= all_hi) {
-            // Softcap, ALiBi and masks per query row, through the one row rule.
-            for (r, keys) in ranges.iter().enumerate() {
-                let column = &mut column[..cols];
-                column.iter_mut().enumerate().for_each(|(j, x)| *x = s_t[j * rows + r]);
-                let (head, i) = row_of(r);
-                let alibi = host.alibi_slope(b, head).map(|s| (s, i as isize + seq.diag_offset()));
-                logits_row(column, j0, keys.hull, 1.0, opts.softcap, alibi);
-                if let Some((lo, hi)) = keys.gap {
-                    // Keys between the window and an mm-prefix range stay masked.
-                    let (lo, hi) = (lo.clamp(j0, j0 + cols) - j0, hi.clamp(j0, j0 + cols) - j0);
-                    column[lo..hi].fill(f32::NEG_INFINITY);
-                }
-                column.iter().enumerate().for_each(|(j, &x)| s_t[j * rows + r] = x);
-            }
-        }
-        online_softmax_columns(isa, s_t, rows, &mut row_max[..rows], &mut row_sum[..rows], &mut correction[..rows]);
-        rescale_rows(isa, &mut acc[..rows * d], d, &correction[..rows]);
-        // O += P V, P = (Sᵀ)ᵀ read in place (or as bf16 pairs of consecutive keys).
         let v_rows = v.tile(host, (b, kv_head, d), (j0, cols), v_tile);
+        let k2 = cols.div_ceil(2);
         if bf16_pairs {
-            let k2 = cols.div_ceil(2);
+            pack_row_pairs(isa, k_rows, d, &mut k_pairs[..cols * d2]);
             for j2 in 0..k2 {
                 let (j, next) = (2 * j2, (2 * j2 + 1 < cols).then_some(2 * j2 + 1));
-                let p_rows = (&s_t[j * rows..(j + 1) * rows], next.map(|n| &s_t[n * rows..(n + 1) * rows]));
-                pack_pairs(isa, p_rows.0, p_rows.1, &mut pairs.p[j2 * rows..(j2 + 1) * rows]);
                 let v_pair = (&v_rows[j * d..(j + 1) * d], next.map(|n| &v_rows[n * d..(n + 1) * d]));
-                pack_pairs(isa, v_pair.0, v_pair.1, &mut pairs.v[j2 * d..(j2 + 1) * d]);
+                pack_pairs(isa, v_pair.0, v_pair.1, &mut v_pairs[j2 * d..(j2 + 1) * d]);
             }
-            let p2 = MatRef::transposed(pairs.p.as_ptr().cast(), rows);
-            tile_matmul_bf16_pairs(
-                isa,
-                (rows, d, k2),
-                acc.as_mut_ptr(),
-                d,
-                true,
-                p2,
-                (pairs.v.as_ptr().cast(), d),
-                1.0,
-            );
-        } else {
-            let p = MatRef::transposed(s_t.as_ptr(), rows);
-            tile_matmul(isa, (rows, d, cols), acc.as_mut_ptr(), d, true, p, (v_rows.as_ptr(), d), 1.0);
+        }
+        for t in tiles.iter_mut().filter(|t| t.keys.0 < j0 + cols && j0 < t.keys.1) {
+            let rows = t.q_rows * group;
+            let s_t = &mut scores_t[..cols * rows];
+            // Sᵀ = scale · K Qᵀ for this tile (keys × rows).
+            if bf16_pairs {
+                let (k2v, q2) = (MatRef::rows(k_pairs.as_ptr().cast(), d2), (t.q_t_pairs.as_ptr().cast(), rows));
+                tile_matmul_bf16_pairs(
+                    isa,
+                    (cols, rows, d2),
+                    s_t.as_mut_ptr(),
+                    rows,
+                    false,
+                    k2v,
+                    q2,
+                    opts.softmax_scale,
+                );
+            } else {
+                let (kv, qt) = (MatRef::rows(k_rows.as_ptr(), d), (t.q_t.as_ptr(), rows));
+                tile_matmul(isa, (cols, rows, d), s_t.as_mut_ptr(), rows, false, kv, qt, opts.softmax_scale);
+            }
+            if !(plain_logits && t.all_see.0 <= j0 && j0 + cols <= t.all_see.1) {
+                // Softcap, ALiBi and masks per query row, through the one row rule.
+                for (r, keys) in t.ranges.iter().enumerate() {
+                    let column = &mut column[..cols];
+                    column.iter_mut().enumerate().for_each(|(j, x)| *x = s_t[j * rows + r]);
+                    let (head, i) = row_of(t, r);
+                    let alibi = host.alibi_slope(b, head).map(|s| (s, i as isize + seq.diag_offset()));
+                    logits_row(column, j0, keys.hull, 1.0, opts.softcap, alibi);
+                    if let Some((lo, hi)) = keys.gap {
+                        // Keys between the window and an mm-prefix range stay masked.
+                        let (lo, hi) = (lo.clamp(j0, j0 + cols) - j0, hi.clamp(j0, j0 + cols) - j0);
+                        column[lo..hi].fill(f32::NEG_INFINITY);
+                    }
+                    column.iter().enumerate().for_each(|(j, &x)| s_t[j * rows + r] = x);
+                }
+            }
+            let (max, sum, correction) = (&mut t.row_max[..rows], &mut t.row_sum[..rows], &mut t.correction[..rows]);
+            online_softmax_columns(isa, s_t, rows, max, sum, correction);
+            rescale_rows(isa, &mut t.acc[..rows * d], d, correction);
+            // O += P V, P = (Sᵀ)ᵀ read in place (or as bf16 pairs of consecutive keys).
+            if bf16_pairs {
+                for j2 in 0..k2 {
+                    let (j, next) = (2 * j2, (2 * j2 + 1 < cols).then_some(2 * j2 + 1));
+                    let p_rows = (&s_t[j * rows..(j + 1) * rows], next.map(|n| &s_t[n * rows..(n + 1) * rows]));
+                    pack_pairs(isa, p_rows.0, p_rows.1, &mut p_pairs[j2 * rows..(j2 + 1) * rows]);
+                }
+                let (p2, v2) = (MatRef::transposed(p_pairs.as_ptr().cast(), rows), (v_pairs.as_ptr().cast(), d));
+                tile_matmul_bf16_pairs(isa, (rows, d, k2), t.acc.as_mut_ptr(), d, true, p2, v2, 1.0);
+            } else {
+                let p = MatRef::transposed(s_t.as_ptr(), rows);
+                tile_matmul(isa, (rows, d, cols), t.acc.as_mut_ptr(), d, true, p, (v_rows.as_ptr(), d), 1.0);
+            }
         }
     }
 
-    for r in 0..rows {
-        let (head, i) = row_of(r);
-        let dst = out.0.add((seq.q_start + i) * q_rs + head * d);
-        let dst = std::slice::from_raw_parts_mut(dst, d);
-        let (sum, max) = (row_sum[r], row_max[r]);
-        if sum > 0.0 {
-            let inv = 1.0 / sum;
-            dst.iter_mut().zip(&acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
-            *lse.0.add(shape.lse_index(seq, head, i)) = max + sum.ln();
-        } else {
-            // A row that sees no key: output 0, lse -inf (already filled).
-            dst.fill(0.0);
+    for t in tiles.iter() {
+        for r in 0..t.q_rows * group {
+            let (head, i) = row_of(t, r);
+            let dst = out.0.add((seq.q_start + i) * q_rs + head * d);
+            let dst = std::slice::from_raw_parts_mut(dst, d);
+            let (sum, max) = (t.row_sum[r], t.row_max[r]);
+            if sum > 0.0 {
+                let inv = 1.0 / sum;
+                dst.iter_mut().zip(&t.acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
+                *lse.0.add(shape.lse_index(seq, head, i)) = max + sum.ln();
+            } else {
+                // A row that sees no key: output 0, lse -inf (already filled).
+                dst.fill(0.0);
+            }
         }
     }
 }

@@ -30,6 +30,10 @@ pub struct CpuTiles {
     pub q_rows: usize,
     /// Key rows per tile.
     pub k_cols: usize,
+    /// At most this many query tiles per forward task, run together against each K/V tile so
+    /// the tile is copied and widened once for all of them (fewer when the call has too few
+    /// tiles to give every thread four tasks).
+    pub q_tiles_per_task: usize,
     /// The data cache sizes they were chosen for (bytes; 0 where unknown).
     pub l1_bytes: usize,
     pub l2_bytes: usize,
@@ -73,7 +77,7 @@ impl CpuTiles {
         let d = 128;
         let bytes = |k: usize| 4 * (2 * k * d + k * q_rows + 2 * q_rows * d);
         let k_cols = [256, 128, 64].into_iter().find(|&k| bytes(k) <= l2 / 2).unwrap_or(64);
-        CpuTiles { q_rows, k_cols, l1_bytes: l1, l2_bytes: l2 }
+        CpuTiles { q_rows, k_cols, q_tiles_per_task: 8, l1_bytes: l1, l2_bytes: l2 }
     }
 }
 
