@@ -304,22 +304,22 @@ super::simd::multiversion! {
     /// max)` (masked -inf → 0), running sum rescaled and extended, and the factor `correction`
     /// by which the row's accumulated output must be rescaled. A column that has seen no key
     /// keeps max -inf, sum 0, and gets zero probabilities (its shift is 0, so exp(-inf - 0) =
-    /// 0, not NaN). Columns go 16 at a time so that max and sum stay in registers while the
+    /// 0, not NaN). Columns go one vector (`LANES`) at a time so that max and sum stay in registers while the
     /// keys stream by (running them key-major, through memory, took twice as long; measured).
     fn online_softmax_columns(s_t: &mut [f32], rows: usize, row_max: &mut [f32], row_sum: &mut [f32], correction: &mut [f32]) {
-        let full = rows - rows % 16;
-        for c0 in (0..full).step_by(16) {
-            softmax_column_block::<16>(s_t, rows, c0, (row_max, row_sum, correction));
+        let full = rows - rows % LANES;
+        for c0 in (0..full).step_by(LANES) {
+            softmax_column_block::<LANES, FMA>(s_t, rows, c0, (row_max, row_sum, correction));
         }
         for c0 in full..rows {
-            softmax_column_block::<1>(s_t, rows, c0, (row_max, row_sum, correction));
+            softmax_column_block::<1, FMA>(s_t, rows, c0, (row_max, row_sum, correction));
         }
     }
 }
 
 /// [`online_softmax_columns`] for columns `c0..c0 + W`.
 #[inline(always)]
-fn softmax_column_block<const W: usize>(
+fn softmax_column_block<const W: usize, const FMA: bool>(
     s_t: &mut [f32],
     rows: usize,
     c0: usize,
@@ -337,7 +337,7 @@ fn softmax_column_block<const W: usize>(
         let (old, new) = (row_max[c0 + i], max[i]);
         // exp(-inf) = 0 on a column's first visible tile; 1 while nothing is visible yet.
         let visible = new != f32::NEG_INFINITY;
-        correction[c0 + i] = if visible { exp_poly(old - new) } else { 1.0 };
+        correction[c0 + i] = if visible { exp_poly::<FMA>(old - new) } else { 1.0 };
         shift[i] = if visible { new } else { 0.0 };
         row_max[c0 + i] = new;
     }
@@ -345,7 +345,7 @@ fn softmax_column_block<const W: usize>(
     for key in s_t.chunks_exact_mut(rows) {
         let key: &mut [f32; W] = (&mut key[c0..c0 + W]).try_into().unwrap();
         for ((x, s), l) in key.iter_mut().zip(&shift).zip(sum.iter_mut()) {
-            *x = exp_poly(*x - *s);
+            *x = exp_poly::<FMA>(*x - *s);
             *l += *x;
         }
     }

@@ -195,25 +195,45 @@ simd::multiversion! {
     /// tile's matrix products; this takes about a quarter of that (bench/NOTES.md).
     /// Arguments below -87 (including -inf, i.e. masked keys) give exactly 0.
     pub(crate) fn exp_shifted_sum(row: &mut [f32], shift: f32) -> f32 {
-        row.iter_mut().for_each(|x| *x = exp_poly(*x - shift));
+        row.iter_mut().for_each(|x| *x = exp_poly::<FMA>(*x - shift));
         row_sum(row)
     }
 }
 
+/// `a * b + c`: one fused instruction where the caller is compiled with FMA (`FMA` is then
+/// true, see `simd::multiversion!`), two roundings otherwise (`mul_add` without FMA hardware
+/// is a libm call).
 #[inline(always)]
-pub(crate) fn exp_poly(x: f32) -> f32 {
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// exp(x) to ~2e-7 relative error: Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-6
+/// Taylor polynomial, 2^n from the exponent bits. Below -87 (and -inf) exactly 0.
+#[inline(always)]
+pub(crate) fn exp_poly<const FMA: bool>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting rounds to an integer
     let xc = x.clamp(-87.0, 88.0);
-    let shifted = xc * LOG2E + ROUND;
+    let shifted = madd::<FMA>(xc, LOG2E, ROUND);
     let n = shifted - ROUND;
-    let r = xc - n * LN2_HI - n * LN2_LO;
-    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let r = madd::<FMA>(-n, LN2_LO, madd::<FMA>(-n, LN2_HI, xc));
+    let p = madd::<FMA>(1.0 / 720.0, r, 1.0 / 120.0);
+    let p = madd::<FMA>(p, r, 1.0 / 24.0);
+    let p = madd::<FMA>(p, r, 1.0 / 6.0);
+    let p = madd::<FMA>(p, r, 0.5);
+    let p = madd::<FMA>(p, r, 1.0);
+    let p = madd::<FMA>(p, r, 1.0);
     // 2^n straight from the bits of `shifted`, whose low mantissa bits hold n: integer ops only
     // (a float-to-int cast here kept the loop from vectorising).
     let scale = f32::from_bits(shifted.to_bits().wrapping_add(127) << 23);
+    // A multiply by 0 or 1 rather than a branch: the loops that call this stay vectorised.
     let keep = if x < -87.0 { 0.0 } else { 1.0 };
     p * scale * keep
 }

@@ -108,23 +108,25 @@ pub fn with_cpu_isa<R>(isa: CpuIsa, f: impl FnOnce() -> R) -> (CpuIsa, R) {
 /// Defines `fn name(isa: CpuIsa, args...)` whose body (plain Rust, written to vectorise) is
 /// compiled once per instruction set, inside a `#[target_feature]` function, and picked by
 /// `isa` at run time: so the exp and the row/column reductions get AVX-512 or AVX2 code where
-/// the CPU has it. (A closure passed to a generic `#[target_feature]` runner is not enough:
+/// the CPU has it. Inside the body, the const `LANES` is the f32 vector width of that copy (4
+/// portable, 8 AVX2, 16 AVX-512) and `FMA` says whether fused multiply-add is available. (A closure passed to a generic `#[target_feature]` runner is not enough:
 /// LLVM keeps a large closure out of line, compiled for the baseline, SSE2; measured.)
 macro_rules! multiversion {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
         $vis fn $name(isa: $crate::cpu::CpuIsa, $($arg: $ty),*) $(-> $ret)? {
             #[inline(always)]
-            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[allow(unused)]
+            fn body<const LANES: usize, const FMA: bool>($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
             unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
-                body($($arg),*)
+                body::<16, true>($($arg),*)
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma")]
             unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
-                body($($arg),*)
+                body::<8, true>($($arg),*)
             }
             match isa {
                 // SAFETY: `isa` never exceeds `CpuIsa::detected()` (see `CpuIsa::active` and
@@ -133,7 +135,7 @@ macro_rules! multiversion {
                 $crate::cpu::CpuIsa::Avx512 | $crate::cpu::CpuIsa::Avx512Bf16 => unsafe { avx512($($arg),*) },
                 #[cfg(target_arch = "x86_64")]
                 $crate::cpu::CpuIsa::Avx2 => unsafe { avx2($($arg),*) },
-                _ => body($($arg),*),
+                _ => body::<4, false>($($arg),*),
             }
         }
     };
