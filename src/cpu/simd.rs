@@ -2,9 +2,10 @@
 //! forward and backward goes through.
 //!
 //! [`CpuIsa::active`] is the best set the CPU has (`is_x86_feature_detected!`, never compile
-//! flags), lowered by `CANDLE_FLASH_CPU_ISA=portable|avx2|avx512|avx512bf16` (read once; a
-//! set the CPU lacks is never used) or, for the calling thread only, by [`with_cpu_isa`]
-//! (tests run every path this way). The forward and backward read it once per call, on the
+//! flags; AVX-512 BF16 only on request, see there), chosen by
+//! `CANDLE_FLASH_CPU_ISA=portable|avx2|avx512|avx512bf16` (read once; a set the CPU lacks is
+//! never used) or, for the calling thread only, by [`with_cpu_isa`] (tests run every path
+//! this way). The forward and backward read it once per call, on the
 //! calling thread, and hand it to their workers.
 //!
 //! [`tile_matmul`] is a register-blocked broadcast kernel, `C[m×n] (+)= alpha · A[m×k] ·
@@ -59,7 +60,11 @@ impl CpuIsa {
     }
 
     /// What the CPU kernels use now on this thread: [`with_cpu_isa`]'s choice inside it, else
-    /// the detected set lowered by `CANDLE_FLASH_CPU_ISA`.
+    /// the detected set lowered by `CANDLE_FLASH_CPU_ISA`. [`CpuIsa::Avx512Bf16`] is opt-in
+    /// (`CANDLE_FLASH_CPU_ISA=avx512bf16`): on the only AVX-512 BF16 CPU measured (the device
+    /// machine's Xeon) the bf16-pair forward reached 50-110 GFLOP/s against 62-137 for bf16
+    /// widened to f32 on the AVX-512 f32 kernel (bench/results/cpu-xeon-bf16-paths.txt), the
+    /// pair packing costing more than `vdpbf16ps` saves.
     pub fn active() -> CpuIsa {
         static FROM_ENV: OnceLock<CpuIsa> = OnceLock::new();
         if let Some(isa) = OVERRIDE.with(Cell::get) {
@@ -67,13 +72,14 @@ impl CpuIsa {
         }
         *FROM_ENV.get_or_init(|| {
             let detected = CpuIsa::detected();
+            let default = detected.min(CpuIsa::Avx512);
             match std::env::var("CANDLE_FLASH_CPU_ISA").ok().as_deref().map(CpuIsa::parse) {
                 Some(Some(wanted)) => wanted.min(detected),
                 Some(None) => {
-                    eprintln!("candle-flash: CANDLE_FLASH_CPU_ISA must be portable, avx2, avx512 or avx512bf16; using {detected:?}");
-                    detected
+                    eprintln!("candle-flash: CANDLE_FLASH_CPU_ISA must be portable, avx2, avx512 or avx512bf16; using {default:?}");
+                    default
                 }
-                None => detected,
+                None => default,
             }
         })
     }
@@ -589,7 +595,8 @@ mod x86 {
         #[inline(always)]
         unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
             // SAFETY: __m512 and __m512bh are both 64 bytes of plain bits.
-            let (a, b): (__m512bh, __m512bh) = (std::mem::transmute(a), std::mem::transmute(b));
+            let a = std::mem::transmute::<__m512, __m512bh>(a);
+            let b = std::mem::transmute::<__m512, __m512bh>(b);
             _mm512_dpbf16_ps(c, a, b)
         }
         #[inline(always)]
