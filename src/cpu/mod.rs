@@ -68,8 +68,9 @@ impl CpuTiles {
     /// touches the K and V tiles (2 · k_cols · d floats), the score tile (k_cols · q_rows) and
     /// Qᵀ and the accumulator (2 · q_rows · d): k_cols is the largest of 64, 128, 256 that keeps
     /// this within half of L2 at d = 128 (the other half: the next tile's K/V and the backward's
-    /// extra dK/dV tiles). Measured on the 512 KiB L2 development machine (bench/NOTES.md):
-    /// 64 × 128 vs 64 × 64 ...
+    /// extra dK/dV tiles). On the 512 KiB L2 development machine this gives 64 × 128; 64×64,
+    /// 96×64, 128×128, 64×256 and 32×128 measured within that (loaded) machine's noise of it
+    /// (bench/NOTES.md, issue 15).
     pub fn for_caches(l1_bytes: usize, l2_bytes: usize) -> CpuTiles {
         let (l1, l2) =
             (if l1_bytes == 0 { 32 << 10 } else { l1_bytes }, if l2_bytes == 0 { 512 << 10 } else { l2_bytes });
