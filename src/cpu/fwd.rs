@@ -1,35 +1,82 @@
-//! CPU forward: one rayon task per (sequence, query head, Q tile); online softmax over K tiles.
+//! CPU forward: one rayon task per (sequence, KV head, a few Q tiles); online softmax over K
+//! tiles.
 //! K/V rows come from packed tensors or a paged cache alike ([`KvRows`]).
+//!
+//! The scores are computed transposed, Sᵀ = K Qᵀ (keys × query rows): Qᵀ is packed once per
+//! task and K is read in place, so no K tile is ever transposed; the softmax then runs down the
+//! columns, vectorised across query rows, and O += P V reads Pᵀ's columns as P's rows.
 
 use super::kv::KvRows;
-use super::{dense_f32, exp_shifted_sum, logits_row, tile_matmul, MatRef, SharedMut, K_TILE, Q_TILE};
+use super::simd::{bf16_pair, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
+use super::{dense_f32, exp_poly, logits_row, CpuTiles, SharedMut};
 use crate::params::{AttnShape, FlashAttnOptions, HostData, RowKeys};
-use candle_core::{CpuStorage, Layout, Result};
+use candle_core::{CpuStorage, DType, Layout, Result};
 use rayon::prelude::*;
 
-/// Per-worker scratch, O(tile): the packed Q tile, scores, output accumulator, running max
-/// and sum, and (paged K/V only) the K and V tiles copied out of their pages.
-struct Scratch {
-    q_pack: Vec<f32>,
-    k_tile: Vec<f32>,
-    v_tile: Vec<f32>,
-    scores: Vec<f32>,
+/// One query tile of a task: `q_rows` query rows from `i0` for every query head of the group
+/// (packed row p is query row `i0 + p % q_rows` of the group's head `p / q_rows`), its Qᵀ,
+/// output accumulator and online-softmax state, and the keys its rows see.
+struct QueryTile {
+    i0: usize,
+    q_rows: usize,
+    q_t: Vec<f32>,
+    /// Qᵀ as bf16 pairs along d (AVX-512 BF16 on bf16 inputs only, else empty).
+    q_t_pairs: Vec<u32>,
     acc: Vec<f32>,
     row_max: Vec<f32>,
     row_sum: Vec<f32>,
+    correction: Vec<f32>,
+    ranges: Vec<RowKeys>,
+    /// The union of the rows' key hulls, and the keys every row sees whole (no mask edge).
+    keys: (usize, usize),
+    all_see: (usize, usize),
 }
 
-impl Scratch {
-    fn new(d: usize, rows: usize, paged: bool) -> Self {
-        let kv_tile = if paged { K_TILE * d } else { 0 };
+impl QueryTile {
+    fn new(d: usize, rows: usize, bf16_pairs: bool) -> Self {
         Self {
-            q_pack: vec![0.0; rows * d],
-            k_tile: vec![0.0; kv_tile],
-            v_tile: vec![0.0; kv_tile],
-            scores: vec![0.0; rows * K_TILE],
+            i0: 0,
+            q_rows: 0,
+            q_t: vec![0.0; d * rows],
+            q_t_pairs: if bf16_pairs { vec![0; d.div_ceil(2) * rows] } else { vec![] },
             acc: vec![0.0; rows * d],
             row_max: vec![0.0; rows],
             row_sum: vec![0.0; rows],
+            correction: vec![0.0; rows],
+            ranges: Vec::with_capacity(rows),
+            keys: (0, 0),
+            all_see: (0, 0),
+        }
+    }
+}
+
+/// Per-worker scratch, O(tile): the task's query tiles, the K and V tiles (f32, contiguous),
+/// the transposed scores, one score column, and the bf16-pair operands (AVX-512 BF16 on bf16
+/// inputs only, else empty): K, P and V with pairs along the reduction axis of each product.
+struct Scratch {
+    tiles: Vec<QueryTile>,
+    k_tile: Vec<f32>,
+    v_tile: Vec<f32>,
+    scores_t: Vec<f32>,
+    column: Vec<f32>,
+    k_pairs: Vec<u32>,
+    p_pairs: Vec<u32>,
+    v_pairs: Vec<u32>,
+}
+
+impl Scratch {
+    fn new(d: usize, (rows, tiles_per_task): (usize, usize), k_cols: usize, bf16_pairs: bool) -> Self {
+        let (d2, k2) = (d.div_ceil(2), k_cols.div_ceil(2));
+        let pairs = |n: usize| if bf16_pairs { vec![0; n] } else { vec![] };
+        Self {
+            tiles: (0..tiles_per_task).map(|_| QueryTile::new(d, rows, bf16_pairs)).collect(),
+            k_tile: vec![0.0; k_cols * d],
+            v_tile: vec![0.0; k_cols * d],
+            scores_t: vec![0.0; k_cols * rows],
+            column: vec![0.0; k_cols],
+            k_pairs: pairs(k_cols * d2),
+            p_pairs: pairs(k2 * rows),
+            v_pairs: pairs(k2 * d),
         }
     }
 }
@@ -37,9 +84,11 @@ impl Scratch {
 /// Forward on the CPU. Returns the output (q's dtype, q's shape, contiguous) and the
 /// log-sum-exp (f32, laid out as `shape.lse_dims()`).
 ///
-/// A task covers a few query rows of *every* query head that shares one KV head (GQA/MQA),
-/// packed into one tile of about [`Q_TILE`] rows: each K/V tile is then read once per group
+/// A query tile holds a few query rows of *every* query head that shares one KV head
+/// (GQA/MQA), about [`CpuTiles::q_rows`] rows in all: each K/V tile is read once per group
 /// rather than once per head, and decoding (one query row) still gets matrix-sized products.
+/// A task runs up to [`CpuTiles::q_tiles_per_task`] consecutive query tiles against each K/V
+/// tile in turn, so the K/V tile is copied (and widened) once for all of them.
 pub(crate) fn forward(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
@@ -48,135 +97,298 @@ pub(crate) fn forward(
     (v, v_l): (&CpuStorage, &Layout),
 ) -> Result<(CpuStorage, Vec<f32>)> {
     let host = shape.host()?;
+    let (isa, tiles) = (CpuIsa::active(), CpuTiles::get());
+    // bf16 inputs with AVX-512 BF16 selected (opt-in, see `CpuIsa::active`): both products on
+    // bf16 pairs with f32 accumulation (P rounded to bf16 for P V, as the GPU kernels do).
+    let bf16_pairs = isa == CpuIsa::Avx512Bf16 && shape.dtype == DType::BF16;
     let q = dense_f32(q, q_l)?;
-    let (k, v) = (KvRows::new(shape, host, k, k_l)?, KvRows::new(shape, host, v, v_l)?);
+    let (k, v) = (KvRows::new(isa, shape, host, k, k_l)?, KvRows::new(isa, shape, host, v, v_l)?);
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
     // NaN until written: every (row, head) slot is written below, masked rows included.
     let mut out = vec![f32::NAN; shape.total_q * h * d];
     let mut lse = vec![f32::NEG_INFINITY; shape.lse_dims().iter().product()];
 
-    let rows_per_head = (Q_TILE / group).max(1);
+    let rows_per_head = (tiles.q_rows / group).max(1);
+    // Query tiles per task: as many as allowed while leaving every thread four tasks or more.
+    let query_tiles: usize =
+        host.seqs.iter().map(|s| s.q_len.div_ceil(rows_per_head)).sum::<usize>() * shape.num_kv_heads;
+    let per_task = (query_tiles / (4 * rayon::current_num_threads())).clamp(1, tiles.q_tiles_per_task);
+    let task_rows = rows_per_head * per_task;
     let tasks: Vec<(usize, usize, usize)> = host
         .seqs
         .iter()
         .enumerate()
         .flat_map(|(b, seq)| {
-            (0..shape.num_kv_heads)
-                .flat_map(move |kvh| (0..seq.q_len).step_by(rows_per_head).map(move |i0| (b, kvh, i0)))
+            (0..shape.num_kv_heads).flat_map(move |kvh| (0..seq.q_len).step_by(task_rows).map(move |i0| (b, kvh, i0)))
         })
         .collect();
     let (out_ptr, lse_ptr) = (SharedMut(out.as_mut_ptr()), SharedMut(lse.as_mut_ptr()));
     tasks.par_iter().for_each_init(
-        || Scratch::new(d, rows_per_head * group, shape.page_block_size.is_some()),
+        || Scratch::new(d, (rows_per_head * group, per_task), tiles.k_cols, bf16_pairs),
         |scratch, &(b, kv_head, i0)| {
-            let rows = rows_per_head.min(host.seqs[b].q_len - i0);
+            let q_rows = task_rows.min(host.seqs[b].q_len - i0);
             // SAFETY: the task (b, kv_head, i0) writes only the out and lse slots of rows
-            // i0..i0+rows of sequence b for the query heads of `kv_head`; no two tasks share one.
+            // i0..i0+q_rows of sequence b for the query heads of `kv_head`; no two tasks share one.
             unsafe {
-                forward_tile(shape, host, opts, (&q, &k, &v), (out_ptr, lse_ptr), (b, kv_head, i0, rows), scratch)
+                let task = Task { isa, bf16_pairs, k_cols: tiles.k_cols, b, kv_head, i0, q_rows, rows_per_head };
+                forward_task(shape, host, opts, (&q, &k, &v), (out_ptr, lse_ptr), task, scratch)
             }
         },
     );
     Ok((super::storage_from_f32(out, shape.dtype)?, lse))
 }
 
+/// One forward task: query rows `i0..i0 + q_rows` of sequence `b`, for every query head of
+/// `kv_head`'s group, in query tiles of `rows_per_head` rows per head, with the instruction
+/// set and key tile of the call.
+#[derive(Clone, Copy)]
+struct Task {
+    isa: CpuIsa,
+    bf16_pairs: bool,
+    k_cols: usize,
+    b: usize,
+    kv_head: usize,
+    i0: usize,
+    q_rows: usize,
+    rows_per_head: usize,
+}
+
 /// # Safety
-/// `out` and `lse` must point to buffers of `total_q*H*D` and `lse_dims` elements, and no
-/// other thread may write the slots of this tile.
-unsafe fn forward_tile(
+/// `out` and `lse` must point to buffers of `total_q*H*D` and `lse_dims` elements, no other
+/// thread may write the slots of this task, and `task.isa` must not exceed the CPU's.
+unsafe fn forward_task(
     shape: &AttnShape,
     host: &HostData,
     opts: &FlashAttnOptions,
     (q, k, v): (&[f32], &KvRows, &KvRows),
     (out, lse): (SharedMut, SharedMut),
-    (b, kv_head, i0, q_rows): (usize, usize, usize, usize),
+    Task { isa, bf16_pairs, k_cols, b, kv_head, i0, q_rows, rows_per_head }: Task,
     scratch: &mut Scratch,
 ) {
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
     let seq = &host.seqs[b];
     let q_rs = h * d;
-    // Packed row p is query row i0 + p % q_rows of head kv_head*group + p / q_rows.
-    let rows = q_rows * group;
-    let row_of = |p: usize| (kv_head * group + p / q_rows, i0 + p % q_rows);
-    let Scratch { q_pack, k_tile, v_tile, scores, acc, row_max, row_sum } = scratch;
-    for p in 0..rows {
-        let (head, i) = row_of(p);
-        let src = (seq.q_start + i) * q_rs + head * d;
-        q_pack[p * d..(p + 1) * d].copy_from_slice(&q[src..src + d]);
-    }
-
-    let ranges: Vec<RowKeys> = (0..rows).map(|p| shape.row_keys(opts, host, b, row_of(p).1)).collect();
-    // Each row's keys lie in its hull; K tiles outside the union of the hulls are skipped.
-    let k_lo = ranges.iter().filter(|r| !r.is_empty()).map(|r| r.hull.0).min().unwrap_or(0);
-    let k_hi = ranges.iter().map(|r| r.hull.1).max().unwrap_or(0);
-
-    acc[..rows * d].fill(0.0);
-    row_max[..rows].fill(f32::NEG_INFINITY);
-    row_sum[..rows].fill(0.0);
-
-    for j0 in (k_lo..k_hi).step_by(K_TILE) {
-        let cols = K_TILE.min(k_hi - j0);
-        let (k_ptr, k_rs) = k.tile(host, (b, kv_head, d), (j0, cols), k_tile);
-        // S = Q Kᵀ for this tile.
-        tile_matmul(
-            (rows, cols, d),
-            scores.as_mut_ptr(),
-            K_TILE,
-            false,
-            MatRef::rows(q_pack.as_ptr(), d),
-            MatRef::transposed(k_ptr, k_rs),
-            1.0,
-        );
-        for r in 0..rows {
-            let row = &mut scores[r * K_TILE..r * K_TILE + cols];
-            let (head, i) = row_of(r);
-            let alibi = host.alibi_slope(b, head).map(|s| (s, i as isize + seq.diag_offset()));
-            logits_row(row, j0, ranges[r].hull, opts.softmax_scale, opts.softcap, alibi);
-            if let Some((lo, hi)) = ranges[r].gap {
-                // Keys between the window and an mm-prefix range stay masked.
-                let (lo, hi) = (lo.clamp(j0, j0 + cols) - j0, hi.clamp(j0, j0 + cols) - j0);
-                row[lo..hi].fill(f32::NEG_INFINITY);
+    let d2 = d.div_ceil(2);
+    let Scratch { tiles, k_tile, v_tile, scores_t, column, k_pairs, p_pairs, v_pairs } = scratch;
+    let tiles = &mut tiles[..q_rows.div_ceil(rows_per_head)];
+    let row_of = |t: &QueryTile, p: usize| (kv_head * group + p / t.q_rows, t.i0 + p % t.q_rows);
+    for (n, t) in tiles.iter_mut().enumerate() {
+        t.i0 = i0 + n * rows_per_head;
+        t.q_rows = rows_per_head.min(i0 + q_rows - t.i0);
+        let rows = t.q_rows * group;
+        // Qᵀ (d × rows): column p is packed row p.
+        for p in 0..rows {
+            let (head, i) = row_of(t, p);
+            let src = (seq.q_start + i) * q_rs + head * d;
+            for (c, &x) in q[src..src + d].iter().enumerate() {
+                t.q_t[c * rows + p] = x;
             }
-            let new_max = row_max[r].max(super::row_max(row));
-            if new_max == f32::NEG_INFINITY {
-                // Nothing visible to this row yet: its probabilities are all zero.
-                row.fill(0.0);
-                continue;
+            if bf16_pairs {
+                for c2 in 0..d2 {
+                    let hi = if 2 * c2 + 1 < d { q[src + 2 * c2 + 1] } else { 0.0 };
+                    t.q_t_pairs[c2 * rows + p] = bf16_pair(q[src + 2 * c2], hi);
+                }
             }
-            let sum = exp_shifted_sum(row, new_max);
-            // Rescale what was accumulated under the old max (exp(-inf) = 0 on the first tile).
-            let correction = (row_max[r] - new_max).exp();
-            if correction != 1.0 {
-                acc[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= correction);
-            }
-            row_sum[r] = row_sum[r] * correction + sum;
-            row_max[r] = new_max;
         }
-        // O += P V.
-        let (v_ptr, v_rs) = v.tile(host, (b, kv_head, d), (j0, cols), v_tile);
-        tile_matmul(
-            (rows, d, cols),
-            acc.as_mut_ptr(),
-            d,
-            true,
-            MatRef::rows(scores.as_ptr(), K_TILE),
-            MatRef::rows(v_ptr, v_rs),
-            1.0,
+        t.ranges.clear();
+        let (t_i0, t_rows) = (t.i0, t.q_rows);
+        t.ranges.extend((0..rows).map(|p| shape.row_keys(opts, host, b, t_i0 + p % t_rows)));
+        let ranges = &t.ranges;
+        // Each row's keys lie in its hull; K tiles outside the union of the hulls are skipped.
+        t.keys = (
+            ranges.iter().filter(|r| !r.is_empty()).map(|r| r.hull.0).min().unwrap_or(0),
+            ranges.iter().map(|r| r.hull.1).max().unwrap_or(0),
         );
+        // Tiles inside every row's hull (and no gap) need no mask: the common case.
+        t.all_see = (
+            ranges.iter().map(|r| r.hull.0).max().unwrap_or(0),
+            ranges.iter().map(|r| if r.gap.is_some() { 0 } else { r.hull.1 }).min().unwrap_or(0),
+        );
+        t.acc[..rows * d].fill(0.0);
+        t.row_max[..rows].fill(f32::NEG_INFINITY);
+        t.row_sum[..rows].fill(0.0);
+    }
+    let plain_logits = opts.softcap.is_none() && !host.has_alibi();
+    let k_lo = tiles.iter().filter(|t| t.keys.1 > t.keys.0).map(|t| t.keys.0).min().unwrap_or(0);
+    let k_hi = tiles.iter().map(|t| t.keys.1).max().unwrap_or(0);
+
+    for j0 in (k_lo..k_hi).step_by(k_cols) {
+        let cols = k_cols.min(k_hi - j0);
+        let k_rows = k.tile(host, (b, kv_head, d), (j0, cols), k_tile);
+        let v_rows = v.tile(host, (b, kv_head, d), (j0, cols), v_tile);
+        let k2 = cols.div_ceil(2);
+        if bf16_pairs {
+            pack_row_pairs(isa, k_rows, d, &mut k_pairs[..cols * d2]);
+            for j2 in 0..k2 {
+                let (j, next) = (2 * j2, (2 * j2 + 1 < cols).then_some(2 * j2 + 1));
+                let v_pair = (&v_rows[j * d..(j + 1) * d], next.map(|n| &v_rows[n * d..(n + 1) * d]));
+                pack_pairs(isa, v_pair.0, v_pair.1, &mut v_pairs[j2 * d..(j2 + 1) * d]);
+            }
+        }
+        for t in tiles.iter_mut().filter(|t| t.keys.0 < j0 + cols && j0 < t.keys.1) {
+            let rows = t.q_rows * group;
+            let s_t = &mut scores_t[..cols * rows];
+            // Sᵀ = scale · K Qᵀ for this tile (keys × rows).
+            if bf16_pairs {
+                let (k2v, q2) = (MatRef::rows(k_pairs.as_ptr().cast(), d2), (t.q_t_pairs.as_ptr().cast(), rows));
+                tile_matmul_bf16_pairs(
+                    isa,
+                    (cols, rows, d2),
+                    s_t.as_mut_ptr(),
+                    rows,
+                    false,
+                    k2v,
+                    q2,
+                    opts.softmax_scale,
+                );
+            } else {
+                let (kv, qt) = (MatRef::rows(k_rows.as_ptr(), d), (t.q_t.as_ptr(), rows));
+                tile_matmul(isa, (cols, rows, d), s_t.as_mut_ptr(), rows, false, kv, qt, opts.softmax_scale);
+            }
+            if !(plain_logits && t.all_see.0 <= j0 && j0 + cols <= t.all_see.1) {
+                // Softcap, ALiBi and masks per query row, through the one row rule.
+                for (r, keys) in t.ranges.iter().enumerate() {
+                    let column = &mut column[..cols];
+                    column.iter_mut().enumerate().for_each(|(j, x)| *x = s_t[j * rows + r]);
+                    let (head, i) = row_of(t, r);
+                    let alibi = host.alibi_slope(b, head).map(|s| (s, i as isize + seq.diag_offset()));
+                    logits_row(column, j0, keys.hull, 1.0, opts.softcap, alibi);
+                    if let Some((lo, hi)) = keys.gap {
+                        // Keys between the window and an mm-prefix range stay masked.
+                        let (lo, hi) = (lo.clamp(j0, j0 + cols) - j0, hi.clamp(j0, j0 + cols) - j0);
+                        column[lo..hi].fill(f32::NEG_INFINITY);
+                    }
+                    column.iter().enumerate().for_each(|(j, &x)| s_t[j * rows + r] = x);
+                }
+            }
+            let (max, sum, correction) = (&mut t.row_max[..rows], &mut t.row_sum[..rows], &mut t.correction[..rows]);
+            online_softmax_columns(isa, s_t, rows, max, sum, correction);
+            rescale_rows(isa, &mut t.acc[..rows * d], d, correction);
+            // O += P V, P = (Sᵀ)ᵀ read in place (or as bf16 pairs of consecutive keys).
+            if bf16_pairs {
+                for j2 in 0..k2 {
+                    let (j, next) = (2 * j2, (2 * j2 + 1 < cols).then_some(2 * j2 + 1));
+                    let p_rows = (&s_t[j * rows..(j + 1) * rows], next.map(|n| &s_t[n * rows..(n + 1) * rows]));
+                    pack_pairs(isa, p_rows.0, p_rows.1, &mut p_pairs[j2 * rows..(j2 + 1) * rows]);
+                }
+                let (p2, v2) = (MatRef::transposed(p_pairs.as_ptr().cast(), rows), (v_pairs.as_ptr().cast(), d));
+                tile_matmul_bf16_pairs(isa, (rows, d, k2), t.acc.as_mut_ptr(), d, true, p2, v2, 1.0);
+            } else {
+                let p = MatRef::transposed(s_t.as_ptr(), rows);
+                tile_matmul(isa, (rows, d, cols), t.acc.as_mut_ptr(), d, true, p, (v_rows.as_ptr(), d), 1.0);
+            }
+        }
     }
 
-    for r in 0..rows {
-        let (head, i) = row_of(r);
-        let dst = out.0.add((seq.q_start + i) * q_rs + head * d);
-        let dst = std::slice::from_raw_parts_mut(dst, d);
-        let (sum, max) = (row_sum[r], row_max[r]);
-        if sum > 0.0 {
-            let inv = 1.0 / sum;
-            dst.iter_mut().zip(&acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
-            *lse.0.add(shape.lse_index(seq, head, i)) = max + sum.ln();
-        } else {
-            // A row that sees no key: output 0, lse -inf (already filled).
-            dst.fill(0.0);
+    for t in tiles.iter() {
+        for r in 0..t.q_rows * group {
+            let (head, i) = row_of(t, r);
+            let dst = out.0.add((seq.q_start + i) * q_rs + head * d);
+            let dst = std::slice::from_raw_parts_mut(dst, d);
+            let (sum, max) = (t.row_sum[r], t.row_max[r]);
+            if sum > 0.0 {
+                let inv = 1.0 / sum;
+                dst.iter_mut().zip(&t.acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
+                *lse.0.add(shape.lse_index(seq, head, i)) = max + sum.ln();
+            } else {
+                // A row that sees no key: output 0, lse -inf (already filled).
+                dst.fill(0.0);
+            }
+        }
+    }
+}
+
+super::simd::multiversion! {
+    /// One step of the online softmax on a transposed score tile (`s_t`: keys × `rows`, each
+    /// column a query row), vectorised across the columns: new running max, `s_t ← exp(s_t −
+    /// max)` (masked -inf → 0), running sum rescaled and extended, and the factor `correction`
+    /// by which the row's accumulated output must be rescaled. A column that has seen no key
+    /// keeps max -inf, sum 0, and gets zero probabilities (its shift is 0, so exp(-inf - 0) =
+    /// 0, not NaN). Columns go one vector (`LANES`) at a time so that max and sum stay in registers while the
+    /// keys stream by (running them key-major, through memory, took twice as long; measured).
+    fn online_softmax_columns(s_t: &mut [f32], rows: usize, row_max: &mut [f32], row_sum: &mut [f32], correction: &mut [f32]) {
+        let full = rows - rows % LANES;
+        for c0 in (0..full).step_by(LANES) {
+            softmax_column_block::<LANES, FMA>(s_t, rows, c0, (row_max, row_sum, correction));
+        }
+        for c0 in full..rows {
+            softmax_column_block::<1, FMA>(s_t, rows, c0, (row_max, row_sum, correction));
+        }
+    }
+}
+
+/// [`online_softmax_columns`] for columns `c0..c0 + W`.
+#[inline(always)]
+fn softmax_column_block<const W: usize, const FMA: bool>(
+    s_t: &mut [f32],
+    rows: usize,
+    c0: usize,
+    (row_max, row_sum, correction): (&mut [f32], &mut [f32], &mut [f32]),
+) {
+    let mut max: [f32; W] = row_max[c0..c0 + W].try_into().unwrap();
+    for key in s_t.chunks_exact(rows) {
+        let key: &[f32; W] = key[c0..c0 + W].try_into().unwrap();
+        for (m, &x) in max.iter_mut().zip(key) {
+            *m = m.max(x);
+        }
+    }
+    let mut shift = [0f32; W];
+    for i in 0..W {
+        let (old, new) = (row_max[c0 + i], max[i]);
+        // exp(-inf) = 0 on a column's first visible tile; 1 while nothing is visible yet.
+        let visible = new != f32::NEG_INFINITY;
+        correction[c0 + i] = if visible { exp_poly::<FMA>(old - new) } else { 1.0 };
+        shift[i] = if visible { new } else { 0.0 };
+        row_max[c0 + i] = new;
+    }
+    let mut sum = [0f32; W];
+    for key in s_t.chunks_exact_mut(rows) {
+        let key: &mut [f32; W] = (&mut key[c0..c0 + W]).try_into().unwrap();
+        for ((x, s), l) in key.iter_mut().zip(&shift).zip(sum.iter_mut()) {
+            *x = exp_poly::<FMA>(*x - *s);
+            *l += *x;
+        }
+    }
+    for i in 0..W {
+        row_sum[c0 + i] = row_sum[c0 + i] * correction[c0 + i] + sum[i];
+    }
+}
+
+super::simd::multiversion! {
+    /// Rescales each accumulator row by its softmax correction (rows of `d`; skipped where 1).
+    fn rescale_rows(acc: &mut [f32], d: usize, correction: &[f32]) {
+        for (row, &c) in acc.chunks_exact_mut(d).zip(correction) {
+            if c != 1.0 {
+                row.iter_mut().for_each(|x| *x *= c);
+            }
+        }
+    }
+}
+
+super::simd::multiversion! {
+    /// bf16 pairs for [`tile_matmul_bf16_pairs`] from two rows of the reduction axis side by
+    /// side: `dst[i] = (even[i], odd[i])`, a zero half without `odd` (an odd length's end).
+    fn pack_pairs(even: &[f32], odd: Option<&[f32]>, dst: &mut [u32]) {
+        match odd {
+            Some(odd) => dst.iter_mut().zip(even.iter().zip(odd)).for_each(|(o, (&lo, &hi))| *o = bf16_pair(lo, hi)),
+            None => dst.iter_mut().zip(even).for_each(|(o, &lo)| *o = bf16_pair(lo, 0.0)),
+        }
+    }
+}
+
+super::simd::multiversion! {
+    /// bf16 pairs along each row of `row` values (the reduction axis), a zero half after an odd
+    /// length: rows of `row.div_ceil(2)` pairs.
+    fn pack_row_pairs(src: &[f32], row: usize, dst: &mut [u32]) {
+        let row2 = row.div_ceil(2);
+        for (src, dst) in src.chunks_exact(row).zip(dst.chunks_exact_mut(row2)) {
+            let mut pairs = src.chunks_exact(2);
+            for (o, pair) in dst.iter_mut().zip(&mut pairs) {
+                *o = bf16_pair(pair[0], pair[1]);
+            }
+            if let [last] = pairs.remainder() {
+                dst[row2 - 1] = bf16_pair(*last, 0.0);
+            }
         }
     }
 }

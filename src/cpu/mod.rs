@@ -1,27 +1,107 @@
 //! The tiled CPU path: FlashAttention's algorithm (not matmul-softmax-matmul) on f32 tiles.
 //!
-//! Tiles of [`Q_TILE`] query rows meet tiles of [`K_TILE`] key rows; each worker keeps only
-//! tile-sized scratch, so memory stays O(N). f16/bf16 inputs are widened to f32 once on entry
-//! and the results narrowed once on exit: all accumulation is f32, as on the GPU. Work is spread
-//! over (sequence, head, tile) with rayon; tile products go through the `gemm` crate, which
-//! candle itself uses for its CPU matmul.
+//! Tiles of [`CpuTiles::q_rows`] query rows meet tiles of [`CpuTiles::k_cols`] key rows; each
+//! worker keeps only tile-sized scratch, so memory stays O(N). f16/bf16 inputs are widened to
+//! f32 once on entry and the results narrowed once on exit: all accumulation is f32, as on the
+//! GPU. Work is spread over (sequence, head, tile) with rayon; every tile product is
+//! [`simd::tile_matmul`], a register-blocked kernel for the instruction set chosen at run time
+//! ([`CpuIsa`]), and the exp and reductions are vectorised for the same set.
 
 mod bwd;
 mod fwd;
 mod kv;
+pub mod simd;
 
 pub(crate) use bwd::backward;
 pub(crate) use fwd::forward;
+pub use simd::{with_cpu_isa, CpuIsa};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Layout, Result};
 use half::{bf16, f16};
 use std::borrow::Cow;
+use std::sync::OnceLock;
 
-/// Query rows per tile (per worker task in the forward).
-pub const Q_TILE: usize = 64;
-/// Key rows per tile. 64x64 score tiles (16 KiB in f32) stay in L1/L2 next to a Q tile.
-pub const K_TILE: usize = 64;
+/// The CPU tile sizes: the one place they are chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuTiles {
+    /// Query rows per tile (per worker task in the forward; GQA packs the heads of a group
+    /// into these rows).
+    pub q_rows: usize,
+    /// Key rows per tile.
+    pub k_cols: usize,
+    /// At most this many query tiles per forward task, run together against each K/V tile so
+    /// the tile is copied and widened once for all of them (fewer when the call has too few
+    /// tiles to give every thread four tasks).
+    pub q_tiles_per_task: usize,
+    /// The data cache sizes they were chosen for (bytes; 0 where unknown).
+    pub l1_bytes: usize,
+    pub l2_bytes: usize,
+}
+
+impl CpuTiles {
+    /// This machine's tiles, chosen once from its cache sizes (read from
+    /// /sys/devices/system/cpu/cpu0/cache; 32 KiB L1 and 512 KiB L2 assumed where absent).
+    /// `CANDLE_FLASH_CPU_TILES=q,k` overrides them (for measuring alternatives).
+    pub fn get() -> CpuTiles {
+        static TILES: OnceLock<CpuTiles> = OnceLock::new();
+        *TILES.get_or_init(|| {
+            let l1 = cache_bytes(1).unwrap_or(0);
+            let l2 = cache_bytes(2).unwrap_or(0);
+            let mut tiles = CpuTiles::for_caches(l1, l2);
+            if let Some((q, k)) = std::env::var("CANDLE_FLASH_CPU_TILES").ok().and_then(|s| {
+                let (q, k) = s.split_once(',')?;
+                Some((q.trim().parse().ok()?, k.trim().parse().ok()?))
+            }) {
+                tiles.q_rows = q;
+                tiles.k_cols = k;
+            }
+            tiles.q_rows = tiles.q_rows.max(1);
+            tiles.k_cols = tiles.k_cols.max(1);
+            tiles
+        })
+    }
+
+    /// The rule. The kernel's inner loop reads one row of its B operand per step and keeps the
+    /// accumulators in registers, so L1 only has to hold a B panel (at most 256 × 64 floats,
+    /// 64 KiB, for d = 256; 16 KiB for d = 64); the tiles themselves live in L2. A forward task
+    /// touches the K and V tiles (2 · k_cols · d floats), the score tile (k_cols · q_rows) and
+    /// Qᵀ and the accumulator (2 · q_rows · d): k_cols is the largest of 64, 128, 256 that keeps
+    /// this within half of L2 at d = 128 (the other half: the next tile's K/V and the backward's
+    /// extra dK/dV tiles). On the 512 KiB L2 development machine this gives 64 × 128; 64×64,
+    /// 96×64, 128×128, 64×256 and 32×128 measured within that (loaded) machine's noise of it
+    /// (bench/NOTES.md, issue 15).
+    pub fn for_caches(l1_bytes: usize, l2_bytes: usize) -> CpuTiles {
+        let (l1, l2) =
+            (if l1_bytes == 0 { 32 << 10 } else { l1_bytes }, if l2_bytes == 0 { 512 << 10 } else { l2_bytes });
+        let q_rows = 64;
+        let d = 128;
+        let bytes = |k: usize| 4 * (2 * k * d + k * q_rows + 2 * q_rows * d);
+        let k_cols = [256, 128, 64].into_iter().find(|&k| bytes(k) <= l2 / 2).unwrap_or(64);
+        CpuTiles { q_rows, k_cols, q_tiles_per_task: 8, l1_bytes: l1, l2_bytes: l2 }
+    }
+}
+
+/// Size in bytes of cpu0's level-`level` data (or unified) cache, from sysfs.
+fn cache_bytes(level: u32) -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dir.flatten().find_map(|entry| {
+        let read = |name: &str| std::fs::read_to_string(entry.path().join(name)).ok();
+        let kind = read("type")?;
+        if read("level")?.trim() != level.to_string() || kind.trim() == "Instruction" {
+            return None;
+        }
+        let size = read("size")?;
+        let size = size.trim();
+        let (digits, unit) = size.split_at(size.find(|c: char| !c.is_ascii_digit()).unwrap_or(size.len()));
+        let n: usize = digits.parse().ok()?;
+        Some(match unit {
+            "K" => n << 10,
+            "M" => n << 20,
+            _ => n,
+        })
+    })
+}
 
 /// The tensor's elements in logical (row-major) order as f32: borrowed when the storage is
 /// already contiguous f32, converted otherwise.
@@ -82,72 +162,6 @@ pub(crate) struct SharedMut(pub *mut f32);
 unsafe impl Send for SharedMut {}
 unsafe impl Sync for SharedMut {}
 
-/// A row-major matrix view: element (r, c) at `ptr[r * row_stride + c * col_stride]`.
-#[derive(Clone, Copy)]
-pub(crate) struct MatRef {
-    pub ptr: *const f32,
-    pub row_stride: isize,
-    pub col_stride: isize,
-}
-
-impl MatRef {
-    pub fn rows(ptr: *const f32, row_stride: usize) -> Self {
-        Self { ptr, row_stride: row_stride as isize, col_stride: 1 }
-    }
-    /// The transpose of the row-major matrix at `ptr`, without moving data.
-    pub fn transposed(ptr: *const f32, row_stride: usize) -> Self {
-        Self { ptr, row_stride: 1, col_stride: row_stride as isize }
-    }
-}
-
-/// `dst (m×n, row stride dst_rs) = [dst +] beta · a (m×k) · b (k×n)`, single-threaded (the
-/// callers are already parallel).
-///
-/// # Safety
-/// Every pointer must be valid for the extents and strides given.
-pub(crate) unsafe fn tile_matmul(
-    (m, n, k): (usize, usize, usize),
-    dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
-    a: MatRef,
-    b: MatRef,
-    beta: f32,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            for r in 0..m {
-                std::slice::from_raw_parts_mut(dst.add(r * dst_rs), n).fill(0.0);
-            }
-        }
-        return;
-    }
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_rs as isize,
-        accumulate,
-        a.ptr,
-        a.col_stride,
-        a.row_stride,
-        b.ptr,
-        b.col_stride,
-        b.row_stride,
-        1.0,
-        beta,
-        false,
-        false,
-        false,
-        gemm::Parallelism::None,
-    )
-}
-
 /// Turns raw q·k products of one row into logits: scale, softcap, ALiBi, and -inf outside
 /// the visible key range `[lo, hi)` (columns are keys `j0..j0 + row.len()`).
 #[inline]
@@ -175,54 +189,58 @@ pub(crate) fn logits_row(
     row[vis_hi..].fill(f32::NEG_INFINITY);
 }
 
-/// `x ← exp(x - shift)` over a row, returning the row's sum. A polynomial exp (Cody-Waite
-/// reduction, degree-6 Taylor on [-ln2/2, ln2/2], ~2e-7 relative error) that the compiler
-/// vectorises (AVX2 when the CPU has it). On 64x64 tiles libm's scalar `expf` took longer than
-/// one of the tile's matrix products; this takes about a quarter of that (bench/NOTES.md).
-/// Arguments below -87 (including -inf, i.e. masked keys) give exactly 0.
-#[inline]
-pub(crate) fn exp_shifted_sum(row: &mut [f32], shift: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-        unsafe { exp_map_avx2(row, shift) };
-        return row_sum(row);
+simd::multiversion! {
+    /// `x ← exp(x - shift)` over a row, returning the row's sum. A polynomial exp (Cody-Waite
+    /// reduction, degree-6 Taylor on [-ln2/2, ln2/2], ~2e-7 relative error) that the compiler
+    /// vectorises for `isa`. On 64x64 tiles libm's scalar `expf` took longer than one of the
+    /// tile's matrix products; this takes about a quarter of that (bench/NOTES.md).
+    /// Arguments below -87 (including -inf, i.e. masked keys) give exactly 0.
+    pub(crate) fn exp_shifted_sum(row: &mut [f32], shift: f32) -> f32 {
+        row.iter_mut().for_each(|x| *x = exp_poly::<FMA>(*x - shift));
+        row_sum(row)
     }
-    exp_map(row, shift);
-    row_sum(row)
 }
 
+/// `a * b + c`: one fused instruction where the caller is compiled with FMA (`FMA` is then
+/// true, see `simd::multiversion!`), two roundings otherwise (`mul_add` without FMA hardware
+/// is a libm call).
 #[inline(always)]
-fn exp_poly(x: f32) -> f32 {
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// exp(x) to ~2e-7 relative error: Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-6
+/// Taylor polynomial, 2^n from the exponent bits. Below -87 (and -inf) exactly 0.
+#[inline(always)]
+pub(crate) fn exp_poly<const FMA: bool>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting rounds to an integer
     let xc = x.clamp(-87.0, 88.0);
-    let shifted = xc * LOG2E + ROUND;
+    let shifted = madd::<FMA>(xc, LOG2E, ROUND);
     let n = shifted - ROUND;
-    let r = xc - n * LN2_HI - n * LN2_LO;
-    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let r = madd::<FMA>(-n, LN2_LO, madd::<FMA>(-n, LN2_HI, xc));
+    let p = madd::<FMA>(1.0 / 720.0, r, 1.0 / 120.0);
+    let p = madd::<FMA>(p, r, 1.0 / 24.0);
+    let p = madd::<FMA>(p, r, 1.0 / 6.0);
+    let p = madd::<FMA>(p, r, 0.5);
+    let p = madd::<FMA>(p, r, 1.0);
+    let p = madd::<FMA>(p, r, 1.0);
     // 2^n straight from the bits of `shifted`, whose low mantissa bits hold n: integer ops only
     // (a float-to-int cast here kept the loop from vectorising).
     let scale = f32::from_bits(shifted.to_bits().wrapping_add(127) << 23);
+    // A multiply by 0 or 1 rather than a branch: the loops that call this stay vectorised.
     let keep = if x < -87.0 { 0.0 } else { 1.0 };
     p * scale * keep
 }
 
-#[inline(always)]
-fn exp_map(row: &mut [f32], shift: f32) {
-    row.iter_mut().for_each(|x| *x = exp_poly(*x - shift));
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn exp_map_avx2(row: &mut [f32], shift: f32) {
-    exp_map(row, shift)
-}
-
 /// Sum of a row with 8 independent partial sums (vectorisable, unlike a sequential fold).
-#[inline]
+#[inline(always)]
 pub(crate) fn row_sum(row: &[f32]) -> f32 {
     let mut partial = [0f32; 8];
     let mut chunks = row.chunks_exact(8);
@@ -235,7 +253,7 @@ pub(crate) fn row_sum(row: &[f32]) -> f32 {
 }
 
 /// Largest element of a row (-inf for an empty or fully masked row), vectorisable.
-#[inline]
+#[inline(always)]
 pub(crate) fn row_max(row: &[f32]) -> f32 {
     let mut partial = [f32::NEG_INFINITY; 8];
     let mut chunks = row.chunks_exact(8);

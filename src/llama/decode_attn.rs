@@ -181,7 +181,7 @@ fn head(q: &[f32], kd: &[f32], vd: &[f32], runs: &[Run], row: usize, off: usize,
         }
     }
     let max = crate::cpu::row_max(&p);
-    let sum = crate::cpu::exp_shifted_sum(&mut p, max);
+    let sum = crate::cpu::exp_shifted_sum(crate::cpu::CpuIsa::active(), &mut p, max);
     if simd {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for the value rows of every run.
