@@ -88,7 +88,10 @@ int check_fwd(const CfFwdParams* p) {
     if (p->cu_seqlens_q == nullptr &&
         (p->total_q != (int64_t)p->b * p->seqlen_q || p->total_k != (int64_t)p->b * p->seqlen_k))
         return CF_ERR_BAD_ARGUMENT;
-    if (p->b > 0 && (p->q == nullptr || p->k == nullptr || p->v == nullptr || p->o == nullptr || p->lse == nullptr))
+    // An empty k / v (every key sequence empty) may come with no buffer at all (candle gives
+    // zero-size CUDA tensors a null pointer): no kernel reads a key then.
+    if (p->b > 0 && (p->q == nullptr || p->o == nullptr || p->lse == nullptr ||
+                     (p->total_k > 0 && (p->k == nullptr || p->v == nullptr))))
         return CF_ERR_BAD_ARGUMENT;
     const bool paged = p->block_table != nullptr;
     if (paged) {
