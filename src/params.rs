@@ -465,7 +465,7 @@ fn validate_inner(
     }
     // The CUDA kernels do not read prefix ranges (their masks are one interval per query row);
     // say so rather than ignore them.
-    if q.device().is_cuda() && opts.mm_prefix_ranges.is_some() {
+    if kernels_on_cuda && opts.mm_prefix_ranges.is_some() {
         bail!("candle-flash: mm_prefix_ranges is not supported on CUDA (only on the CPU)")
     }
     if opts.paged.is_some() && opts.varlen.is_none() {
@@ -531,7 +531,7 @@ fn validate_inner(
                 Some(paged) => {
                     let max_blocks = check_paged(paged, k, bq, q.device())?;
                     let sizes = [k.dims()[0], paged.page_block_size, max_blocks];
-                    if q.device().is_cuda() && sizes.iter().any(|&x| x > i32::MAX as usize) {
+                    if kernels_on_cuda && sizes.iter().any(|&x| x > i32::MAX as usize) {
                         bail!(
                             "candle-flash: num_blocks {}, page_block_size {} and the block_table width {max_blocks} \
                              must fit the CUDA kernels' 32-bit sizes",
