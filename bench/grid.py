@@ -31,6 +31,7 @@ def fwd_call(n, fp, ws, stream):
     return libs[n].cf_fwd(ctypes.byref(fp), stream)
 dev = torch.device("cuda")
 REPS = int(os.environ.get("REPS", "10"))
+FWD_ONLY = os.environ.get("FWD_ONLY") == "1"  # skip the backward timings (printed as nan)
 
 
 def timeit(fn, reps=REPS):
@@ -38,8 +39,9 @@ def timeit(fn, reps=REPS):
 
 
 points = []
+DIMS = tuple(int(x) for x in os.environ.get("DIMS", "64,128").split(","))  # e.g. DIMS=96,192,256
 for dt in ("bf16", "f16"):
-    for d in (64, 128):
+    for d in DIMS:
         for causal in (False, True):
             Ns = (512, 1024, 2048, 4096, 8192, 16384) if dt == "bf16" else (2048, 16384)
             for N in Ns:
@@ -47,7 +49,7 @@ for dt in ("bf16", "f16"):
 if os.environ.get("POINTS"):
     sel = [tuple(x.split(",")) for x in os.environ["POINTS"].split(";")]
     points = [pt for pt in points if (pt[0], str(pt[1]), str(int(pt[2])), str(pt[3])) in sel]
-hdr = f"{'dt':4} {'D':>3} {'c':>1} {'N':>5} | fwd TF/s: " + " ".join(f"{n:>6}" for n in names) + " fa2 | bwd TF/s: " + " ".join(f"{n:>6}" for n in names) + " fa2 | f+b ratio " + " ".join(names)
+hdr = f"{'dt':4} {'D':>3} {'c':>1} {'N':>5} | fwd TF/s: " + " ".join(f"{n:>6}" for n in names) + " fa2 cudnn | bwd TF/s: " + " ".join(f"{n:>6}" for n in names) + " fa2 cudnn | f+b ratio vs fa2 " + " ".join(names) + " | fwd ratio vs cudnn " + " ".join(names)
 print(hdr, flush=True)
 for dt, d, causal, N in points:
     B, H = 16384 // N, 2048 // d
@@ -70,15 +72,25 @@ for dt, d, causal, N in points:
         if hasattr(bp, "total_q"):
             bp.total_q, bp.total_k = B * N, B * N
         ws = torch.empty(libs[n].cf_bwd_workspace_size(ctypes.byref(bp)) // 4 + 64, dtype=torch.float32, device=dev)
-        tb[n] = timeit(lambda: libs[n].cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream))
+        tb[n] = float("nan") if FWD_ONLY else timeit(lambda: libs[n].cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream))
         del ws, fws
     qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     dot = do.transpose(1, 2).contiguous()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         t_sf = timeit(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
         ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        t_sb = timeit(lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True))
+        t_sb = float("nan") if FWD_ONLY else timeit(lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True))
+    t_cf = t_cb = float("nan")  # cuDNN refuses some shapes (e.g. head dims on some versions)
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            t_cf = timeit(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+            oc = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            t_cb = float("nan") if FWD_ONLY else timeit(lambda: torch.autograd.grad(oc, (qt, kt, vt), dot, retain_graph=True))
+            del oc
+    except RuntimeError as e:
+        print(f"# cudnn refused {dt} d={d} causal={causal} N={N}: {str(e).splitlines()[0][:100]}", flush=True)
     T = lambda t, m=1.0: m * fl / t / 1e12
-    print(f"{dt:4} {d:3} {int(causal)} {N:5} | " + " ".join(f"{T(tf[n]):6.0f}" for n in names) + f" {T(t_sf):3.0f} | " + " ".join(f"{T(tb[n], 2.5):6.0f}" for n in names)
-          + f" {T(t_sb, 2.5):3.0f} | " + " ".join(f"{(t_sf + t_sb) / (tf[n] + tb[n]):.2f}" for n in names), flush=True)
+    print(f"{dt:4} {d:3} {int(causal)} {N:5} | " + " ".join(f"{T(tf[n]):6.0f}" for n in names) + f" {T(t_sf):3.0f} {T(t_cf):5.0f} | " + " ".join(f"{T(tb[n], 2.5):6.0f}" for n in names)
+          + f" {T(t_sb, 2.5):3.0f} {T(t_cb, 2.5):5.0f} | " + " ".join(f"{(t_sf + t_sb) / (tf[n] + tb[n]):.2f}" for n in names)
+          + " | " + " ".join(f"{t_cf / tf[n]:.2f}" for n in names), flush=True)
     del q, k, v, do, o, lse, dq, dk, dv, qt, kt, vt, dot, ot

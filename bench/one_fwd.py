@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""One forward call of ours (kernel_check's library) and one of SDPA's flash backend on a grid
-point, for profilers: ncu -k regex:fwd_sm90 python3 bench/one_fwd.py --n 512 --d 64 --causal"""
-import argparse, ctypes, os, sys
+"""One forward call of ours (kernel_check's library) and one each of SDPA's flash and cuDNN
+backends on a grid point, for profilers: ncu -k regex:fwd_sm90 python3 bench/one_fwd.py --n 512 --d 64 --causal"""
+import argparse, os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_check as kc  # noqa: E402
 import torch  # noqa: E402
@@ -22,8 +22,9 @@ q, k, v, _, _ = kc.make_inputs(c, dev, torch.Generator(device=dev).manual_seed(0
 o = torch.empty_like(q)
 lse = torch.empty(B, H, a.n, dtype=torch.float32, device=dev)
 fp = kc.fwd_params(c, q, k, v, o, lse, None, None, None)
-assert kc.lib.cf_fwd(ctypes.byref(fp), torch.cuda.current_stream().cuda_stream) == 0
+assert kc.call_fwd(fp, kc.fwd_workspace(fp, dev), torch.cuda.current_stream().cuda_stream) == 0
 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-    F.scaled_dot_product_attention(qt, kt, vt, is_causal=a.causal)
+for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+    with sdpa_kernel(backend):
+        F.scaled_dot_product_attention(qt, kt, vt, is_causal=a.causal)
 torch.cuda.synchronize()

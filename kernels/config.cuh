@@ -74,7 +74,8 @@ struct SplitTraits {
 // meanwhile) instead of in the consumers' rows of Q.
 // Shared memory: FwdSharedStorage (sm90/fwd.cu; panel layout of sm90/wgmma.cuh, 1024-byte
 // aligned tiles): Q [kBlockM][D] (+ O [kBlockM][D]) + K, V [kStages][kBlockN][D] + the pipeline
-// mbarriers; the launch asks for its sizeof and asserts it fits. Only head-dim tiles 64 and 128.
+// mbarriers; the launch asks for its sizeof and asserts it fits. Head-dim tiles that are whole
+// 64-column panels: 64, 128, 192, 256 (d = 96 runs on the 128 tile, see dispatch.cu).
 template <typename T_, int kHeadDim_, int kBlockN_, int kNWarpGroups_, int kStages_, bool kPingPong_,
           bool kPersistent_, bool kSeparateO_>
 struct FwdSm90Traits {
@@ -102,7 +103,7 @@ struct FwdSm90Traits {
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;
     static constexpr int kKVStageBytes = kBlockN * kHeadDim * 2;
 
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma forward: head-dim tiles 64 and 128");
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "wgmma forward: head-dim tiles of whole panels");
     static_assert(kStages >= 2, "K/V ring");
     static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N (S = Q K^T)");
     static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "load_panels row passes (128 producer threads)");
@@ -119,6 +120,12 @@ struct FwdSm90Traits {
 template <typename T> using FwdSm90TraitsD64Short = FwdSm90Traits<T, 64, 128, 2, 4, true, true, true>;
 template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 96, 3, 4, true, false, false>;
 template <typename T> using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, 3, true, true, false>;
+//   D = 192: 128 x 64 tiles, 3 stages, persistent (Q 48 KB + K/V 144 KB). 128 x 96 with 2 stages
+//            spilled 12 bytes at 232 consumer registers (O 96 + S 48 + P 24), 28 at 224.
+//   D = 256: 128 x 64 tiles, 2 stages, persistent (Q 64 KB + K/V 128 KB; FA3 uses 128 x 80,
+//            which our 32-key granularity of the mask code rules out). O 128 + S 32 + P 16.
+template <typename T> using FwdSm90TraitsD192 = FwdSm90Traits<T, 192, 64, 2, 3, true, true, false>;
+template <typename T> using FwdSm90TraitsD256 = FwdSm90Traits<T, 256, 64, 2, 2, true, true, false>;
 
 // ------------------------------------------------------------------ backward (tensor cores)
 // dK/dV kernel: CTA = 8 warps over kBlockN keys of one KV head, looping over kBlockM query rows

@@ -126,7 +126,9 @@ cudaError_t fwd_sm90(const CfFwdParams& p, cudaStream_t s) {
     switch (fwd_sm90_config(p)) {
         case FwdSm90Config::kD64Short: return launch_fwd_sm90<FwdSm90TraitsD64Short<T>>(p, s);
         case FwdSm90Config::kD64: return launch_fwd_sm90<FwdSm90TraitsD64<T>>(p, s);
-        default: return launch_fwd_sm90<FwdSm90TraitsD128<T>>(p, s);
+        case FwdSm90Config::kD128: return launch_fwd_sm90<FwdSm90TraitsD128<T>>(p, s);
+        case FwdSm90Config::kD192: return launch_fwd_sm90<FwdSm90TraitsD192<T>>(p, s);
+        default: return launch_fwd_sm90<FwdSm90TraitsD256<T>>(p, s);
     }
 }
 
@@ -137,13 +139,13 @@ cudaError_t fwd_sm80(const CfFwdParams& p, cudaStream_t s) {
 }
 
 // Tensor-core forward: split-KV for decode shapes, else the wgmma kernel on Hopper for the
-// head-dim tiles it has (64, 128), else the mma.sync kernel.
+// head-dim tiles it takes (heuristics.cuh), else the mma.sync kernel.
 template <typename T>
 cudaError_t fwd_tc(const CfFwdParams& p, void* ws, cudaStream_t s) {
     const SplitPlan sp = plan_split(p);
     if (sp.nsplit > 1) return fwd_split<T>(p, sp, ws, s);
     const int rd = round_head_dim(p.d);
-    if ((rd == 64 || rd == 128) && sm90a_available()) return fwd_sm90<T>(p, s);
+    if (fwd_sm90_takes(rd) && sm90a_available()) return fwd_sm90<T>(p, s);
     switch (round_head_dim(p.d)) {
         case 32: return fwd_sm80<T, 32>(p, s);
         case 64: return fwd_sm80<T, 64>(p, s);

@@ -105,11 +105,20 @@ inline BwdPlan plan_bwd(const CfBwdParams& p) {
 // Forward on Hopper: which FwdSm90Traits configuration (config.cuh) runs for head-dim tile D.
 // D = 64 with short queries: 128 x 128 persistent tiles (hiding the prologue / epilogue of short
 // tiles matters most); longer: 192 x 96 (measured 2-10% faster there). D = 128: 128 x 128.
-enum class FwdSm90Config { kD64Short, kD64, kD128 };
+// Which head-dim tiles the Hopper forward takes (the rest run the mma.sync kernel): d = 96 runs on
+// the 128 tile (zero-filled columns; wgmma tiles are whole 64-column panels); d <= 32 stays on
+// the mma.sync kernel's own 32 tile.
+inline bool fwd_sm90_takes(int rounded_d) { return rounded_d >= 64; }
+enum class FwdSm90Config { kD64Short, kD64, kD128, kD192, kD256 };
 constexpr int kFwdSm90D64ShortMaxSeq = 2048;
 inline FwdSm90Config fwd_sm90_config(const CfFwdParams& p) {
-    if (round_head_dim(p.d) == 128) return FwdSm90Config::kD128;
-    return p.seqlen_q <= kFwdSm90D64ShortMaxSeq ? FwdSm90Config::kD64Short : FwdSm90Config::kD64;
+    switch (round_head_dim(p.d)) {
+        case 64: return p.seqlen_q <= kFwdSm90D64ShortMaxSeq ? FwdSm90Config::kD64Short : FwdSm90Config::kD64;
+        case 96:
+        case 128: return FwdSm90Config::kD128;
+        case 192: return FwdSm90Config::kD192;
+        default: return FwdSm90Config::kD256;
+    }
 }
 
 }  // namespace cf

@@ -1,6 +1,6 @@
 // Forward pass for Hopper (sm_90a): warpgroup MMA (wgmma), warp-specialised, same semantics as
 // every other forward (flash_api.h; masks, logits and the online softmax from common/).
-// Dispatched (dispatch.cu) for head-dim tiles 64 / 128 when sm90a_available().
+// Dispatched (dispatch.cu) for head-dim tiles 64 / 128 / 192 / 256 when sm90a_available().
 //
 // Parts, in the order a CTA runs them:
 //   FwdSharedStorage   shared memory as a struct; the launch asks for exactly its sizeof
@@ -387,5 +387,7 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, cudaStream_t stream) {
 CF_INST_FWD_SM90(FwdSm90TraitsD64Short)
 CF_INST_FWD_SM90(FwdSm90TraitsD64)
 CF_INST_FWD_SM90(FwdSm90TraitsD128)
+CF_INST_FWD_SM90(FwdSm90TraitsD192)
+CF_INST_FWD_SM90(FwdSm90TraitsD256)
 
 }  // namespace cf
