@@ -142,7 +142,7 @@ def sass_report():
         m = re.search(r"Function : (\S+)", line)
         if m:
             cur = m.group(1)
-            counts[cur] = {"HMMA": 0, "HGMMA": 0, "LDSM": 0, "LDGSTS": 0, "STL": 0}
+            counts[cur] = {"HMMA": 0, "HGMMA": 0, "LDSM": 0, "LDGSTS": 0, "UTMALDG": 0, "STL": 0}
             continue
         if cur:
             for k in counts[cur]:
@@ -971,7 +971,7 @@ def main():
             print("  SPILL", r)
         sass = sass_report()
         for name, cnt in sorted(sass.items()):
-            print(f"  sass {name[:90]:90s} HMMA={cnt['HMMA']} HGMMA={cnt['HGMMA']} LDSM={cnt['LDSM']} LDGSTS={cnt['LDGSTS']} STL={cnt['STL']}")
+            print(f"  sass {name[:90]:90s} HMMA={cnt['HMMA']} HGMMA={cnt['HGMMA']} LDSM={cnt['LDSM']} LDGSTS={cnt['LDGSTS']} UTMALDG={cnt['UTMALDG']} STL={cnt['STL']}")
 
     cases = [c for c in matrix(args.quick) if args.filter in c.name]
     n_pass = n_fail = 0

@@ -5,7 +5,8 @@
 // Parts, in the order a CTA runs them:
 //   FwdSharedStorage   shared memory as a struct; the launch asks for exactly its sizeof
 //   FwdTileScheduler   (tile_scheduler.cuh) which tiles this CTA computes, persistent or not
-//   FwdProducer        one warpgroup, loads only (cp.async of Q and the K / V ring)
+//   FwdProducer        one warpgroup, loads only (Q and the K / V ring: TMA where tma.cuh
+//                      allows, else cp.async)
 //   FwdMainloop        consumer warpgroups: S = Q K^T, masking, online softmax, O += P V
 //   FwdEpilogue        normalise, write lse, stage O in shared memory, 16-byte stores
 //   PingPong           consumer warpgroups taking turns at the tensor cores
@@ -34,6 +35,7 @@
 #include "../common/softmax.cuh"
 #include "pipeline.cuh"
 #include "tile_scheduler.cuh"
+#include "tma.cuh"
 
 namespace cf {
 
@@ -83,10 +85,16 @@ template <typename Kt>
 struct FwdProducer {
     using T = typename Kt::Elem;
     static constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, C = D / 8, NPT = 128;
+    // cp.async loads one row pass at a time from d = 128 up: with the TMA path beside them,
+    // fully unrolled passes spilled the 40-register producer (8 / 20 bytes at d = 128 / 256).
+    static constexpr bool kRolled = D >= 128;
 
-    // Loads every tile of this CTA; ptid = thread index within the producer warpgroup.
-    static __device__ __forceinline__ void run(const CfFwdParams& p, FwdSharedStorage<Kt>& ss, const FwdPipelines<Kt>& pl,
-                                               int ptid) {
+    // Loads every tile of this CTA; ptid = thread index within the producer warpgroup. A tile
+    // goes by TMA (thread 0 issues it) when the map exists and, for varlen keys, the block lies
+    // inside the sequence; otherwise every producer thread issues its cp.async share. Either
+    // way every producer thread commits once per buffer.
+    static __device__ __forceinline__ void run(const CfFwdParams& p, const FwdTmaMaps& maps, FwdSharedStorage<Kt>& ss,
+                                               const FwdPipelines<Kt>& pl, int ptid) {
         const FwdTileScheduler<BM, BN> sched(p);
         const int dch = p.d >> 3;
         uint32_t kv = 0, tcount = 0;  // key blocks and tiles loaded so far (pipeline counters)
@@ -97,24 +105,41 @@ struct FwdProducer {
             if (t.empty() || t.nblocks == 0) continue;  // the consumers skip it too
             const SeqInfo& si = t.si;
             const int hk = kv_head(p, t.h);
-            const T* kg = si.k<T>(p, hk);
-            const T* vg = si.v<T>(p, hk);
-            auto load_kv = [&](const Pipeline<Kt::kStages>& pipe, T (*dst)[FwdSharedStorage<Kt>::kKVElems], const T* g,
-                               int64_t page_stride, int64_t row_stride, const void* fallback, int j) {
+            // TMA coordinates of this sequence: varlen maps are one batch of all rows
+            const int64_t krow0 = si.k_varlen ? si.k_row0 : 0, qrow0 = si.q_varlen ? si.q_row0 : 0;
+            const int kbatch = si.k_varlen ? 0 : si.b, qbatch = si.q_varlen ? 0 : si.b;
+            // The cp.async path computes its head pointers when it runs (the producer works at 40
+            // registers: nothing long-lived that the TMA path does not need).
+            auto load_kv = [&](bool is_k, int j) {
+                const Pipeline<Kt::kStages> pipe = is_k ? pl.k() : pl.v();
+                T* dst = is_k ? ss.k[pipe.stage(kv + j)] : ss.v[pipe.stage(kv + j)];
                 const uint32_t n = kv + j;
-                const int nb = t.nb_hi - 1 - j;
+                const int n0 = (t.nb_hi - 1 - j) * BN;
                 pipe.producer_acquire(n);
-                si.template load_keys<PanelLoader<C, NPT>, BN>(p, dst[pipe.stage(n)], g, page_stride, row_stride, nb * BN, dch,
-                                                               ptid, fallback);
+                if (maps.kv_ok && (!si.k_varlen || n0 + BN <= si.sk)) {
+                    if (ptid == 0)
+                        tma_load_tile<BN, D>(smem_addr(dst), is_k ? &maps.k : &maps.v, pipe.full_bar(n), krow0 + n0, hk,
+                                             kbatch);
+                } else if (is_k) {
+                    si.template load_keys<PanelLoader<C, NPT, kRolled>, BN>(p, dst, si.k<T>(p, hk), p.k_batch_stride,
+                                                                   p.k_row_stride, n0, dch, ptid, p.k);
+                } else {
+                    si.template load_keys<PanelLoader<C, NPT, kRolled>, BN>(p, dst, si.v<T>(p, hk), p.v_batch_stride,
+                                                                   p.v_row_stride, n0, dch, ptid, p.v);
+                }
                 pipe.producer_commit_cp_async(n);
             };
-            auto load_k = [&](int j) { load_kv(pl.k(), ss.k, kg, p.k_batch_stride, p.k_row_stride, p.k, j); };
-            auto load_v = [&](int j) { load_kv(pl.v(), ss.v, vg, p.v_batch_stride, p.v_row_stride, p.v, j); };
+            auto load_k = [&](int j) { load_kv(true, j); };
+            auto load_v = [&](int j) { load_kv(false, j); };
             // K(0) first: its stage may be free before the consumers release Q.
             load_k(0);
             pl.q().producer_acquire(tcount);
-            load_panels<BM, C, NPT>(ss.q, si.q<T>(p, t.h) + (int64_t)t.m0 * p.q_row_stride, p.q_row_stride,
-                                    si.sq - t.m0, dch, ptid, p.q);
+            if (maps.q_ok) {
+                if (ptid == 0) tma_load_tile<BM, D>(smem_addr(ss.q), &maps.q, pl.q().full_bar(tcount), qrow0 + t.m0, t.h, qbatch);
+            } else {
+                load_panels<BM, C, NPT, kRolled>(ss.q, si.q<T>(p, t.h) + (int64_t)t.m0 * p.q_row_stride, p.q_row_stride,
+                                        si.sq - t.m0, dch, ptid, p.q);
+            }
             pl.q().producer_commit_cp_async(tcount);
             for (int j = 1; j < t.nblocks; ++j) {
                 load_k(j);
@@ -308,7 +333,8 @@ struct FwdEpilogue {
 
 // ---------------------------------------------------------------- the kernel
 template <typename Kt>
-__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks) fwd_sm90_kernel(const CfFwdParams p) {
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
+    fwd_sm90_kernel(const CfFwdParams p, const __grid_constant__ FwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = typename Kt::Elem;
     constexpr int NWG = Kt::kNWarpGroups, NCT = Kt::kNConsumerThreads;
@@ -328,7 +354,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks) fwd_sm90_kernel
 
     if (wg == NWG) {
         setmaxnreg_dec<Kt::kProducerRegs>();  // the producer only computes addresses
-        FwdProducer<Kt>::run(p, ss, pl, tid - NCT);
+        FwdProducer<Kt>::run(p, maps, ss, pl, tid - NCT);
         return;
     }
 
@@ -377,7 +403,8 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, cudaStream_t stream) {
     int sms = 0;
     if (Kt::kPersistent && (e = current_sm_count(sms)) != cudaSuccess) return e;
     const int64_t grid = Sched::grid_size(p, Kt::kPersistent, sms * Kt::kMinBlocks);
-    kern<<<(unsigned)grid, Kt::kNThreads, smem, stream>>>(p);
+    const FwdTmaMaps maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN);
+    kern<<<(unsigned)grid, Kt::kNThreads, smem, stream>>>(p, maps);
     return cudaGetLastError();
 }
 

@@ -1,7 +1,7 @@
 // The producer / consumer ring of the warp-specialised Hopper kernels: kStages shared-memory
 // buffers, each guarded by two mbarriers.
 //   full[s]  : the producer's loads into stage s have landed (cp.async-tracking arrivals, one
-//              per producer thread; a TMA producer will arrive with an expected byte count);
+//              per producer thread, plus, for a TMA load, its expected byte count);
 //   empty[s] : every consumer warp is done reading stage s (one plain arrival per warp).
 // Buffers are numbered n = 0, 1, 2, ... over the CTA's whole life (across tiles); buffer n uses
 // stage n % kStages, and its barriers complete once per use of the stage, so the phase to wait
@@ -38,6 +38,10 @@ struct Pipeline {
     // thread's cp.async copies so far have landed).
     __device__ __forceinline__ void producer_acquire(uint32_t n) const { mbar_wait(full + kEmpty + 8 * stage(n), parity(n) ^ 1); }
     __device__ __forceinline__ void producer_commit_cp_async(uint32_t n) const { mbar_arrive_cp_async(full + 8 * stage(n)); }
+    // The "full" barrier of buffer n, for TMA copies (tma.cuh) that complete bytes on it; the
+    // producer threads still commit as above (every thread arrives once per buffer, whichever
+    // way its stage was loaded).
+    __device__ __forceinline__ uint32_t full_bar(uint32_t n) const { return full + 8 * stage(n); }
     // Consumer: wait until buffer n has landed; its cp.async (generic proxy) writes are then
     // made visible to wgmma (async proxy). Release: one arrival per warp, after the wgmma that
     // read the buffer completed (wgmma.wait_group is warp-synchronous).

@@ -134,7 +134,8 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
 // cp.async of rows [0, ROWS) x chunks [0, C) of a row-major global tile into a panel tile.
 // Rows >= valid_rows and chunks >= valid_chunks are zero-filled; `fallback` is any valid
 // global address for the masked copies. 8 threads per row (one panel row of 8 chunks each).
-template <int ROWS, int C, int NTHREADS, typename T>
+// kRolled: one row pass at a time (fewer live registers; for producers whose main path is TMA).
+template <int ROWS, int C, int NTHREADS, bool kRolled = false, typename T>
 __device__ __forceinline__ void load_panels(T* s, const T* g, int64_t row_stride, int valid_rows,
                                             int valid_chunks, int tid, const void* fallback) {
     static_assert(C % 8 == 0, "panel tiles hold whole 64-element panels");
@@ -143,8 +144,7 @@ __device__ __forceinline__ void load_panels(T* s, const T* g, int64_t row_stride
     const int r0 = tid >> 3, j = tid & 7;
     const uint32_t dst0 = smem_addr(s) + r0 * kPanelRowBytes + ((j ^ (r0 & 7)) << 4);
     const T* src = g + r0 * row_stride + j * 8;
-#pragma unroll
-    for (int ps = 0; ps < ROWS / RP; ++ps) {
+    auto pass = [&](int ps) {
         const int r = r0 + ps * RP;
 #pragma unroll
         for (int p = 0; p < C / 8; ++p) {
@@ -152,6 +152,13 @@ __device__ __forceinline__ void load_panels(T* s, const T* g, int64_t row_stride
             cp_async_16(dst0 + (p * ROWS + ps * RP) * kPanelRowBytes,
                         ok ? static_cast<const void*>(src + (int64_t)ps * RP * row_stride + p * 64) : fallback, ok);
         }
+    };
+    if constexpr (kRolled) {
+#pragma unroll 1
+        for (int ps = 0; ps < ROWS / RP; ++ps) pass(ps);
+    } else {
+#pragma unroll
+        for (int ps = 0; ps < ROWS / RP; ++ps) pass(ps);
     }
 }
 
@@ -179,12 +186,12 @@ __device__ __forceinline__ void load_panels_rows(T* s, RowPtr row_ptr, int valid
 }
 
 // load_panels / load_panels_rows as a type (see TileLoader in tile.cuh).
-template <int C, int NTHREADS>
+template <int C, int NTHREADS, bool kRolled = false>
 struct PanelLoader {
     template <int ROWS, typename T>
     __device__ __forceinline__ static void load(T* s, const T* g, int64_t row_stride, int valid_rows,
                                                 int valid_chunks, int tid, const void* fallback) {
-        load_panels<ROWS, C, NTHREADS>(s, g, row_stride, valid_rows, valid_chunks, tid, fallback);
+        load_panels<ROWS, C, NTHREADS, kRolled>(s, g, row_stride, valid_rows, valid_chunks, tid, fallback);
     }
     template <int ROWS, typename T, typename RowPtr>
     __device__ __forceinline__ static void gather(T* s, RowPtr row_ptr, int valid_rows, int valid_chunks, int tid,

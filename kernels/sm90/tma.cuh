@@ -1,0 +1,120 @@
+// TMA (the Tensor Memory Accelerator, `cp.async.bulk.tensor`) loads for the Hopper forward:
+// tensor maps built on the host per call, passed to the kernel as a __grid_constant__ parameter,
+// and the device side that issues the copies into the mbarrier pipelines of pipeline.cuh.
+//
+// A map views one tensor of the contract (flash_api.h) as [batches][heads][rows][d] with the
+// tensor's own strides; its box is [box_rows][64 columns] with the 128-byte swizzle, which is
+// exactly one panel of wgmma.cuh's layout (chunk j of row r at j ^ (r & 7), 1024-byte aligned),
+// so a [R][D] tile is D / 64 copies. Columns past d and rows past the map's rows are zero-filled
+// by the hardware (the zero-filled d padding of the head-dim tiles, the rows past seqlen of a
+// batched tensor). Varlen tensors are one batch of `total` rows: rows past a sequence's end are
+// the next sequence's, so key blocks that cross the end still load with cp.async (zero fill);
+// query rows past the end only reach output rows that are never stored.
+// Paged K/V keeps cp.async (a page table has no tensor-map form); so does every tensor whose map
+// the driver refuses, and every call with CANDLE_FLASH_DISABLE_TMA=1.
+#pragma once
+#include <cuda.h>  // CUtensorMap and its enums (the encoder is reached through the runtime)
+#include <cstdlib>
+#include "../flash_api.h"
+#include "wgmma.cuh"
+
+namespace cf {
+
+// The maps of one forward call (kernel parameter). q_ok / kv_ok = 0: that side loads with cp.async.
+struct FwdTmaMaps {  // CUtensorMap is 64-byte aligned itself
+    CUtensorMap q, k, v;
+    int q_ok, kv_ok;
+};
+
+// ---------------------------------------------------------------- host
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled from the driver the runtime loaded (no link against libcuda), looked
+// up once; null when unavailable or disabled (then everything loads with cp.async).
+inline EncodeTiledFn tensor_map_encoder() {
+    static const EncodeTiledFn fn = [] {
+        const char* off = std::getenv("CANDLE_FLASH_DISABLE_TMA");
+        if (off && off[0] && off[0] != '0') return (EncodeTiledFn) nullptr;
+        void* f = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) !=
+                cudaSuccess ||
+            q != cudaDriverEntryPointSuccess) {
+            (void)cudaGetLastError();
+            return (EncodeTiledFn) nullptr;
+        }
+        return reinterpret_cast<EncodeTiledFn>(f);
+    }();
+    return fn;
+}
+
+// One tensor (element strides; f16 / bf16) as [batches][heads][rows][d] with [box_rows][64]
+// boxes. False when the driver refuses it (a stride the hardware cannot address, say).
+inline bool encode_rows_map(CUtensorMap& m, const void* base, int dtype, int d, int64_t rows, int heads,
+                            int64_t batches, int64_t row_stride, int64_t head_stride, int64_t batch_stride,
+                            int box_rows) {
+    const EncodeTiledFn enc = tensor_map_encoder();
+    if (enc == nullptr || base == nullptr || rows < 1 || heads < 1 || batches < 1) return false;
+    constexpr int64_t kB = 2;  // bytes per element
+    // A dimension of extent 1 is never stepped: any legal stride (a multiple of 16 bytes) will do.
+    if (heads == 1) head_stride = 8;
+    if (batches == 1) batch_stride = 8;
+    const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)rows, (cuuint64_t)heads, (cuuint64_t)batches};
+    const cuuint64_t strides[3] = {(cuuint64_t)(row_stride * kB), (cuuint64_t)(head_stride * kB),
+                                   (cuuint64_t)(batch_stride * kB)};
+    const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1};
+    const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+    return enc(&m, dtype == CF_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+               const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The maps of a forward call with BM-row query tiles and BN-row key tiles.
+inline FwdTmaMaps make_fwd_tma_maps(const CfFwdParams& p, int block_m, int block_n) {
+    FwdTmaMaps m{};
+    const bool vq = p.cu_seqlens_q != nullptr, vk = p.cu_seqlens_k != nullptr;
+    m.q_ok = encode_rows_map(m.q, p.q, p.dtype, p.d, vq ? p.total_q : p.seqlen_q, p.h, vq ? 1 : p.b, p.q_row_stride,
+                             p.q_head_stride, p.q_batch_stride, block_m);
+    m.kv_ok = p.block_table == nullptr &&
+              encode_rows_map(m.k, p.k, p.dtype, p.d, vk ? p.total_k : p.seqlen_k, p.hkv, vk ? 1 : p.b,
+                              p.k_row_stride, p.k_head_stride, p.k_batch_stride, block_n) &&
+              encode_rows_map(m.v, p.v, p.dtype, p.d, vk ? p.total_k : p.seqlen_k, p.hkv, vk ? 1 : p.b,
+                              p.v_row_stride, p.v_head_stride, p.v_batch_stride, block_n);
+    return m;
+}
+
+// ---------------------------------------------------------------- device
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The phase of `bar` also waits for `bytes` more bytes of asynchronous copies (complete_tx).
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Box (c0 = column, c1 = row, c2 = head, c3 = batch) of `map` into shared memory at dst; its
+// bytes count down `bar`'s transaction count when they land.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
+                                            int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+        "%5}], [%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
+// A [ROWS][D] panel tile from rows row0.. of (head, batch): one thread issues D / 64 boxes after
+// raising the barrier's expected bytes (before its own arrival, so the phase cannot complete
+// without them).
+template <int ROWS, int D>
+__device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* map, uint32_t bar, int64_t row0,
+                                              int head, int batch) {
+    mbar_expect_tx(bar, ROWS * D * 2);
+#pragma unroll
+    for (int pnl = 0; pnl < D / 64; ++pnl)
+        tma_load_4d(dst + pnl * ROWS * kPanelRowBytes, map, bar, 64 * pnl, (int)row0, head, batch);
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace cf
