@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device side: our bench (gpu-bin/bench, from scripts/gpu-build.sh) and PyTorch SDPA on the
-# FlashAttention papers' grid (B*N = 16384 tokens, hidden 2048, D in {64, 128}, causal and not)
+# FlashAttention papers' grid (B*N = 16384 tokens, hidden 2048, D in $HDIMS (64, 128, 256), causal and not)
 # plus the decode shapes, in one run; then the plot and the ratio table (ours / FA2, ours /
 # cuDNN), printed last. Usage: bash scripts/gpu-bench.sh [modes] [dtype]
 set -uo pipefail
@@ -11,17 +11,22 @@ if [ ! -d gpu-bin ]; then mkdir -p gpu-bin && tar -C gpu-bin -xJf gpu-pack/bin.t
 modes=${1:-fwd,bwd,fwd_bwd}
 dtype=${2:-bf16}
 seqlens=${SEQLENS:-512,1024,2048,4096,8192,16384}
+hdims=${HDIMS:-64,128,256}
 # shellcheck disable=SC1091
 source gpu-bin/cuda-libs.sh >/dev/null
 jsonl="$OUT/bench.jsonl"
 : > "$jsonl"
-grid=(--tokens 16384 --hidden 2048 --hdim 64,128 --seqlens "$seqlens" --dtype "$dtype")
+grid=(--tokens 16384 --hidden 2048 --hdim "$hdims" --seqlens "$seqlens" --dtype "$dtype")
 gpu-bin/bench --device cuda --impl flash --mode "$modes" "${grid[@]}" --iters 10 2>>"$OUT/bench.err" | grep '^{' >> "$jsonl"
 python3 bench/sdpa.py --impl torch-flash,torch-cudnn --mode "$modes" "${grid[@]}" 2>>"$OUT/bench.err" >> "$jsonl"
 # Decode: 1 query against long caches, 32 query / 8 KV heads, D = 128.
 dec=(--nq 1 --seqlens 4096,32768 --heads 32 --hkv 8 --hdim 128 --batch 1,16 --causal false --dtype "$dtype")
 gpu-bin/bench --device cuda --impl flash --mode fwd "${dec[@]}" --iters 20 2>>"$OUT/bench.err" | grep '^{' > "$OUT/decode.jsonl"
 python3 bench/sdpa.py --impl torch-flash --mode fwd "${dec[@]}" --iters 20 >> "$OUT/decode.jsonl" 2>>"$OUT/bench.err"
+# GQA prefill, Llama-3-8B-like: B = 1, 32 query / 8 KV heads, D = 128, causal.
+gqa=(--seqlens "${GQA_SEQLENS:-2048,8192,32768}" --heads 32 --hkv 8 --hdim 128 --batch 1 --causal true --dtype "$dtype")
+gpu-bin/bench --device cuda --impl flash --mode fwd,fwd_bwd "${gqa[@]}" --iters 10 2>>"$OUT/bench.err" | grep '^{' > "$OUT/gqa.jsonl"
+python3 bench/sdpa.py --impl torch-flash,torch-cudnn --mode fwd,fwd_bwd "${gqa[@]}" --iters 10 >> "$OUT/gqa.jsonl" 2>>"$OUT/bench.err"
 gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)
 torchv=$(python3 -c 'import torch; print(torch.__version__, "cuDNN", torch.backends.cudnn.version())')
 python3 bench/plot.py "$jsonl" "$OUT/bench.png" "candle-flash vs PyTorch SDPA, $dtype, $gpu, torch $torchv, $(date -u +%F)" > "$OUT/ratios.md"
@@ -34,5 +39,7 @@ for l in open(sys.argv[1]):
         if "error" not in r:
             print(f"{r['impl']:12s} b={r['b']:2d} nk={r['nk']:6d}  {r['ms']*1e3:8.1f} us  {r['kv_tbps']:.2f} TB/s")
 PY
+echo "== GQA prefill (B=1, 32/8 heads, D=128, causal)"
+python3 bench/plot.py "$OUT/gqa.jsonl"
 echo "== $gpu, torch $torchv"
 cat "$OUT/ratios.md"

@@ -12,7 +12,11 @@
 //   PingPong           consumer warpgroups taking turns at the tensor cores
 //
 // Barrier protocol (all mbarriers in FwdSharedStorage; Pipeline in pipeline.cuh):
-//   Q    1-stage pipeline. Producer: acquire(tile count) -> cp.async Q -> commit. Consumers:
+//   Loads: TMA (thread 0: expect_tx of the tile's bytes on the stage's full barrier, then the
+//        boxes) or cp.async (every producer thread its share); either way every producer thread
+//        then commits one cp.async-tracking arrival, so "full" completes when both the arrivals
+//        and the bytes are in (tma.cuh says which tiles take which path).
+//   Q    1-stage pipeline. Producer: acquire(tile count) -> load Q -> commit. Consumers:
 //        wait(tile count) before the first S; release once they no longer read Q (after the
 //        last S when O has its own buffer; after the epilogue's staging when O is staged in
 //        Q's rows).
