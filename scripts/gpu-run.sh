@@ -84,9 +84,9 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
   }
   san memcheck memcheck -- gpu-bin/tests/every_kernel
   san memcheck-sm80 memcheck CANDLE_FLASH_DISABLE_SM90A=1 -- gpu-bin/tests/every_kernel
-  # racecheck: one process per test. All five in one process did not finish in 280 s (H100,
-  # 2026-11-24: the first four passed, then the varlen test stalled), while each alone takes
-  # 15-60 s (varlen alone: 15 s, 0 hazards).
+  # racecheck: one process per test, each within SAN_TIMEOUT. All five in one process did not
+  # finish in 280 s; alone (H100, 2026-11-24) they take 2-53 s, except decode (split-KV over 700
+  # keys, every head-dim tile and dtype): ~155 s per kernel family.
   for t in prefill deterministic_backward decode varlen_with_empty_sequences long_queries_head_dim_64; do
     san "racecheck-$t" racecheck -- gpu-bin/tests/every_kernel "$t" --exact
     san "racecheck-sm80-$t" racecheck CANDLE_FLASH_DISABLE_SM90A=1 -- gpu-bin/tests/every_kernel "$t" --exact
