@@ -20,6 +20,9 @@
 //! pages; forward only, CPU and CUDA (`mm_prefix_ranges` CPU only). [`compat::v3`] has
 //! candle-flash-attn-v3's signatures.
 //!
+//! FP8 (e4m3) inputs: [`fp8`] (quantization with per-tensor, per-head or per-block scales, a
+//! Hadamard rotation of q and k, and attention on the quantized tensors; forward only).
+//!
 //! `Tensor::backward()` through any of these functions gives dq, dk, dv; see [`op`] for how
 //! the backward reaches the forward's log-sum-exp without recomputing the forward.
 //!
@@ -38,6 +41,7 @@ pub mod compat;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod fp8;
 pub mod llama;
 pub mod op;
 pub mod paged;
@@ -73,7 +77,7 @@ pub fn flash_attn_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnO
     let shape = params::validate(q, k, v, opts)?;
     let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
     let lse = LseSlot::default();
-    let op = FlashAttnOp { opts: opts.clone(), shape, lse: lse.clone() };
+    let op = FlashAttnOp { opts: opts.clone(), shape, lse: lse.clone(), forward_only: None };
     let out = q.apply_op3_arc(&k, &v, Arc::new(Box::new(op)))?;
     Ok((out, lse.get()?))
 }

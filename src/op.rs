@@ -36,6 +36,9 @@ pub(crate) struct FlashAttnOp {
     pub opts: FlashAttnOptions,
     pub shape: AttnShape,
     pub lse: LseSlot,
+    /// `Some(what)`: a forward-only use of the op (FP8 attention): a backward through it is an
+    /// error naming `what`.
+    pub forward_only: Option<&'static str>,
 }
 
 impl CustomOp3 for FlashAttnOp {
@@ -81,6 +84,9 @@ impl CustomOp3 for FlashAttnOp {
         out: &Tensor,
         grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if let Some(what) = self.forward_only {
+            candle_core::bail!("candle-flash: {what} is forward only: no backward (autograd) through it")
+        }
         let lse = self.lse.get()?;
         let (dq, dk, dv) = backward(&self.shape, &self.opts, BwdInputs { q, k, v, out, grad_out, lse: &lse })?;
         Ok((Some(dq), Some(dk), Some(dv)))

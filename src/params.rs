@@ -370,6 +370,9 @@ fn check_float_dtype(name: &str, t: &Tensor, allow_f64: bool) -> candle_core::Re
     match t.dtype() {
         DType::F32 | DType::F16 | DType::BF16 => Ok(()),
         DType::F64 if allow_f64 => Ok(()),
+        DType::F8E4M3 => {
+            bail!("candle-flash: {name} is F8E4M3: use candle_flash::fp8 (flash_attn_fp8 / flash_attn_fp8_descaled)")
+        }
         dt => bail!("candle-flash: {name} has dtype {dt:?}, expected f32, f16 or bf16"),
     }
 }
@@ -430,7 +433,33 @@ fn seqlens_batch(name: &str, t: &Tensor, device: &Device) -> candle_core::Result
 /// asked (see the module documentation).
 pub fn validate(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> candle_core::Result<AttnShape> {
     let read = !q.device().is_cuda() || opts.check_device_data || check_device_data_env();
-    validate_inner(q, k, v, opts, false, read)
+    validate_inner(q, k, v, opts, Inputs::Kernels, read)
+}
+
+/// [`validate`] for FP8 attention ([`crate::fp8`]): q, k and v `DType::F8E4M3`, an f32 / f16 /
+/// bf16 output, no paged K/V (its cache would be dequantized whole on every call); the shapes
+/// and every other option as for the other dtypes. The descales are checked where they are
+/// interpreted (`fp8.rs`).
+pub fn validate_fp8(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &FlashAttnOptions,
+    out_dtype: DType,
+) -> candle_core::Result<AttnShape> {
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.dtype() != DType::F8E4M3 {
+            bail!("candle-flash fp8: {name} has dtype {:?}, expected F8E4M3", t.dtype())
+        }
+    }
+    if !matches!(out_dtype, DType::F32 | DType::F16 | DType::BF16) {
+        bail!("candle-flash fp8: output dtype {out_dtype:?}, expected f32, f16 or bf16")
+    }
+    if opts.paged.is_some() {
+        bail!("candle-flash fp8: paged K/V is not supported with FP8 inputs")
+    }
+    let read = !q.device().is_cuda() || opts.check_device_data || check_device_data_env();
+    validate_inner(q, k, v, opts, Inputs::Fp8, read)
 }
 
 /// [`validate`] for the reference, which also computes in f64 (the tests' ground truth),
@@ -442,7 +471,17 @@ pub fn validate_reference(
     v: &Tensor,
     opts: &FlashAttnOptions,
 ) -> candle_core::Result<AttnShape> {
-    validate_inner(q, k, v, opts, true, true)
+    validate_inner(q, k, v, opts, Inputs::Reference, true)
+}
+
+/// Whose inputs [`validate_inner`] checks: the kernels' (f32 / f16 / bf16, the CUDA kernels'
+/// limits on CUDA), the reference's (f64 too, no kernel limits) or FP8 ones (F8E4M3; they are
+/// dequantized for the kernels, whose limits then apply).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Inputs {
+    Kernels,
+    Reference,
+    Fp8,
 }
 
 fn validate_inner(
@@ -450,13 +489,15 @@ fn validate_inner(
     k: &Tensor,
     v: &Tensor,
     opts: &FlashAttnOptions,
-    reference: bool,
+    inputs: Inputs,
     read_device_data: bool,
 ) -> candle_core::Result<AttnShape> {
     // Our CUDA kernels will run this call (and their size limits apply).
-    let kernels_on_cuda = q.device().is_cuda() && !reference;
+    let kernels_on_cuda = q.device().is_cuda() && inputs != Inputs::Reference;
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
-        check_float_dtype(name, t, reference)?;
+        if inputs != Inputs::Fp8 {
+            check_float_dtype(name, t, inputs == Inputs::Reference)?;
+        }
         check_same_device(name, t, q.device())?;
         check_last_dim_contiguous(name, t)?;
     }

@@ -1,0 +1,278 @@
+//! FP8 (e4m3) attention: quantize, rotate, attend.
+//!
+//! * [`quantize_e4m3`] turns an f32 / f16 / bf16 tensor into [`Fp8Tensor`]: `DType::F8E4M3`
+//!   data and f32 descales, one per tensor, per (batch, head) or per block of rows of each
+//!   (batch, head) ([`Fp8Scaling`]); value ≈ data · descale.
+//! * [`hadamard_rotate`] multiplies the last dimension by an orthonormal (block) Hadamard
+//!   matrix. Rotating q and k by the same matrix leaves q·kᵀ unchanged and spreads a few
+//!   outlier channels over all of them, so they quantize with a smaller error (FlashAttention-3's
+//!   "incoherent processing"); v is not rotated.
+//! * [`flash_attn_fp8`] ([`Fp8Tensor`] inputs, any scaling) and [`flash_attn_fp8_descaled`]
+//!   (FlashAttention-3's convention: e4m3 q, k, v and `(B, Hkv)` f32 descales) compute
+//!   attention with an f32 / f16 / bf16 output.
+//!
+//! Every device runs the same semantics today: the inputs are dequantized (data · descale,
+//! rounded to the output dtype) and the regular kernels of that dtype run. An FP8 tensor-core
+//! (QGMMA) forward for Hopper is future work (issue 16); it will compute the same function with
+//! e4m3 products. FP8 attention is forward only: a backward through it is an error.
+use crate::op::{FlashAttnOp, LseSlot};
+use crate::params::{self, FlashAttnOptions};
+use candle_core::{bail, DType, Device, Result, Tensor};
+use std::sync::Arc;
+
+/// Largest finite e4m3 value (OCP FP8 E4M3FN): quantization maps each group's largest
+/// magnitude onto it.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// How many values share one descale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Scaling {
+    /// One descale for the whole tensor.
+    PerTensor,
+    /// One per (batch, head) (FlashAttention-3's `(B, H)` descales).
+    PerHead,
+    /// One per block of this many consecutive rows of each (batch, head): the block
+    /// quantization of the FlashAttention-3 paper (rows of the last block may be fewer).
+    PerBlock(usize),
+}
+
+/// An e4m3 tensor and its descales: element (b, s, h, d) ≈ `data[b, s, h, d] ·
+/// descale[b, s / block_rows, h / (H / Hd)]` with `descale` f32 of shape `(B, NB, Hd)`,
+/// `NB = ceil(S / block_rows)` and Hd dividing H (a descale may serve a group of heads).
+/// `data` is `(B, S, H, D)` or, packed (varlen), `(total, H, D)`, which counts as B = 1.
+#[derive(Clone, Debug)]
+pub struct Fp8Tensor {
+    pub data: Tensor,
+    pub descale: Tensor,
+    pub block_rows: usize,
+}
+
+/// (B, S, H, D) of a 4-d tensor, (1, total, H, D) of a packed 3-d one.
+fn bshd(t: &Tensor) -> Result<(usize, usize, usize, usize)> {
+    match t.dims() {
+        &[b, s, h, d] => Ok((b, s, h, d)),
+        &[s, h, d] => Ok((1, s, h, d)),
+        dims => {
+            bail!("candle-flash fp8: expected (batch, seq, heads, head_dim) or (total, heads, head_dim), got {dims:?}")
+        }
+    }
+}
+
+/// The descale of every row: `(B, NB, Hd)` → `(B, S, H, 1)` (f32).
+fn row_descales(descale: &Tensor, block_rows: usize, (b, s, h): (usize, usize, usize)) -> Result<Tensor> {
+    let (db, nb, hd) = descale.dims3()?;
+    if db != b || hd == 0 || h % hd != 0 || block_rows == 0 || nb != s.div_ceil(block_rows).max(1) {
+        bail!(
+            "candle-flash fp8: descale of shape {:?} with {block_rows}-row blocks does not fit (B, S, H) = ({b}, {s}, {h})",
+            descale.dims()
+        )
+    }
+    if descale.dtype() != DType::F32 {
+        bail!("candle-flash fp8: descales must be f32, got {:?}", descale.dtype())
+    }
+    let rows = if nb == 1 {
+        descale.broadcast_as((b, s, hd))?
+    } else {
+        let idx: Vec<u32> = (0..s).map(|r| (r / block_rows) as u32).collect();
+        descale.index_select(&Tensor::new(idx, descale.device())?, 1)?
+    };
+    let rows = if hd < h { rows.unsqueeze(3)?.broadcast_as((b, s, hd, h / hd))?.reshape((b, s, h))? } else { rows };
+    rows.unsqueeze(3)
+}
+
+/// Quantizes `x` (f32 / f16 / bf16, `(B, S, H, D)` or `(total, H, D)`) to e4m3 with the given
+/// scaling: each group's largest magnitude maps to ±448 (an all-zero group gets descale 1).
+pub fn quantize_e4m3(x: &Tensor, scaling: Fp8Scaling) -> Result<Fp8Tensor> {
+    if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        bail!("candle-flash fp8: quantize_e4m3 takes f32, f16 or bf16, got {:?}", x.dtype())
+    }
+    let (b, s, h, d) = bshd(x)?;
+    let x4 = x.to_dtype(DType::F32)?.reshape((b, s, h, d))?;
+    let block_rows = match scaling {
+        Fp8Scaling::PerTensor | Fp8Scaling::PerHead => s.max(1),
+        Fp8Scaling::PerBlock(0) => bail!("candle-flash fp8: PerBlock needs at least one row per block"),
+        Fp8Scaling::PerBlock(r) => r,
+    };
+    let nb = s.div_ceil(block_rows).max(1);
+    let amax = match scaling {
+        _ if x4.elem_count() == 0 => Tensor::zeros((b, nb, h), DType::F32, x.device())?,
+        Fp8Scaling::PerTensor => x4.abs()?.max_all()?.broadcast_as((b, nb, h))?.contiguous()?,
+        Fp8Scaling::PerHead => x4.abs()?.max(3)?.max(1)?.unsqueeze(1)?,
+        Fp8Scaling::PerBlock(r) => {
+            let padded = if nb * r > s { x4.pad_with_zeros(1, 0, nb * r - s)? } else { x4.clone() };
+            padded.abs()?.reshape((b, nb, r, h, d))?.max(4)?.max(2)?
+        }
+    };
+    // descale = amax / 448, or 1 where the group is all zero (nothing to scale)
+    let zero = amax.eq(0f32)?;
+    let descale = zero.where_cond(&amax.ones_like()?, &(amax / E4M3_MAX as f64)?)?;
+    let rows = row_descales(&descale, block_rows, (b, s, h))?;
+    let q = x4.broadcast_div(&rows)?.clamp(-E4M3_MAX, E4M3_MAX)?.to_dtype(DType::F8E4M3)?;
+    Ok(Fp8Tensor { data: q.reshape(x.dims())?, descale, block_rows })
+}
+
+/// `data · descale` in `dtype` (f32 / f16 / bf16), in `t.data`'s shape.
+pub fn dequantize(t: &Fp8Tensor, dtype: DType) -> Result<Tensor> {
+    if t.data.dtype() != DType::F8E4M3 {
+        bail!("candle-flash fp8: data must be F8E4M3, got {:?}", t.data.dtype())
+    }
+    let (b, s, h, d) = bshd(&t.data)?;
+    if !t.descale.device().same_device(t.data.device()) {
+        bail!(
+            "candle-flash fp8: descale is on {:?}, data on {:?}",
+            t.descale.device().location(),
+            t.data.device().location()
+        )
+    }
+    let rows = row_descales(&t.descale, t.block_rows, (b, s, h))?;
+    let x = t.data.to_dtype(DType::F32)?.reshape((b, s, h, d))?.broadcast_mul(&rows)?;
+    x.to_dtype(dtype)?.reshape(t.data.dims())
+}
+
+/// The orthonormal Hadamard matrix of size n (a power of two), Sylvester's construction.
+fn hadamard(n: usize) -> Vec<f32> {
+    let mut m = vec![1f32];
+    let mut k = 1;
+    while k < n {
+        let mut next = vec![0f32; 4 * k * k];
+        for i in 0..k {
+            for j in 0..k {
+                let v = m[i * k + j];
+                next[i * 2 * k + j] = v;
+                next[i * 2 * k + j + k] = v;
+                next[(i + k) * 2 * k + j] = v;
+                next[(i + k) * 2 * k + j + k] = -v;
+            }
+        }
+        m = next;
+        k *= 2;
+    }
+    let norm = 1.0 / (n as f32).sqrt();
+    m.iter().map(|v| v * norm).collect()
+}
+
+/// `x · R` along the last dimension D, R orthonormal: block-diagonal with Hadamard blocks of
+/// the largest power of two dividing D (the whole of D when it is one; 32 for D = 96, 64 for
+/// D = 192). Computed in f32, returned in x's dtype. Apply it to q and k (never only one).
+pub fn hadamard_rotate(x: &Tensor) -> Result<Tensor> {
+    let d = x.dim(candle_core::D::Minus1)?;
+    if d == 0 {
+        return Ok(x.clone());
+    }
+    let blk = 1usize << d.trailing_zeros();
+    let h = hadamard(blk);
+    let mut r = vec![0f32; d * d];
+    for b0 in (0..d).step_by(blk) {
+        for i in 0..blk {
+            r[(b0 + i) * d + b0..(b0 + i) * d + b0 + blk].copy_from_slice(&h[i * blk..(i + 1) * blk]);
+        }
+    }
+    let r = Tensor::from_vec(r, (d, d), x.device())?;
+    let rows = x.elem_count() / d;
+    x.to_dtype(DType::F32)?.reshape((rows, d))?.matmul(&r)?.to_dtype(x.dtype())?.reshape(x.dims())
+}
+
+/// Attention on e4m3 inputs with any scaling (see [`Fp8Tensor`]), output in `out_dtype`
+/// (f32, f16 or bf16). Every option of [`FlashAttnOptions`] but paged K/V; forward only.
+pub fn flash_attn_fp8(
+    q: &Fp8Tensor,
+    k: &Fp8Tensor,
+    v: &Fp8Tensor,
+    opts: &FlashAttnOptions,
+    out_dtype: DType,
+) -> Result<Tensor> {
+    params::validate_fp8(&q.data, &k.data, &v.data, opts, out_dtype)?;
+    let (q, k, v) = (dequantize(q, out_dtype)?, dequantize(k, out_dtype)?, dequantize(v, out_dtype)?);
+    attend_forward_only(&q, &k, &v, opts)
+}
+
+/// FlashAttention-3's FP8 convention: q, k, v `DType::F8E4M3` in the layouts of
+/// [`crate::flash_attn_with_options`], and optional f32 descales of shape `(B, Hkv)` (B = the
+/// number of sequences for varlen; `None` = 1), the q descale of a query head being that of its
+/// KV head. Output in `out_dtype` (f32, f16 or bf16); forward only.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_fp8_descaled(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    q_descale: Option<&Tensor>,
+    k_descale: Option<&Tensor>,
+    v_descale: Option<&Tensor>,
+    opts: &FlashAttnOptions,
+    out_dtype: DType,
+) -> Result<Tensor> {
+    let shape = params::validate_fp8(q, k, v, opts, out_dtype)?;
+    let (nb, hkv) = (shape.batch, shape.num_kv_heads);
+    for (name, t) in [("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)] {
+        if let Some(t) = t {
+            if t.dims() != [nb, hkv] || t.dtype() != DType::F32 {
+                bail!(
+                    "candle-flash fp8: {name} must be f32 of shape (batch, kv_heads) = ({nb}, {hkv}), got {:?} {:?}",
+                    t.dtype(),
+                    t.dims()
+                )
+            }
+            if !t.device().same_device(q.device()) {
+                bail!(
+                    "candle-flash fp8: {name} is on {:?} but q is on {:?}",
+                    t.device().location(),
+                    q.device().location()
+                )
+            }
+        }
+    }
+    // As Fp8Tensor descales: batched (B, 1, Hkv); varlen: one per packed row (1, total, Hkv),
+    // gathered by each row's sequence (found on the device from the cumulative seqlens).
+    let wrap = |data: &Tensor, descale: Option<&Tensor>, cu: Option<&Tensor>| -> Result<Fp8Tensor> {
+        let ones;
+        let descale = match descale {
+            Some(t) => t,
+            None => {
+                ones = Tensor::ones((nb, hkv), DType::F32, q.device())?;
+                &ones
+            }
+        };
+        match cu {
+            None => {
+                Ok(Fp8Tensor { data: data.clone(), descale: descale.unsqueeze(1)?, block_rows: data.dim(1)?.max(1) })
+            }
+            Some(cu) => {
+                let rows = data.dim(0)?;
+                let seq = row_sequence(cu, rows, nb, q.device())?;
+                Ok(Fp8Tensor {
+                    data: data.clone(),
+                    descale: descale.index_select(&seq, 0)?.unsqueeze(0)?,
+                    block_rows: 1,
+                })
+            }
+        }
+    };
+    let (cq, ck) = match &opts.varlen {
+        Some(vl) => (Some(&vl.seqlens_q), Some(&vl.seqlens_k)),
+        None => (None, None),
+    };
+    let (q, k, v) = (wrap(q, q_descale, cq)?, wrap(k, k_descale, ck)?, wrap(v, v_descale, ck)?);
+    let (q, k, v) = (dequantize(&q, out_dtype)?, dequantize(&k, out_dtype)?, dequantize(&v, out_dtype)?);
+    attend_forward_only(&q, &k, &v, opts)
+}
+
+/// The sequence of each of `rows` packed rows, from cumulative seqlens `cu` (B + 1 entries):
+/// the number of sequence ends at or below the row, capped at B - 1. On the device, no host
+/// read (O(rows · B) comparisons, fine for the dequantizing path).
+fn row_sequence(cu: &Tensor, rows: usize, nb: usize, device: &Device) -> Result<Tensor> {
+    if rows == 0 || nb == 0 {
+        return Tensor::zeros(rows, DType::U32, device);
+    }
+    let ends = cu.to_dtype(DType::I64)?.narrow(0, 1, nb)?.unsqueeze(0)?; // (1, B)
+    let r = Tensor::arange(0i64, rows as i64, device)?.unsqueeze(1)?; // (rows, 1)
+    let seq = r.broadcast_ge(&ends)?.to_dtype(DType::U32)?.sum(1)?;
+    seq.minimum((nb - 1) as f64)?.to_dtype(DType::U32)
+}
+
+/// The regular op on dequantized inputs, marked forward only (its backward is an error).
+fn attend_forward_only(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<Tensor> {
+    let shape = params::validate(q, k, v, opts)?;
+    let lse = LseSlot::default();
+    let op = FlashAttnOp { opts: opts.clone(), shape, lse, forward_only: Some("FP8 attention") };
+    q.apply_op3_arc(k, v, Arc::new(Box::new(op)))
+}

@@ -1,0 +1,274 @@
+//! FP8 (e4m3) attention (`candle_flash::fp8`): quantization round trips, attention on quantized
+//! inputs against the reference (on the dequantized inputs: the same function; on the original
+//! ones: the quantization error), the accuracy of per-tensor vs per-block vs per-block +
+//! Hadamard scaling on inputs with outlier channels, and the errors (dtypes, descale shapes,
+//! paged, backward). CPU always; CUDA when a GPU is present.
+mod common;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_flash::fp8::{self, Fp8Scaling, Fp8Tensor};
+use candle_flash::{reference, FlashAttnOptions, VarLen};
+
+fn randn(shape: (usize, usize, usize, usize), device: &Device) -> Tensor {
+    Tensor::randn(0f32, 1f32, shape, device).unwrap()
+}
+
+/// ‖a − b‖ / ‖b‖ over all elements, in f64.
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap();
+    let b = b.to_dtype(DType::F64).unwrap();
+    let num = (a - &b).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap().sqrt();
+    let den = b.sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap().sqrt();
+    assert!(num.is_finite() && den.is_finite(), "non-finite: {num} / {den}");
+    num / den
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
+    let m = d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
+    assert!(m.is_finite(), "NaN in the comparison");
+    m
+}
+
+#[test]
+fn quantize_round_trip_every_scaling() {
+    for device in common::devices() {
+        let x = randn((2, 113, 4, 64), &device);
+        for (scaling, nb) in [(Fp8Scaling::PerTensor, 1), (Fp8Scaling::PerHead, 1), (Fp8Scaling::PerBlock(16), 8)] {
+            for dtype in [DType::F32, DType::BF16] {
+                let xt = x.to_dtype(dtype).unwrap();
+                let q = fp8::quantize_e4m3(&xt, scaling).unwrap();
+                assert_eq!(q.data.dtype(), DType::F8E4M3);
+                assert_eq!(q.descale.dims(), &[2, nb, 4], "{scaling:?}");
+                let back = fp8::dequantize(&q, DType::F32).unwrap();
+                let e = rel_err(&back, &xt);
+                // e4m3: 3 mantissa bits, a relative rounding error of at most 2^-4 per element
+                // (values far below the group's maximum may be subnormal: a little more)
+                println!("{:?} {scaling:?} {dtype:?}: ‖deq − x‖/‖x‖ = {e:.4}", device.location());
+                assert!(e < 0.04, "{scaling:?} {dtype:?}: {e}");
+                // each group's largest magnitude maps onto ±448
+                let amax = q.data.to_dtype(DType::F32).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+                assert_eq!(amax.to_scalar::<f32>().unwrap(), fp8::E4M3_MAX);
+            }
+        }
+        // all-zero groups: descale 1, zeros back
+        let z = Tensor::zeros((1, 5, 2, 32), DType::F32, &device).unwrap();
+        let q = fp8::quantize_e4m3(&z, Fp8Scaling::PerBlock(2)).unwrap();
+        assert_eq!(q.descale.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![1f32; 6]);
+        assert_eq!(max_abs_diff(&fp8::dequantize(&q, DType::F32).unwrap(), &z), 0.0);
+    }
+}
+
+#[test]
+fn hadamard_rotation_is_orthonormal_and_keeps_qk() {
+    let device = Device::Cpu;
+    for d in [64usize, 96, 128, 192, 256] {
+        let q = randn((1, 17, 2, d), &device);
+        let k = randn((1, 23, 2, d), &device);
+        let (qr, kr) = (fp8::hadamard_rotate(&q).unwrap(), fp8::hadamard_rotate(&k).unwrap());
+        let s = |q: &Tensor, k: &Tensor| {
+            q.transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+                .matmul(&k.transpose(1, 2).unwrap().t().unwrap().contiguous().unwrap())
+                .unwrap()
+        };
+        let e = max_abs_diff(&s(&qr, &kr), &s(&q, &k));
+        assert!(e < 1e-3, "d = {d}: q kᵀ changed by {e}");
+        // norms kept (orthonormal)
+        let n = |t: &Tensor| t.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!((n(&qr) / n(&q) - 1.0).abs() < 1e-4);
+    }
+}
+
+/// FP8 attention equals the regular op on the dequantized inputs, within the parity rule of the
+/// output dtype, and stays near the unquantized result.
+#[test]
+fn fp8_attention_matches_the_reference() {
+    for device in common::devices() {
+        for (name, opts, hkv, sq, sk, d) in [
+            ("plain", FlashAttnOptions::new(0.125), 4, 113, 113, 64),
+            ("causal-gqa", FlashAttnOptions::new(0.1).causal(true), 2, 17, 130, 128),
+            (
+                "window-softcap",
+                FlashAttnOptions::new(0.125).window(Some(20), Some(5)).softcap(Some(8.0)),
+                4,
+                64,
+                64,
+                256,
+            ),
+        ] {
+            let q = randn((2, sq, 4, d), &device);
+            let k = randn((2, sk, hkv, d), &device);
+            let v = randn((2, sk, hkv, d), &device);
+            for (scaling, out_dtype) in [(Fp8Scaling::PerHead, DType::BF16), (Fp8Scaling::PerBlock(64), DType::F16)] {
+                let (q8, k8, v8) = (
+                    fp8::quantize_e4m3(&q, scaling).unwrap(),
+                    fp8::quantize_e4m3(&k, scaling).unwrap(),
+                    fp8::quantize_e4m3(&v, scaling).unwrap(),
+                );
+                let out = fp8::flash_attn_fp8(&q8, &k8, &v8, &opts, out_dtype).unwrap();
+                assert_eq!(out.dtype(), out_dtype);
+                assert_eq!(out.dims(), q.dims());
+                let deq = |t: &Fp8Tensor| fp8::dequantize(t, DType::F64).unwrap();
+                let exact = reference::attention(&deq(&q8), &deq(&k8), &deq(&v8), &opts).unwrap();
+                let naive = reference::attention(
+                    &deq(&q8).to_dtype(out_dtype).unwrap(),
+                    &deq(&k8).to_dtype(out_dtype).unwrap(),
+                    &deq(&v8).to_dtype(out_dtype).unwrap(),
+                    &opts,
+                )
+                .unwrap();
+                let (err, naive_err) = (max_abs_diff(&out, &exact), max_abs_diff(&naive, &exact));
+                let f64_ = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+                let quant_err = rel_err(&out, &reference::attention(&f64_(&q), &f64_(&k), &f64_(&v), &opts).unwrap());
+                println!(
+                    "{:?} {name} {scaling:?} -> {out_dtype:?}: vs dequantized {err:.2e} (naive {naive_err:.2e}), vs unquantized ‖err‖/‖ref‖ {quant_err:.4}",
+                    device.location()
+                );
+                assert!(err <= 2.0 * naive_err + 1e-3, "{name}: {err} vs naive {naive_err}");
+                assert!(quant_err < 0.08, "{name}: quantization error {quant_err}");
+            }
+        }
+    }
+}
+
+/// FlashAttention-3's convention: (B, Hkv) descales, batched and varlen (one descale per
+/// sequence, found from the cumulative seqlens).
+#[test]
+fn descaled_api_batched_and_varlen() {
+    for device in common::devices() {
+        let (h, hkv, d) = (4, 2, 64);
+        let opts = FlashAttnOptions::new(0.125).causal(true);
+        let q = randn((2, 40, h, d), &device);
+        let k = randn((2, 40, hkv, d), &device);
+        let v = randn((2, 40, hkv, d), &device);
+        let per_kv_head = |t: &Tensor| {
+            // the descale of q's heads is their KV head's: quantize with one scale per KV group
+            let (b, s, hh, d) = t.dims4().unwrap();
+            let g = hh / hkv;
+            let grouped = t.reshape((b, s * hkv, g * d)).unwrap(); // not a real layout: only for amax
+            let amax = grouped.abs().unwrap().max(2).unwrap().reshape((b, s, hkv)).unwrap().max(1).unwrap();
+            let descale = (amax / fp8::E4M3_MAX as f64).unwrap();
+            let rows = descale.unsqueeze(1).unwrap().unsqueeze(3).unwrap().unsqueeze(4).unwrap();
+            let x = t.reshape((b, s, hkv, g, d)).unwrap().broadcast_div(&rows).unwrap();
+            (x.reshape((b, s, hh, d)).unwrap().to_dtype(DType::F8E4M3).unwrap(), descale)
+        };
+        let (q8, qd) = per_kv_head(&q);
+        let (k8, kd) = per_kv_head(&k);
+        let (v8, vd) = per_kv_head(&v);
+        let out =
+            fp8::flash_attn_fp8_descaled(&q8, &k8, &v8, Some(&qd), Some(&kd), Some(&vd), &opts, DType::BF16).unwrap();
+        let f64_ = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+        let e = rel_err(&out, &reference::attention(&f64_(&q), &f64_(&k), &f64_(&v), &opts).unwrap());
+        println!("{:?} descaled batched: ‖err‖/‖ref‖ {e:.4}", device.location());
+        assert!(e < 0.08, "{e}");
+        // None descales = 1: the data as is
+        let plain = fp8::flash_attn_fp8_descaled(&q8, &k8, &v8, None, None, None, &opts, DType::F32).unwrap();
+        // (through f32: candle 0.11.1's CPU F8E4M3 -> F64 conversion did not return here)
+        let as_f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let (q32, k32, v32) = (as_f32(&q8), as_f32(&k8), as_f32(&v8));
+        let direct = candle_flash::flash_attn_with_options(&q32, &k32, &v32, &opts).unwrap();
+        assert!(max_abs_diff(&plain, &direct) < 1e-4);
+
+        // varlen: the same two sequences packed; each row takes its sequence's descale
+        let pack = |t: &Tensor| t.flatten(0, 1).unwrap();
+        let seqlens = Tensor::new(&[0u32, 40, 80], &device).unwrap();
+        let vl = VarLen { seqlens_q: seqlens.clone(), seqlens_k: seqlens, max_seqlen_q: 40, max_seqlen_k: 40 };
+        let vopts = opts.clone().varlen(Some(vl));
+        let vout = fp8::flash_attn_fp8_descaled(
+            &pack(&q8),
+            &pack(&k8),
+            &pack(&v8),
+            Some(&qd),
+            Some(&kd),
+            Some(&vd),
+            &vopts,
+            DType::BF16,
+        )
+        .unwrap();
+        assert_eq!(max_abs_diff(&vout, &pack(&out)), 0.0, "varlen differs from batched");
+    }
+}
+
+/// Outlier channels (a few of q's and k's channels 20-50x larger): ‖err‖/‖ref‖ of the output
+/// against the f64 reference on the unquantized inputs, per-tensor vs per-block vs per-block +
+/// Hadamard (q and k rotated by the same matrix before quantization).
+#[test]
+fn outliers_block_scales_and_hadamard() {
+    let device = Device::Cpu;
+    let (b, s, h, d) = (2, 256, 4, 128);
+    let opts = FlashAttnOptions::new(1.0 / (d as f32).sqrt());
+    let mut results = vec![];
+    for trial in 0..3 {
+        let mut mask = vec![1f32; d];
+        for (i, c) in [3usize, 17, 64, 101].iter().enumerate() {
+            mask[(c + 7 * trial) % d] = [20.0, 50.0, 30.0, 40.0][i];
+        }
+        let scale = Tensor::from_vec(mask, d, &device).unwrap();
+        let q = randn((b, s, h, d), &device).broadcast_mul(&scale).unwrap();
+        let k = randn((b, s, h, d), &device).broadcast_mul(&scale).unwrap();
+        let v = randn((b, s, h, d), &device);
+        let f64_ = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+        let exact = reference::attention(&f64_(&q), &f64_(&k), &f64_(&v), &opts).unwrap();
+        let run = |q: &Tensor, k: &Tensor, scaling| {
+            let (q8, k8, v8) = (
+                fp8::quantize_e4m3(q, scaling).unwrap(),
+                fp8::quantize_e4m3(k, scaling).unwrap(),
+                fp8::quantize_e4m3(&v, scaling).unwrap(),
+            );
+            rel_err(&fp8::flash_attn_fp8(&q8, &k8, &v8, &opts, DType::F32).unwrap(), &exact)
+        };
+        let per_tensor = run(&q, &k, Fp8Scaling::PerTensor);
+        let per_block = run(&q, &k, Fp8Scaling::PerBlock(64));
+        let (qr, kr) = (fp8::hadamard_rotate(&q).unwrap(), fp8::hadamard_rotate(&k).unwrap());
+        let block_hadamard = run(&qr, &kr, Fp8Scaling::PerBlock(64));
+        println!("trial {trial}: per-tensor {per_tensor:.4}, per-block {per_block:.4}, per-block + Hadamard {block_hadamard:.4}");
+        results.push((per_tensor, per_block, block_hadamard));
+    }
+    for (per_tensor, per_block, block_hadamard) in results {
+        assert!(per_block <= per_tensor * 1.05, "per-block {per_block} vs per-tensor {per_tensor}");
+        assert!(block_hadamard * 2.0 <= per_tensor, "per-block + Hadamard {block_hadamard} vs per-tensor {per_tensor}");
+    }
+}
+
+#[test]
+fn fp8_errors() {
+    let device = Device::Cpu;
+    let q = randn((1, 8, 2, 64), &device);
+    let q8 = fp8::quantize_e4m3(&q, Fp8Scaling::PerHead).unwrap();
+    let opts = FlashAttnOptions::new(0.125);
+    let err = |r: candle_core::Result<Tensor>| r.unwrap_err().to_string();
+    // e4m3 tensors into the regular functions: pointed at the fp8 module
+    assert!(err(candle_flash::flash_attn_with_options(&q8.data, &q8.data, &q8.data, &opts)).contains("fp8"));
+    // wrong dtypes, output dtype, descale shapes
+    assert!(err(fp8::flash_attn_fp8_descaled(&q, &q, &q, None, None, None, &opts, DType::BF16)).contains("F8E4M3"));
+    assert!(err(fp8::flash_attn_fp8(&q8, &q8, &q8, &opts, DType::U8)).contains("output dtype"));
+    let bad = Tensor::ones((2, 2), DType::F32, &device).unwrap();
+    assert!(err(fp8::flash_attn_fp8_descaled(
+        &q8.data,
+        &q8.data,
+        &q8.data,
+        Some(&bad),
+        None,
+        None,
+        &opts,
+        DType::BF16
+    ))
+    .contains("q_descale"));
+    let wrong = Fp8Tensor { descale: Tensor::ones((1, 3, 2), DType::F32, &device).unwrap(), ..q8.clone() };
+    assert!(err(fp8::flash_attn_fp8(&wrong, &q8, &q8, &opts, DType::BF16)).contains("does not fit"));
+    assert!(fp8::quantize_e4m3(&q, Fp8Scaling::PerBlock(0)).is_err());
+    assert!(fp8::quantize_e4m3(&q.to_dtype(DType::U32).unwrap(), Fp8Scaling::PerHead).is_err());
+    // forward only: a gradient through FP8 attention is an error
+    let x = Var::from_tensor(&q).unwrap();
+    let x8 = fp8::quantize_e4m3(x.as_tensor(), Fp8Scaling::PerHead).unwrap();
+    let y = fp8::flash_attn_fp8(&x8, &x8, &x8, &opts, DType::F32).unwrap();
+    let tracked = (y.sum_all().unwrap() + x.as_tensor().sum_all().unwrap()).unwrap();
+    let grads = tracked.backward();
+    // the descale depends on x (amax), so autograd reaches the op and must refuse
+    match grads {
+        Err(e) => assert!(e.to_string().contains("forward only"), "{e}"),
+        Ok(_) => panic!("a backward through FP8 attention succeeded"),
+    }
+}
