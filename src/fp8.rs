@@ -47,6 +47,21 @@ pub struct Fp8Tensor {
     pub block_rows: usize,
 }
 
+/// `x.to_dtype(dtype)` for conversions to and from e4m3. candle's CUDA casts for F8E4M3 exist
+/// only when its kernels were built for compute capability 8.9 or newer (otherwise "named
+/// symbol not found"); then the conversion goes through the host (a copy each way: this is the
+/// dequantizing path, not a kernel).
+fn cast_e4m3(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    match x.to_dtype(dtype) {
+        Ok(y) => Ok(y),
+        Err(e) if x.device().is_cuda() => {
+            let host = x.to_device(&Device::Cpu)?.to_dtype(dtype).map_err(|_| e)?;
+            host.to_device(x.device())
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// (B, S, H, D) of a 4-d tensor, (1, total, H, D) of a packed 3-d one.
 fn bshd(t: &Tensor) -> Result<(usize, usize, usize, usize)> {
     match t.dims() {
@@ -107,7 +122,7 @@ pub fn quantize_e4m3(x: &Tensor, scaling: Fp8Scaling) -> Result<Fp8Tensor> {
     let zero = amax.eq(0f32)?;
     let descale = zero.where_cond(&amax.ones_like()?, &(amax / E4M3_MAX as f64)?)?;
     let rows = row_descales(&descale, block_rows, (b, s, h))?;
-    let q = x4.broadcast_div(&rows)?.clamp(-E4M3_MAX, E4M3_MAX)?.to_dtype(DType::F8E4M3)?;
+    let q = cast_e4m3(&x4.broadcast_div(&rows)?.clamp(-E4M3_MAX, E4M3_MAX)?, DType::F8E4M3)?;
     Ok(Fp8Tensor { data: q.reshape(x.dims())?, descale, block_rows })
 }
 
@@ -125,7 +140,7 @@ pub fn dequantize(t: &Fp8Tensor, dtype: DType) -> Result<Tensor> {
         )
     }
     let rows = row_descales(&t.descale, t.block_rows, (b, s, h))?;
-    let x = t.data.to_dtype(DType::F32)?.reshape((b, s, h, d))?.broadcast_mul(&rows)?;
+    let x = cast_e4m3(&t.data, DType::F32)?.reshape((b, s, h, d))?.broadcast_mul(&rows)?;
     x.to_dtype(dtype)?.reshape(t.data.dims())
 }
 

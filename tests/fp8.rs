@@ -46,7 +46,19 @@ fn quantize_round_trip_every_scaling() {
                 println!("{:?} {scaling:?} {dtype:?}: ‖deq − x‖/‖x‖ = {e:.4}", device.location());
                 assert!(e < 0.04, "{scaling:?} {dtype:?}: {e}");
                 // each group's largest magnitude maps onto ±448
-                let amax = q.data.to_dtype(DType::F32).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+                // (e4m3 casts on the host: candle's CUDA ones need kernels built for sm_89+)
+                let amax = q
+                    .data
+                    .to_device(&Device::Cpu)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .max(0)
+                    .unwrap();
                 assert_eq!(amax.to_scalar::<f32>().unwrap(), fp8::E4M3_MAX);
             }
         }
@@ -152,7 +164,8 @@ fn descaled_api_batched_and_varlen() {
             let descale = (amax / fp8::E4M3_MAX as f64).unwrap();
             let rows = descale.unsqueeze(1).unwrap().unsqueeze(3).unwrap().unsqueeze(4).unwrap();
             let x = t.reshape((b, s, hkv, g, d)).unwrap().broadcast_div(&rows).unwrap();
-            (x.reshape((b, s, hh, d)).unwrap().to_dtype(DType::F8E4M3).unwrap(), descale)
+            let x = x.reshape((b, s, hh, d)).unwrap().to_device(&Device::Cpu).unwrap();
+            (x.to_dtype(DType::F8E4M3).unwrap().to_device(t.device()).unwrap(), descale)
         };
         let (q8, qd) = per_kv_head(&q);
         let (k8, kd) = per_kv_head(&k);
@@ -166,7 +179,8 @@ fn descaled_api_batched_and_varlen() {
         // None descales = 1: the data as is
         let plain = fp8::flash_attn_fp8_descaled(&q8, &k8, &v8, None, None, None, &opts, DType::F32).unwrap();
         // (through f32: candle 0.11.1's CPU F8E4M3 -> F64 conversion did not return here)
-        let as_f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let as_f32 =
+            |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().to_device(&device).unwrap();
         let (q32, k32, v32) = (as_f32(&q8), as_f32(&k8), as_f32(&v8));
         let direct = candle_flash::flash_attn_with_options(&q32, &k32, &v32, &opts).unwrap();
         assert!(max_abs_diff(&plain, &direct) < 1e-4);
