@@ -5,12 +5,14 @@
 //!
 //! What each case reaches (kernels/dispatch.cu decides): per dtype (f32: the SIMT kernels;
 //! f16/bf16: tensor cores) and head-dim tile (32 ... 256),
-//!   prefill      the one-pass forward (sm_90a: the persistent 128 x 128 configurations), the
+//!   prefill      the one-pass forward (sm_90a: the persistent 128 x 128 configurations for
+//!                d <= 128, 128 x 64 for 192 / 256; Q, K, V by TMA), the
 //!                backward's dsum, dK/dV with atomic dQ, the dQ conversion, and the GQA split
 //!                reduction (4 query heads over 2 KV heads);
 //!   deterministic the dQ pass instead of atomics;
 //!   decode       split-KV with GQA packing and its combine (head-dim tiles 64 and 128);
-//!   varlen       packed sequences, one of them empty on the query side and one on the key side;
+//!   varlen       packed sequences, one of them empty on the query side and one on the key side
+//!                (sm_90a: key blocks that cross a sequence end load with cp.async, the rest by TMA);
 //! and the sm_90a 192 x 96 forward for head dim 64 past 2048 query rows.
 
 mod common;
