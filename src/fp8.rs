@@ -16,7 +16,7 @@
 //! (QGMMA) forward for Hopper is future work (issue 16); it will compute the same function with
 //! e4m3 products. FP8 attention is forward only: a backward through it is an error.
 use crate::op::{FlashAttnOp, LseSlot};
-use crate::params::{self, FlashAttnOptions};
+use crate::params::{self, AttnShape, FlashAttnOptions};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use std::sync::Arc;
 
@@ -196,9 +196,9 @@ pub fn flash_attn_fp8(
     opts: &FlashAttnOptions,
     out_dtype: DType,
 ) -> Result<Tensor> {
-    params::validate_fp8(&q.data, &k.data, &v.data, opts, out_dtype)?;
+    let shape = params::validate_fp8(&q.data, &k.data, &v.data, opts, out_dtype)?;
     let (q, k, v) = (dequantize(q, out_dtype)?, dequantize(k, out_dtype)?, dequantize(v, out_dtype)?);
-    attend_forward_only(&q, &k, &v, opts)
+    attend_forward_only(&q, &k, &v, shape, opts)
 }
 
 /// FlashAttention-3's FP8 convention: q, k, v `DType::F8E4M3` in the layouts of
@@ -268,7 +268,7 @@ pub fn flash_attn_fp8_descaled(
     };
     let (q, k, v) = (wrap(q, q_descale, cq)?, wrap(k, k_descale, ck)?, wrap(v, v_descale, ck)?);
     let (q, k, v) = (dequantize(&q, out_dtype)?, dequantize(&k, out_dtype)?, dequantize(&v, out_dtype)?);
-    attend_forward_only(&q, &k, &v, opts)
+    attend_forward_only(&q, &k, &v, shape, opts)
 }
 
 /// The sequence of each of `rows` packed rows, from cumulative seqlens `cu` (B + 1 entries):
@@ -284,9 +284,15 @@ fn row_sequence(cu: &Tensor, rows: usize, nb: usize, device: &Device) -> Result<
     seq.minimum((nb - 1) as f64)?.to_dtype(DType::U32)
 }
 
-/// The regular op on dequantized inputs, marked forward only (its backward is an error).
-fn attend_forward_only(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<Tensor> {
-    let shape = params::validate(q, k, v, opts)?;
+/// The regular op on dequantized inputs (contiguous, so no realignment), with the shape
+/// `validate_fp8` gave (validated once), marked forward only (its backward is an error).
+fn attend_forward_only(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    shape: AttnShape,
+    opts: &FlashAttnOptions,
+) -> Result<Tensor> {
     let lse = LseSlot::default();
     let op = FlashAttnOp { opts: opts.clone(), shape, lse, forward_only: Some("FP8 attention") };
     q.apply_op3_arc(k, v, Arc::new(Box::new(op)))

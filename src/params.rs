@@ -432,14 +432,20 @@ fn seqlens_batch(name: &str, t: &Tensor, device: &Device) -> candle_core::Result
 /// sizes; the option tensors' values are read and checked on the CPU always, on CUDA only when
 /// asked (see the module documentation).
 pub fn validate(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> candle_core::Result<AttnShape> {
-    let read = !q.device().is_cuda() || opts.check_device_data || check_device_data_env();
-    validate_inner(q, k, v, opts, Inputs::Kernels, read)
+    validate_inner(q, k, v, opts, Inputs::Kernels, read_device_data(q, opts))
+}
+
+/// Whether validation reads the varlen offsets, ALiBi slopes and block table on the host: always
+/// off CUDA, on CUDA only when asked ([`FlashAttnOptions::check_device_data`]).
+fn read_device_data(q: &Tensor, opts: &FlashAttnOptions) -> bool {
+    !q.device().is_cuda() || opts.check_device_data || check_device_data_env()
 }
 
 /// [`validate`] for FP8 attention ([`crate::fp8`]): q, k and v `DType::F8E4M3`, an f32 / f16 /
 /// bf16 output, no paged K/V (its cache would be dequantized whole on every call); the shapes
 /// and every other option as for the other dtypes. The descales are checked where they are
-/// interpreted (`fp8.rs`).
+/// interpreted (`fp8.rs`). The shape returned is that of the attention that runs: dtype
+/// `out_dtype`, on the dequantized inputs.
 pub fn validate_fp8(
     q: &Tensor,
     k: &Tensor,
@@ -458,8 +464,9 @@ pub fn validate_fp8(
     if opts.paged.is_some() {
         bail!("candle-flash fp8: paged K/V is not supported with FP8 inputs")
     }
-    let read = !q.device().is_cuda() || opts.check_device_data || check_device_data_env();
-    validate_inner(q, k, v, opts, Inputs::Fp8, read)
+    let mut shape = validate_inner(q, k, v, opts, Inputs::Fp8, read_device_data(q, opts))?;
+    shape.dtype = out_dtype; // what runs: the regular kernels on the dequantized inputs
+    Ok(shape)
 }
 
 /// [`validate`] for the reference, which also computes in f64 (the tests' ground truth),
