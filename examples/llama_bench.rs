@@ -26,7 +26,8 @@
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use candle_flash::llama::{
-    load_with, AttnImpl, Cache, GgufWeights, Llama, LogitsProcessor, Request, Sampling, Scheduler, SchedulerConfig,
+    load_with, AttnImpl, Cache, DecodeGraph, GgufWeights, Llama, LogitsProcessor, Request, Sampling, Scheduler,
+    SchedulerConfig,
 };
 use clap::Parser;
 use std::path::PathBuf;
@@ -78,6 +79,9 @@ struct Args {
     /// Rows per page of the batched mode's KV cache
     #[arg(long, default_value_t = 16)]
     page_size: usize,
+    /// CUDA graphs for the flash decode (CUDA only): both (a row each, same run), on, off
+    #[arg(long, default_value = "both")]
+    graph: String,
 }
 
 /// Runs `f` and returns its result, its seconds and its peak heap growth in MB (CPU only).
@@ -197,17 +201,62 @@ fn run(
     Ok((prompt.len() as f64 / prefill_secs, prefill_peak, decode_tokens as f64 / decode_secs, decode_peak))
 }
 
+/// Rows per page of the graph runs' cache (one sequence: large pages, a short table).
+const GRAPH_PAGE_SIZE: usize = 256;
+
+/// Like [`run`] with the decode replayed from a CUDA graph (what `Llama::generate` does on
+/// CUDA): the prompt through the paged forward, one capture (timed apart), then the steps.
+/// Returns (prefill tokens/s, decode tokens/s, capture seconds, the generated tokens).
+fn run_graph(model: &Llama, prompt: &[u32], decode_tokens: usize, device: &Device) -> Result<(f64, f64, f64, Vec<u32>)> {
+    let max_len = prompt.len() + decode_tokens;
+    let mut cache = model.new_paged_cache(GRAPH_PAGE_SIZE, None)?;
+    cache.reserve(max_len.div_ceil(GRAPH_PAGE_SIZE))?;
+    cache.add_sequence(0)?;
+    let (logits, prefill_secs, _) = measure(device, || Ok(model.forward_paged(&[(0, prompt)], &mut cache)?))?;
+    let mut next = Scheduler::greedy(&logits.get(0)?)?;
+    let mut tokens = vec![next];
+    let (mut graph, capture_secs, _) = measure(device, || Ok(DecodeGraph::capture(model, &cache, 1, max_len)?))?;
+    let (_, decode_secs, _) = measure(device, || {
+        for _ in 0..decode_tokens {
+            graph.step(&mut cache, &[(0, next)])?;
+            next = graph.tokens()?[0];
+            tokens.push(next);
+        }
+        Ok(())
+    })?;
+    Ok((prompt.len() as f64 / prefill_secs, decode_tokens as f64 / decode_secs, capture_secs, tokens))
+}
+
+/// The greedy tokens of [`run`]'s schedule (prefill, then `decode_tokens` steps), eagerly: what
+/// the graph runs must reproduce.
+fn eager_tokens(model: &Llama, prompt: &[u32], decode_tokens: usize, device: &Device) -> Result<Vec<u32>> {
+    let mut cache = Cache::new(model.config().num_hidden_layers, prompt.len() + decode_tokens);
+    let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
+    let ids = Tensor::new(prompt, device)?.unsqueeze(0)?;
+    let mut next = sampler.sample(&model.forward(&ids, Some(&mut cache))?.squeeze(0)?)?;
+    let mut tokens = vec![next];
+    for _ in 0..decode_tokens {
+        let input = Tensor::new(&[next], device)?.unsqueeze(0)?;
+        next = sampler.sample(&model.forward(&input, Some(&mut cache))?.squeeze(0)?)?;
+        tokens.push(next);
+    }
+    Ok(tokens)
+}
+
 /// One batched measurement.
 struct BatchRun {
     prefill_tps: f64,
     decode_tps: f64,
+    /// The first decode step (on CUDA: the graph capture with one eager step).
+    first_decode_ms: f64,
     /// MB of the pages in use at the peak, and of the pool allocated.
     cache_in_use_mb: f64,
     cache_pool_mb: f64,
 }
 
 /// `b` sequences of `prompt_len` tokens (each a different slice of `base`) through the
-/// scheduler: one prefill step for all, then `decode_tokens` greedy decode steps.
+/// scheduler: one prefill step for all, then `decode_tokens` greedy decode steps (the first
+/// one, which captures the CUDA graph there, timed apart).
 fn run_batch(
     model: &Llama,
     base: &[u32],
@@ -223,15 +272,17 @@ fn run_batch(
         // The first token comes from the prefill step, then one per decode step.
         sched.add(Request::new(prompt, decode_tokens + 1))?;
     }
-    let mut greedy = |_, logits: &Tensor| Scheduler::greedy(logits);
-    let (first, prefill_secs, _) = measure(device, || Ok(sched.step(&mut greedy)?))?;
+    let (first, prefill_secs, _) = measure(device, || Ok(sched.step_greedy()?))?;
     if first.prefill_tokens != b * prompt_len || sched.running() != b {
         bail!("batch {b}: the first step fed {} prompt tokens for {} sequences", first.prefill_tokens, sched.running())
     }
+    // The first decode step stays out of the timing: on CUDA it captures the step's graph
+    // (reported apart).
+    let (_, capture_secs, _) = measure(device, || Ok(sched.step_greedy()?))?;
     let (steps, decode_secs, _) = measure(device, || {
         let mut steps = 0;
         while !sched.is_idle() {
-            let step = sched.step(&mut greedy)?;
+            let step = sched.step_greedy()?;
             if step.decode_tokens != b || step.prefill_tokens != 0 {
                 bail!("batch {b}: a decode step fed {} tokens", step.decode_tokens + step.prefill_tokens)
             }
@@ -244,6 +295,7 @@ fn run_batch(
     Ok(BatchRun {
         prefill_tps: (b * prompt_len) as f64 / prefill_secs,
         decode_tps: (b * steps) as f64 / decode_secs,
+        first_decode_ms: capture_secs * 1e3,
         cache_in_use_mb: c.peak_pages_in_use() as f64 * layer_page_mb,
         cache_pool_mb: c.pool_bytes() as f64 / 1e6,
     })
@@ -287,13 +339,15 @@ fn batch_mode(args: &Args, model: &Llama, base: &[u32], sizes: &str, device: &De
                 "prefill_tokens_per_s_median": prefill_tps.0, "decode_tokens_per_s_median": decode_tps.0,
                 "decode_tokens_per_s_best": decode_tps.1, "cache_in_use_mb": last.cache_in_use_mb,
                 "cache_pool_mb": last.cache_pool_mb, "contiguous_cache_mb": contiguous_mb,
+                "first_decode_step_ms": last.first_decode_ms,
             })
         );
         rows.push((b, prefill_tps, decode_tps, last, contiguous_mb));
     }
     println!(
-        "\n| batch | prompt | prefill tok/s (median) | aggregate decode tok/s ({} steps, median / best) | vs batch {} | cache MB: peak in use / pool / contiguous |",
-        args.decode_tokens, sizes[0]
+        "\n| batch | prompt | prefill tok/s (median) | aggregate decode tok/s ({} steps after the first, median / best) | vs batch {} | cache MB: peak in use / pool / contiguous |",
+        args.decode_tokens.saturating_sub(1),
+        sizes[0]
     );
     println!("|---|---|---|---|---|---|");
     let first = rows.first().map_or(1.0, |r| r.2 .0);
@@ -348,14 +402,59 @@ fn main() -> Result<()> {
         rayon::current_num_threads(),
     );
 
-    // Warm-up: first-touch allocations and thread pools.
+    // Warm-up: first-touch allocations and thread pools (and, on CUDA, kernel loading: the
+    // first forward of a fresh process is timed here).
+    let t = Instant::now();
+    model.forward(&Tensor::new(&prompt_tokens(&base, 16)[..], &device)?.unsqueeze(0)?, None)?.to_vec2::<f32>()?;
+    eprintln!("first forward of this process (16 tokens, no cache): {:.3} s", t.elapsed().as_secs_f64());
     run(&model, &prompt_tokens(&base, 16), 2, &device)?;
     if let Some(sizes) = &args.batch {
         return batch_mode(&args, &model, &base, sizes, &device);
     }
 
+    let (graph_rows, eager_rows) = match (device.is_cuda(), args.graph.as_str()) {
+        (false, _) | (true, "off") => (false, true),
+        (true, "both") => (true, true),
+        (true, "on") => (true, false),
+        (_, other) => bail!("--graph {other:?}: expected both, on or off"),
+    };
     let mut rows = vec![];
     for &n in &lengths {
+        if graph_rows {
+            let prompt = prompt_tokens(&base, n);
+            let (mut pre, mut dec, mut cap, mut same) = (vec![], vec![], vec![], true);
+            let eager = eager_tokens(&model, &prompt, args.decode_tokens, &device)?;
+            for _ in 0..args.repeats {
+                let (p, d, c, tokens) = run_graph(&model, &prompt, args.decode_tokens, &device)?;
+                pre.push(p);
+                dec.push(d);
+                cap.push(c * 1e3);
+                same &= tokens == eager;
+            }
+            let capture_ms = median_best(cap).0;
+            let (prefill_tps, decode_tps) = (median_best(pre), median_best(dec));
+            println!(
+                "{}",
+                serde_json::json!({
+                    "attn": "flash+graph", "prompt_tokens": n, "dtype": args.dtype, "weights": args.weights,
+                    "device": args.device, "prefill_tokens_per_s_median": prefill_tps.0,
+                    "decode_tokens": args.decode_tokens, "decode_tokens_per_s_median": decode_tps.0,
+                    "decode_tokens_per_s_best": decode_tps.1, "graph_capture_ms_median": capture_ms,
+                    "greedy_tokens_equal_eager": same,
+                })
+            );
+            rows.push(Row {
+                name: "flash+graph".into(),
+                prompt: n,
+                prefill_tps,
+                prefill_peak: None,
+                decode_tps,
+                decode_peak: None,
+            });
+        }
+        if !eager_rows {
+            continue;
+        }
         for &attn in &impls {
             model.set_attn_impl(attn);
             let (mut pre, mut dec, mut prefill_peak, mut decode_peak) = (vec![], vec![], None, None);
@@ -398,8 +497,10 @@ fn main() -> Result<()> {
     let cpp_rows = theirs.as_ref().map_or(&[][..], |t| &t.0[..]);
     for r in rows.iter().chain(cpp_rows) {
         let naive = rows.iter().find(|o| o.name == "naive" && o.prompt == r.prompt);
-        let speedup = match naive {
-            Some(n) if r.name == "flash" => format!("{:.2}x", r.prefill_tps.0 / n.prefill_tps.0),
+        let eager = rows.iter().find(|o| o.name == "flash" && o.prompt == r.prompt);
+        let speedup = match (naive, eager) {
+            (Some(n), _) if r.name == "flash" => format!("{:.2}x", r.prefill_tps.0 / n.prefill_tps.0),
+            (_, Some(e)) if r.name == "flash+graph" => format!("decode {:.2}x flash", r.decode_tps.0 / e.decode_tps.0),
             _ => String::new(),
         };
         let vs_cpp = match cpp_rows.iter().find(|c| c.prompt == r.prompt) {

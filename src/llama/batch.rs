@@ -31,9 +31,10 @@
 //! # Ok(()) }
 //! ```
 
+use super::graph::{cuda_graphs_enabled, DecodeGraph};
 use super::model::Llama;
 use super::paged_cache::{PagedKvCache, SeqId};
-use candle_core::{bail, Device, Result, Tensor};
+use candle_core::{bail, Device, Result, Tensor, D};
 use std::collections::VecDeque;
 
 /// One generation request.
@@ -153,7 +154,25 @@ pub struct Scheduler<'m> {
     running: Vec<Running>,
     next_id: SeqId,
     reserved: usize,
+    /// Captured decode steps (CUDA), by batch bucket; see [`Scheduler::decode_graph`].
+    graphs: Vec<DecodeGraph>,
 }
+
+/// How a step chooses each sequence's token.
+enum Choose<'a> {
+    Sample(&'a mut dyn FnMut(SeqId, &Tensor) -> Result<u32>),
+    /// The argmax, computed on the model's device (only the token ids come back).
+    Greedy,
+}
+
+/// A step's results for choosing tokens: the logits rows on the host, or the argmax of each.
+enum Rows {
+    Logits(Tensor),
+    Tokens(Vec<u32>),
+}
+
+/// Graphs a scheduler keeps at most (batch buckets 1, 2, 4, ... and their table widths).
+const MAX_GRAPHS: usize = 8;
 
 impl<'m> Scheduler<'m> {
     pub fn new(model: &'m Llama, cfg: SchedulerConfig) -> Result<Self> {
@@ -164,7 +183,16 @@ impl<'m> Scheduler<'m> {
             bail!("scheduler: prefill_chunk must be at least 1 (or None)")
         }
         let cache = model.new_paged_cache(cfg.page_size, cfg.max_pages)?;
-        Ok(Self { model, cache, cfg, waiting: VecDeque::new(), running: vec![], next_id: 0, reserved: 0 })
+        Ok(Self {
+            model,
+            cache,
+            cfg,
+            waiting: VecDeque::new(),
+            running: vec![],
+            next_id: 0,
+            reserved: 0,
+            graphs: vec![],
+        })
     }
 
     /// Queues a request; returns the id its tokens and result will carry.
@@ -242,18 +270,50 @@ impl<'m> Scheduler<'m> {
     /// whose prompt is complete with `sample(id, logits)` (f32 `(vocab)` on the CPU), and
     /// retires the sequences that stop. Nothing to do: an empty output. After an error (from
     /// the model or from `sample`) the batch's cache state is undefined: drop the scheduler.
+    ///
+    /// On CUDA, a step in which every sequence decodes replays a captured [`DecodeGraph`]
+    /// (unless `CANDLE_FLASH_CUDA_GRAPHS=0`).
     pub fn step(&mut self, sample: &mut dyn FnMut(SeqId, &Tensor) -> Result<u32>) -> Result<StepOutput> {
+        self.step_with(Choose::Sample(sample))
+    }
+
+    /// [`Scheduler::step`] with the greedy choice made on the model's device: only the chosen
+    /// token ids come back to the host, not the `(B, vocab)` logits.
+    pub fn step_greedy(&mut self) -> Result<StepOutput> {
+        self.step_with(Choose::Greedy)
+    }
+
+    fn step_with(&mut self, mut choose: Choose) -> Result<StepOutput> {
         self.admit()?;
         let mut out = StepOutput::default();
         if self.running.is_empty() {
             return Ok(out);
         }
+        let decoding = self.running.iter().all(|r| r.fed >= r.req.prompt.len());
+        let use_graph = decoding && self.decode_graph()?;
         let chunk = self.cfg.prefill_chunk;
         let batch: Vec<(SeqId, &[u32])> = self.running.iter().map(|r| (r.id, r.input(chunk))).collect();
-        // One copy of the whole (B, vocab) to the host per step (none on the CPU), rather than
-        // one device-to-host synchronisation per sequence when `sample` reads its row.
-        let logits = self.model.forward_paged(&batch, &mut self.cache)?.to_device(&Device::Cpu)?;
         let fed: Vec<usize> = batch.iter().map(|(_, t)| t.len()).collect();
+        let greedy = matches!(choose, Choose::Greedy);
+        let rows = if use_graph {
+            let seqs: Vec<(SeqId, u32)> = batch.iter().map(|(id, t)| (*id, t[0])).collect();
+            let Some(g) = self.graphs.last_mut() else { bail!("scheduler: decode graph vanished") };
+            g.step(&mut self.cache, &seqs)?;
+            if greedy {
+                Rows::Tokens(g.tokens()?)
+            } else {
+                Rows::Logits(g.logits()?.to_device(&Device::Cpu)?)
+            }
+        } else {
+            let logits = self.model.forward_paged(&batch, &mut self.cache)?;
+            if greedy {
+                Rows::Tokens(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+            } else {
+                // One copy of the whole (B, vocab) to the host per step (none on the CPU), rather
+                // than one device-to-host synchronisation per sequence when `sample` reads its row.
+                Rows::Logits(logits.to_device(&Device::Cpu)?)
+            }
+        };
         for (i, n) in fed.into_iter().enumerate() {
             let r = &mut self.running[i];
             if r.fed < r.req.prompt.len() {
@@ -265,7 +325,11 @@ impl<'m> Scheduler<'m> {
             } else {
                 out.decode_tokens += 1;
             }
-            let token = sample(r.id, &logits.get(i)?)?;
+            let token = match (&rows, &mut choose) {
+                (Rows::Tokens(t), _) => t[i],
+                (Rows::Logits(l), Choose::Sample(sample)) => sample(r.id, &l.get(i)?)?,
+                (Rows::Logits(l), Choose::Greedy) => Self::greedy(&l.get(i)?)?,
+            };
             r.generated.push(token);
             out.tokens.push((r.id, token));
         }
@@ -294,6 +358,49 @@ impl<'m> Scheduler<'m> {
             }
         }
         Ok(out)
+    }
+
+    /// Makes the last of `self.graphs` one that replays this step (every running sequence
+    /// decoding): a captured graph whose batch is the running count rounded up to a power of two
+    /// (at most `max_batch`; the extra rows are padding), whose table reaches every running
+    /// sequence's longest length, over pages reserved for those lengths. Captures one when none
+    /// fits. False (the step runs eagerly) off CUDA, with graphs disabled, or when the pool cannot
+    /// be reserved within `max_pages`.
+    fn decode_graph(&mut self) -> Result<bool> {
+        if !self.model.device().is_cuda() || !cuda_graphs_enabled() {
+            return Ok(false);
+        }
+        let n = self.running.len();
+        let bucket = n.next_power_of_two().min(self.cfg.max_batch).max(n);
+        let ids: Vec<SeqId> = self.running.iter().map(|r| r.id).collect();
+        if let Some(i) = self.graphs.iter().position(|g| g.batch() == bucket && g.fits(&self.cache, &ids)) {
+            let g = self.graphs.remove(i);
+            self.graphs.push(g);
+            return Ok(true);
+        }
+        // Pages for every running sequence at its longest, so that the pool does not grow (and
+        // invalidate the graphs) while they run.
+        let page = self.cfg.page_size;
+        let longest = self.running.iter().map(|r| r.req.max_cached()).max().unwrap_or(1);
+        let more: usize = self
+            .running
+            .iter()
+            .map(|r| self.cache.pages_needed(Some(r.id), r.req.max_cached().saturating_sub(self.cache.seq_len(r.id).unwrap_or(0))))
+            .sum();
+        let generation = self.cache.pool_generation();
+        if self.cache.reserve(self.cache.pages_in_use() + more).is_err() {
+            return Ok(false);
+        }
+        if self.cache.pool_generation() != generation {
+            self.graphs.clear();
+        }
+        let max_len = longest.next_power_of_two().max(page);
+        let g = DecodeGraph::capture(self.model, &self.cache, bucket, max_len)?;
+        if self.graphs.len() >= MAX_GRAPHS {
+            self.graphs.remove(0);
+        }
+        self.graphs.push(g);
+        Ok(true)
     }
 
     /// Steps until every request has finished; the results in the order they finished.

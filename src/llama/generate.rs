@@ -1,6 +1,7 @@
 //! Text generation with a [`Llama`]: prefill, then one token at a time against the KV cache,
 //! with a [`LogitsProcessor`] choosing each token (feature `llama`).
 
+use super::graph::{cuda_graphs_enabled, DecodeGraph};
 use super::model::{Cache, Llama};
 use super::sampling::LogitsProcessor;
 use candle_core::{bail, Result, Tensor};
@@ -45,6 +46,9 @@ impl Llama {
         if prompt.is_empty() {
             bail!("llama: the prompt has no tokens")
         }
+        if self.device().is_cuda() && cuda_graphs_enabled() {
+            return self.generate_graph(prompt, max_new_tokens, sampler, stop_tokens, on_token);
+        }
         let mut cache = Cache::new(self.config().num_hidden_layers, prompt.len() + max_new_tokens);
         let mut tokens = Vec::with_capacity(max_new_tokens);
         let t0 = Instant::now();
@@ -65,4 +69,49 @@ impl Llama {
         let decode_secs = if tokens.is_empty() { 0.0 } else { t0.elapsed().as_secs_f64() - prefill_secs };
         Ok(Generation { tokens, prompt_tokens: prompt.len(), prefill_secs, decode_secs })
     }
+
+    /// [`Llama::generate`] on CUDA: the prompt through the paged forward, then every decode step
+    /// replayed from one captured [`DecodeGraph`] (captured after the prefill; its capture is
+    /// part of the decode time).
+    fn generate_graph(
+        &self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        sampler: &mut LogitsProcessor,
+        stop_tokens: &[u32],
+        mut on_token: impl FnMut(u32) -> Result<()>,
+    ) -> Result<Generation> {
+        const SEQ: u64 = 0;
+        let max_len = prompt.len() + max_new_tokens;
+        let mut cache = self.new_paged_cache(GRAPH_PAGE_SIZE, None)?;
+        cache.reserve(max_len.div_ceil(GRAPH_PAGE_SIZE))?;
+        cache.add_sequence(SEQ)?;
+        let mut tokens = Vec::with_capacity(max_new_tokens);
+        if max_new_tokens == 0 {
+            return Ok(Generation { tokens, prompt_tokens: prompt.len(), prefill_secs: 0.0, decode_secs: 0.0 });
+        }
+        let t0 = Instant::now();
+        let logits = self.forward_paged(&[(SEQ, prompt)], &mut cache)?;
+        let mut next = sampler.sample(&logits.get(0)?)?;
+        let prefill_secs = t0.elapsed().as_secs_f64();
+        tokens.push(next);
+        on_token(next)?;
+        let mut graph: Option<DecodeGraph> = None;
+        while tokens.len() < max_new_tokens && !stop_tokens.contains(&next) {
+            let g = match &mut graph {
+                Some(g) => g,
+                None => graph.insert(DecodeGraph::capture(self, &cache, 1, max_len)?),
+            };
+            g.step(&mut cache, &[(SEQ, next)])?;
+            next = if sampler.is_greedy() { g.tokens()?[0] } else { sampler.sample(&g.logits()?.get(0)?)? };
+            tokens.push(next);
+            on_token(next)?;
+        }
+        let decode_secs = t0.elapsed().as_secs_f64() - prefill_secs;
+        Ok(Generation { tokens, prompt_tokens: prompt.len(), prefill_secs, decode_secs })
+    }
 }
+
+/// Rows per page of the cache [`Llama::generate`] decodes from on CUDA: large pages (one table
+/// entry per 256 keys) cost nothing for a single sequence and keep the table short.
+const GRAPH_PAGE_SIZE: usize = 256;

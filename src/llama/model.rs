@@ -346,19 +346,44 @@ impl Llama {
         let t = tokens.len();
         let ids = Tensor::from_vec(tokens, t, &self.device)?;
         let rope = self.rotary.rope_at(&step.positions, self.dtype, &self.device)?;
-        let mut x = self.embed_tokens.forward(&ids)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_paged(&x, &rope, cache.layer(i)?, &step, few)?;
-        }
+        let x = self.paged_rows(&ids, &rope, cache, &step, few)?;
         // Each sequence's last row, back in the caller's order.
         let mut last = vec![0u32; batch.len()];
         for (&i, &row) in order.iter().zip(&step.last_rows) {
             last[i] = row;
         }
         let last = Tensor::from_vec(last, batch.len(), &self.device)?;
-        let x = self.norm.forward(&x.index_select(&last, 0)?)?;
         // Every row through the few-rows kernels, as a sequence alone has one row here.
-        self.lm_head.forward_split(&x, batch.len())?.to_dtype(DType::F32)
+        self.head_few(&x.index_select(&last, 0)?)
+    }
+
+    /// The decoder stack over the packed tokens `ids (T)` of a paged step (rotary tables `rope`
+    /// one row per token, the step's addressing in `step`): `(T, hidden)` before the final norm.
+    /// Only device work: no value is read back, nothing is copied from the host (what a captured
+    /// CUDA graph replays, see [`super::graph`]).
+    pub(crate) fn paged_rows(
+        &self,
+        ids: &Tensor,
+        rope: &Rope,
+        cache: &PagedKvCache,
+        step: &PagedStep,
+        few: usize,
+    ) -> Result<Tensor> {
+        let mut x = self.embed_tokens.forward(ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward_paged(&x, rope, cache.layer(i)?, step, few)?;
+        }
+        Ok(x)
+    }
+
+    /// The final norm and lm_head over rows `x (T, hidden)` that all take the few-rows kernels
+    /// (each row is one sequence's last token): logits `(T, vocab)` in f32.
+    pub(crate) fn head_few(&self, x: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward_split(&self.norm.forward(x)?, x.dim(0)?)?.to_dtype(DType::F32)
+    }
+
+    pub(crate) fn rotary(&self) -> &RotaryEmbedding {
+        &self.rotary
     }
 
     /// Logits (f32) of every position, `(B, S, vocab)`.

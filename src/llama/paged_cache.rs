@@ -48,6 +48,8 @@ pub struct PagedKvCache {
     free: Vec<u32>,
     seqs: BTreeMap<SeqId, SeqPages>,
     peak_pages_in_use: usize,
+    /// Incremented by every reallocation of the pool ([`PagedKvCache::pool_generation`]).
+    generation: u64,
 }
 
 /// One forward step's addressing, built by [`PagedKvCache::prepare`] for the packed new tokens of
@@ -82,6 +84,21 @@ pub(crate) struct PagedStep {
 }
 
 /// The paged-attention arguments of a step's sequences after its leading single-token ones.
+/// A step's addressing on the host ([`PagedKvCache::plan`]): what [`PagedStep`] puts on the
+/// device, with the block table `table (B, table_width)` row-major.
+#[derive(Debug)]
+pub(crate) struct HostStep {
+    pub slots: Vec<u32>,
+    pub positions: Vec<usize>,
+    pub cu_q: Vec<u32>,
+    pub cu_k: Vec<u32>,
+    pub last_rows: Vec<u32>,
+    pub table: Vec<u32>,
+    pub table_width: usize,
+    pub max_q: usize,
+    pub max_k: usize,
+}
+
 #[derive(Debug)]
 pub(crate) struct PagedRest {
     pub seqlens_q: Tensor,
@@ -120,6 +137,7 @@ impl PagedKvCache {
             free: vec![],
             seqs: BTreeMap::new(),
             peak_pages_in_use: 0,
+            generation: 0,
         })
     }
 
@@ -241,16 +259,15 @@ impl PagedKvCache {
         // Highest page last out, so that pages are handed out in increasing order.
         self.free.splice(0..0, (self.capacity as u32..cap as u32).rev());
         self.capacity = cap;
+        self.generation += 1;
         Ok(())
     }
 
-    /// Appends `new_tokens` positions to each sequence of `batch` (allocating the pages they
-    /// need) and returns the step's addressing for those tokens packed in the order given. The
-    /// K/V rows themselves are written by each layer ([`crate::write_paged_kv`] with
-    /// `slots`). Errors leave the lengths unchanged; a sequence may appear once per step. With
-    /// `split_single`, the leading single-token sequences are set apart (see
-    /// [`PagedStep::single`]).
-    pub(crate) fn prepare(&mut self, batch: &[(SeqId, usize)], split_single: bool) -> Result<PagedStep> {
+    /// The host side of [`PagedKvCache::prepare`]: pages taken, lengths advanced, and the step's
+    /// addressing as host vectors. `table_width`: the block table's row length when the caller
+    /// needs a fixed one (a captured CUDA graph); an error, before anything changes, when a
+    /// sequence would need more pages than that. Otherwise the widest sequence's page count.
+    pub(crate) fn plan(&mut self, batch: &[(SeqId, usize)], table_width: Option<usize>) -> Result<HostStep> {
         if batch.is_empty() {
             bail!("paged kv cache: a step needs at least one sequence")
         }
@@ -259,11 +276,20 @@ impl PagedKvCache {
             if n == 0 {
                 bail!("paged kv cache: sequence {seq} has no new tokens in this step")
             }
-            if !self.seqs.contains_key(&seq) {
+            let Some(s) = self.seqs.get(&seq) else {
                 bail!("paged kv cache: sequence {seq} is not in the cache (add_sequence first)")
-            }
+            };
             if batch[..i].iter().any(|(s, _)| *s == seq) {
                 bail!("paged kv cache: sequence {seq} appears twice in one step")
+            }
+            if let Some(w) = table_width {
+                if (s.len + n).div_ceil(self.page_size) > w {
+                    bail!(
+                        "paged kv cache: sequence {seq} would reach {} tokens, past the {} the step addresses",
+                        s.len + n,
+                        w * self.page_size
+                    )
+                }
             }
             needed += self.pages_needed(Some(seq), n);
         }
@@ -291,12 +317,41 @@ impl PagedKvCache {
             last.push(cu_q[cu_q.len() - 1] - 1);
             (max_q, max_k, max_pages) = (max_q.max(n), max_k.max(end), max_pages.max(s.pages.len()));
         }
-        let mut table = vec![0u32; batch.len() * max_pages];
-        for (row, (seq, _)) in table.chunks_exact_mut(max_pages).zip(batch) {
+        let width = table_width.unwrap_or(max_pages);
+        let mut table = vec![0u32; batch.len() * width];
+        for (row, (seq, _)) in table.chunks_exact_mut(width).zip(batch) {
             let pages = &self.seqs[seq].pages;
             row[..pages.len()].copy_from_slice(pages);
         }
         self.peak_pages_in_use = self.peak_pages_in_use.max(self.pages_in_use());
+        Ok(HostStep { slots, positions, cu_q, cu_k, last_rows: last, table, table_width: width, max_q, max_k })
+    }
+
+    /// Grows the pool to at least `pages` pages (within `max_pages`), so that later steps take
+    /// pages without reallocating it: a captured CUDA graph addresses the pool's buffers, which
+    /// growth replaces ([`PagedKvCache::pool_generation`] tells when that happened).
+    pub fn reserve(&mut self, pages: usize) -> Result<()> {
+        if pages > self.capacity {
+            self.grow(pages - self.pages_in_use())?;
+        }
+        Ok(())
+    }
+
+    /// Changes whenever the pool's buffers are reallocated (growth).
+    pub fn pool_generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Appends `new_tokens` positions to each sequence of `batch` (allocating the pages they
+    /// need) and returns the step's addressing for those tokens packed in the order given. The
+    /// K/V rows themselves are written by each layer ([`crate::write_paged_kv`] with
+    /// `slots`). Errors leave the lengths unchanged; a sequence may appear once per step. With
+    /// `split_single`, the leading single-token sequences are set apart (see
+    /// [`PagedStep::single`]).
+    pub(crate) fn prepare(&mut self, batch: &[(SeqId, usize)], split_single: bool) -> Result<PagedStep> {
+        let HostStep { slots, positions, cu_q, cu_k, last_rows: last, table, table_width: max_pages, max_q, max_k } =
+            self.plan(batch, None)?;
+        let total = slots.len();
         let dev = &self.device;
         let b = batch.len();
         let single = if split_single { batch.iter().take_while(|(_, n)| *n == 1).count() } else { 0 };

@@ -40,6 +40,11 @@ impl LogitsProcessor {
         Self { sampling, state: seed }
     }
 
+    /// Whether every choice is the argmax (no randomness), which callers may compute on the device.
+    pub fn is_greedy(&self) -> bool {
+        self.sampling == Sampling::Greedy
+    }
+
     fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.state;
