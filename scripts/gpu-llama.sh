@@ -30,9 +30,9 @@ if [ "$what" = pack ]; then
   cp ../shared/device/cuda-libs.sh /tmp/gpu-llama-bin/
   tar -C /tmp/gpu-llama-bin -cf - . | xz -9 -T0 > gpu-llama/a/bin.tar.xz
   (cd "$(dirname "$MODEL")" && sha256sum "$(basename "$MODEL")") > gpu-llama/b/model.sha256
-  split -b 47000000 -d "$MODEL" /tmp/gpu-llama-part.
-  mv /tmp/gpu-llama-part.00 gpu-llama/a/part.00
-  mv /tmp/gpu-llama-part.01 gpu-llama/b/part.01
+  # Two parts: the first beside the binaries within 64 MiB, the rest alone.
+  head -c 47000000 "$MODEL" > gpu-llama/a/part.00
+  tail -c +47000001 "$MODEL" > gpu-llama/b/part.01
   du -sh gpu-llama/a gpu-llama/b
   exit 0
 fi
