@@ -24,9 +24,9 @@ if [ "$what" = pack ]; then
   # shellcheck disable=SC1091
   source .cuda/env.sh
   cargo build --release --features cuda,llama --example llama --example llama_bench
-  rm -rf gpu-llama && mkdir -p gpu-llama/a gpu-llama/b /tmp/gpu-llama-bin
+  rm -rf gpu-llama/a gpu-llama/b /tmp/gpu-llama-bin && mkdir -p gpu-llama/a gpu-llama/b /tmp/gpu-llama-bin
   cp "${CARGO_TARGET_DIR:-target}"/release/examples/{llama,llama_bench} /tmp/gpu-llama-bin/
-  strip /tmp/gpu-llama-bin/*
+  strip /tmp/gpu-llama-bin/llama /tmp/gpu-llama-bin/llama_bench
   cp ../shared/device/cuda-libs.sh /tmp/gpu-llama-bin/
   tar -C /tmp/gpu-llama-bin -cf - . | xz -9 -T0 > gpu-llama/a/bin.tar.xz
   (cd "$(dirname "$MODEL")" && sha256sum "$(basename "$MODEL")") > gpu-llama/b/model.sha256

@@ -8,7 +8,8 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_flash::llama::{
-    apply_rope, apply_rope_interleaved, permute_qk_rows, unpermute_qk_rows, AttnImpl, Cache, FinishReason, KvCache,
+    apply_rope, apply_rope_interleaved, permute_qk_rows, unpermute_qk_rows, AttnImpl, Cache, DecodeGraph, FinishReason,
+    KvCache,
     Llama, Llama3RopeScaling, LlamaAttention, LlamaConfig, Request, RopeScaling, RotaryEmbedding, Scheduler,
     SchedulerConfig,
 };
@@ -487,6 +488,122 @@ fn cuda_greedy_tokens_equal_cpu() -> Result<()> {
             cpu,
             "{attn:?} on CUDA vs flash on CPU"
         );
+    }
+    Ok(())
+}
+
+/// Decode steps replayed from a captured CUDA graph equal the eager paged forward: three
+/// sequences of different lengths (a graph of batch 4, so one padding row), steps with all three
+/// and with two (one more padding row), every logit row and greedy token compared; a step that
+/// would outgrow the graph's length, or that follows a reallocation of the pool, is an error
+/// that changes nothing. Without a GPU, capturing on the CPU is an error (and the rest skips).
+#[test]
+fn cuda_graph_decode_equals_eager_paged_forward() -> Result<()> {
+    let cpu_model = tiny_model(3, true, AttnImpl::Flash, &DEV)?;
+    let mut cpu_cache = cpu_model.new_paged_cache(4, None)?;
+    cpu_cache.reserve(8)?;
+    assert!(DecodeGraph::capture(&cpu_model, &cpu_cache, 1, 16).is_err(), "a graph on the CPU must be an error");
+    let gpu = match candle_core::Device::new_cuda(0) {
+        Ok(d) if cfg!(feature = "cuda") => d,
+        Ok(_) | Err(_) => {
+            println!("CUDA graph decode skipped: no GPU (or built without the `cuda` feature)");
+            return Ok(());
+        }
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        let vb = VarBuilder::from_tensors(tiny_weights(3, true), dtype, &gpu);
+        let m = Llama::load(vb, &tiny_config(true), AttnImpl::Flash, &mut |_, _| {})?;
+        let prompts: [Vec<u32>; 3] = [PROMPT.to_vec(), PROMPT[..3].to_vec(), PROMPT[2..9].to_vec()];
+        let (page, max_len) = (4, 40);
+        // Two caches with the same history: one decoded eagerly, one through the graph.
+        let mut eager = m.new_paged_cache(page, None)?;
+        let mut graphed = m.new_paged_cache(page, None)?;
+        graphed.reserve(3 * max_len / page)?;
+        let mut next = vec![0u32; 3];
+        for (c, cache) in [&mut eager, &mut graphed].into_iter().enumerate() {
+            for (s, p) in prompts.iter().enumerate() {
+                cache.add_sequence(s as u64)?;
+                let logits = m.forward_paged(&[(s as u64, p)], cache)?;
+                let t = logits.get(0)?.argmax(0)?.to_scalar::<u32>()?;
+                if c == 0 {
+                    next[s] = t;
+                } else {
+                    assert_eq!(t, next[s], "{dtype:?}: prefill differs between two identical caches");
+                }
+            }
+        }
+        println!("{dtype:?}: prefill done, capturing");
+        let mut graph = DecodeGraph::capture(&m, &graphed, 4, max_len)?;
+        println!("{dtype:?}: captured");
+        // Relative to the largest logit: the two runs differ in the attention's split-KV plan.
+        let tol = if dtype == DType::F32 { 1e-4 } else { 3e-2 };
+        for step in 0..24 {
+            // Sequence 1 leaves after 12 steps: the later steps run 2 rows of the 4.
+            let live: Vec<u64> = if step < 12 { vec![0, 1, 2] } else { vec![0, 2] };
+            let seqs: Vec<(u64, u32)> = live.iter().map(|&s| (s, next[s as usize])).collect();
+            let want = m.forward_paged(&seqs.iter().map(|(s, t)| (*s, std::slice::from_ref(t))).collect::<Vec<_>>(), &mut eager)?;
+            graph.step(&mut graphed, &seqs)?;
+            let got = graph.logits()?;
+            println!("{dtype:?}: step {step} launched and read");
+            let diff = max_abs_diff(&got, &want);
+            assert!(diff <= tol * max_abs(&want), "{dtype:?} step {step}: graph vs eager logits differ by {diff}");
+            let tokens = graph.tokens()?;
+            assert_eq!(tokens, got.argmax(1)?.to_vec1::<u32>()?, "{dtype:?} step {step}: the graph's argmax");
+            if dtype == DType::F32 {
+                // (bf16 rounds the two attention split plans apart enough to flip near ties.)
+                assert_eq!(tokens, want.argmax(1)?.to_vec1::<u32>()?, "{dtype:?} step {step}: greedy tokens");
+            }
+            for (&s, &t) in live.iter().zip(&tokens) {
+                assert_eq!(graphed.seq_len(s), eager.seq_len(s));
+                next[s as usize] = t;
+            }
+        }
+        // Sequence 0 is at 11 + 24 = 35 tokens; 5 more steps reach 40, the sixth would pass it.
+        for _ in 0..5 {
+            graph.step(&mut graphed, &[(0, 1)])?;
+        }
+        assert_eq!(graphed.seq_len(0), Some(40));
+        assert!(graph.step(&mut graphed, &[(0, 1)]).is_err(), "a step past max_seq_len must be an error");
+        assert_eq!(graphed.seq_len(0), Some(40), "a refused step must not advance the cache");
+        // Too many sequences for the graph's batch.
+        graphed.add_sequence(7)?;
+        graphed.add_sequence(8)?;
+        let five: Vec<(u64, u32)> = [1, 2, 7, 8, 0].iter().map(|&s| (s, 1)).collect();
+        assert!(graph.step(&mut graphed, &five).is_err(), "five sequences in a graph of four must be an error");
+        // A reallocated pool: the graph's buffers are stale.
+        let cap = graphed.capacity_pages();
+        graphed.reserve(cap + 1)?;
+        assert!(graph.step(&mut graphed, &[(2, 1)]).is_err(), "a step after the pool grew must be an error");
+    }
+    Ok(())
+}
+
+/// The scheduler on CUDA (decode steps through graphs, batch buckets 4 and 2, with padding
+/// rows as sequences leave) generates for each request the greedy tokens of that request alone
+/// through the contiguous cache.
+#[test]
+fn cuda_scheduler_with_graphs_equals_alone() -> Result<()> {
+    let gpu = match candle_core::Device::new_cuda(0) {
+        Ok(d) if cfg!(feature = "cuda") => d,
+        Ok(_) | Err(_) => {
+            println!("CUDA scheduler skipped: no GPU (or built without the `cuda` feature)");
+            return Ok(());
+        }
+    };
+    let m = tiny_model(5, true, AttnImpl::Flash, &gpu)?;
+    let reqs: Vec<(Vec<u32>, usize)> =
+        vec![(PROMPT.to_vec(), 20), (PROMPT[..2].to_vec(), 6), (PROMPT[3..].to_vec(), 14), (PROMPT[1..6].to_vec(), 9)];
+    let mut sched = Scheduler::new(&m, SchedulerConfig { max_batch: 3, page_size: 4, ..Default::default() })?;
+    for (p, n) in &reqs {
+        sched.add(Request::new(p.clone(), *n))?;
+    }
+    let mut done = vec![];
+    while !sched.is_idle() {
+        done.extend(sched.step_greedy()?.finished);
+    }
+    done.sort_by_key(|f| f.id);
+    for (f, (p, n)) in done.iter().zip(&reqs) {
+        assert_eq!(f.tokens, greedy(&m, p, *n)?, "request {}: scheduler with graphs vs alone", f.id);
     }
     Ok(())
 }

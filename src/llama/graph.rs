@@ -58,6 +58,9 @@ pub struct DecodeGraph {
     tokens: Tensor,
     /// Sequences in the last step (the rows that are not padding).
     rows: usize,
+    /// Device buffers the graph reads that nothing else holds (the rotary tables and the query
+    /// offsets): they must live as long as the graph.
+    _held: [Tensor; 3],
     exec: GraphExec,
 }
 
@@ -158,6 +161,12 @@ impl DecodeGraph {
             logits.slice_set(&l, 0, 0)?;
             tokens.slice_set(&l.argmax(D::Minus1)?, 0, 0)
         };
+        // Candle uploads some kernels' shape parameters from the host on each call; a graph
+        // would keep the host pointer of a copy made during capture. With its graph cache on
+        // (this thread, until the guard drops), the eager step uploads each parameter vector
+        // once into a buffer that stays alive, and the capture reuses those buffers.
+        #[cfg(feature = "cuda")]
+        let _htod_cache = device.as_cuda_device()?.enable_cuda_graph_htod_cache();
         body()?;
         device.synchronize()?;
         let exec = record(device, &body)?;
@@ -170,6 +179,7 @@ impl DecodeGraph {
             logits,
             tokens,
             rows: 0,
+            _held: [tables.cos, tables.sin, seqlens_q],
             exec,
         })
     }
