@@ -124,6 +124,33 @@ size_t cf_bwd_workspace_size(const CfBwdParams* p);
 // undefined on entry (cf_bwd clears what it needs on `stream`).
 int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream);
 
+// The Llama block's step between its projections and the attention, in one pass over T rows:
+// the rotary embedding of q and k, and the write of the rotated k and of v into a paged cache
+// (src/paged.rs: rope_write_paged_kv). Row t of q_in / k_in / v_in holds h / hkv / hkv heads of
+// d values (head stride d, the row strides given; the three may be views of one fused
+// projection). Row t is rotated with cos / sin row t (d/2 values each, in `dtype`): the pairs
+// (x[i], x[i + d/2]) become (x[i] cos - x[i + d/2] sin, x[i] sin + x[i + d/2] cos), computed in
+// f32 and rounded once. q_out (T, h, d) gets the rotated q; the caches (num_slots, hkv, d) get
+// row t's rotated k and its v at slot slots[t], unless slots[t] >= num_slots (u32::MAX marks
+// padding): then nothing is written for that row, so no slot value writes outside the caches.
+typedef struct {
+    const void* q_in;
+    const void* k_in;
+    const void* v_in;
+    const void* cos;
+    const void* sin;
+    const uint32_t* slots;
+    void* q_out;
+    void* k_cache;
+    void* v_cache;
+    int64_t q_row_stride, k_row_stride, v_row_stride;
+    int64_t num_slots;
+    int32_t t, h, hkv, d;
+    int32_t dtype;  // CfDType of everything but slots
+} CfRopeKvParams;
+
+int cf_rope_kv_write(const CfRopeKvParams* p, cudaStream_t stream);
+
 // Text for any status returned above (static storage, never NULL).
 const char* cf_error_string(int status);
 

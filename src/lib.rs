@@ -48,7 +48,7 @@ pub mod paged;
 pub mod params;
 pub mod reference;
 
-pub use paged::write_paged_kv;
+pub use paged::{rope_write_paged_kv, write_paged_kv};
 pub use params::{
     FlashAttnOptions, PagedKv, VarLen, CHECK_DEVICE_DATA_ENV, MAX_CUDA_GRID_YZ, MAX_CUDA_SEQLEN_SUM, MAX_HEAD_DIM,
 };

@@ -825,6 +825,66 @@ pub fn validate_backward(
     Ok(())
 }
 
+/// What [`validate_rope_cache_write`] found.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeCacheWriteShape {
+    /// Rows (tokens), query heads, KV heads, head dim.
+    pub t: usize,
+    pub h: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub cache: CacheWriteShape,
+}
+
+/// Checks a fused rotary embedding and paged cache write ([`crate::rope_write_paged_kv`]): q
+/// `(T, H, D)`, k and v `(T, Hkv, D)` with their last two axes contiguous (rows may be strided:
+/// views of one fused projection), cos and sin `(T, D/2)` contiguous, all of one float dtype and
+/// device, D even; the caches and slots as [`validate_cache_write`] checks them.
+pub fn validate_rope_cache_write(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    slot_mapping: &Tensor,
+) -> candle_core::Result<RopeCacheWriteShape> {
+    let cache = validate_cache_write(k_cache, v_cache, k, v, slot_mapping)?;
+    let (t, hkv, d) = k.dims3()?;
+    check_float_dtype("q", q, true)?;
+    check_same_device("q", q, k.device())?;
+    if q.dtype() != k.dtype() {
+        bail!("candle-flash: q has dtype {:?} but k has {:?}", q.dtype(), k.dtype())
+    }
+    let h = match q.dims() {
+        &[qt, h, qd] if qt == t && qd == d => h,
+        dims => bail!("candle-flash: q must have shape [{t}, heads, {d}] (k's rows and head dim), got {dims:?}"),
+    };
+    if d % 2 != 0 {
+        bail!("candle-flash: the rotary embedding needs an even head dim, got {d}")
+    }
+    for (name, x) in [("q", q), ("k", k), ("v", v)] {
+        let st = x.stride();
+        if st[2] != 1 || (x.dim(1)? > 1 && st[1] != d) {
+            bail!("candle-flash: {name}'s heads must be contiguous (strides [_, {d}, 1]), got {st:?}")
+        }
+    }
+    for (name, x) in [("cos", cos), ("sin", sin)] {
+        check_same_device(name, x, k.device())?;
+        if x.dtype() != k.dtype() || x.dims() != [t, d / 2] {
+            bail!(
+                "candle-flash: {name} must be [{t}, {}] {:?} (a row per token), got {:?} {:?}",
+                d / 2,
+                k.dtype(),
+                x.dims(),
+                x.dtype()
+            )
+        }
+    }
+    Ok(RopeCacheWriteShape { t, h, hkv, d, cache })
+}
+
 /// What [`validate_cache_write`] found: the cache's slot count and row width (Hkv · D).
 #[derive(Clone, Copy, Debug)]
 pub struct CacheWriteShape {

@@ -7,7 +7,7 @@
 
 mod common;
 use candle_core::{DType, Device, Result, Tensor, Var};
-use candle_flash::{reference, write_paged_kv, FlashAttnOptions, PagedKv};
+use candle_flash::{reference, rope_write_paged_kv, write_paged_kv, FlashAttnOptions, PagedKv};
 use common::{floor, make_inputs, max_err, options, Case};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -425,6 +425,81 @@ fn write_paged_kv_writes_in_place() -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// The fused rotary embedding + cache write against its composition (candle-nn's `rope_thd` on
+/// q and k, then [`write_paged_kv`]), on one device: q / k / v as views of one fused projection
+/// (strided rows), T = 1, 17 and 113 rows, padding (u32::MAX) and out-of-range slots that must
+/// write nothing. On the CPU the op is that composition (bitwise); on CUDA one kernel that
+/// rotates in f32 and rounds once (within a rounding of the dtype). Bad shapes are errors.
+#[test]
+fn rope_write_paged_kv_matches_composition() -> Result<()> {
+    let mut devices = vec![(Device::Cpu, [0.0, 0.0, 0.0])];
+    if let Some(gpu) = common::cuda_device() {
+        devices.push((gpu, [1e-6, 1e-3, 8e-3]));
+    }
+    let (h, hkv, d, pages, page) = (6, 2, 32, 9, 16);
+    let mut rng = StdRng::seed_from_u64(11);
+    for (dev, tols) in &devices {
+        for (dtype, tol) in DTYPES.into_iter().zip(*tols) {
+            for t in [1usize, 17, 113] {
+                let fused = Tensor::randn(0f32, 1., (t, h + 2 * hkv, d), dev)?.to_dtype(dtype)?;
+                let (q, k, v) = (fused.narrow(1, 0, h)?, fused.narrow(1, h, hkv)?, fused.narrow(1, h + hkv, hkv)?);
+                let angles = Tensor::randn(0f32, 3., (t, d / 2), dev)?;
+                let (cos, sin) = (angles.cos()?.to_dtype(dtype)?, angles.sin()?.to_dtype(dtype)?);
+                // Distinct slots in random order, some padding, some past the cache.
+                let mut slots: Vec<u32> = (0..(pages * page) as u32).collect();
+                slots.shuffle(&mut rng);
+                slots.truncate(t);
+                for (i, s) in slots.iter_mut().enumerate() {
+                    match i % 7 {
+                        3 => *s = u32::MAX,
+                        5 => *s = (pages * page) as u32 + i as u32,
+                        _ => {}
+                    }
+                }
+                if dev.is_cpu() {
+                    // The CPU checks slot values: only padding is allowed there.
+                    slots.iter_mut().filter(|s| **s != u32::MAX && **s >= (pages * page) as u32).for_each(|s| *s = u32::MAX);
+                }
+                let slots = Tensor::new(slots.as_slice(), dev)?;
+                let caches = |fill: f64| -> Result<(Tensor, Tensor)> {
+                    let c = (Tensor::ones((pages, page, hkv, d), DType::F32, dev)? * fill)?.to_dtype(dtype)?;
+                    Ok((c.clone(), c.copy()?))
+                };
+                let (kc, vc) = caches(0.5)?;
+                let (kc_ref, vc_ref) = caches(0.5)?;
+                let q_out = rope_write_paged_kv(&q, &k, &v, &cos, &sin, &kc, &vc, &slots)?;
+                let rope = |x: &Tensor| -> Result<Tensor> {
+                    candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?.contiguous()?, &cos, &sin)?.squeeze(0)
+                };
+                let q_ref = rope(&q)?;
+                write_paged_kv(&kc_ref, &vc_ref, &rope(&k)?, &v, &slots)?;
+                let ctx = format!("{dtype:?} t={t} on {:?}", dev.location());
+                assert_eq!(q_out.dims(), &[t, h, d], "{ctx}");
+                for (name, got, want) in [("q", &q_out, &q_ref), ("k_cache", &kc, &kc_ref), ("v_cache", &vc, &vc_ref)] {
+                    let err = max_err(got, want);
+                    assert!(err <= tol, "{ctx}: {name} differs from the composition by {err} (tol {tol})");
+                }
+            }
+        }
+    }
+    // Bad shapes.
+    let dev = Device::Cpu;
+    let x = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &dev).unwrap();
+    let (kc, vc, slots) = (x(&[2, 4, 2, 8]), x(&[2, 4, 2, 8]), Tensor::new(&[0u32, 1], &dev)?);
+    let (q, k, cs) = (x(&[2, 4, 8]), x(&[2, 2, 8]), x(&[2, 4]));
+    expect_err(rope_write_paged_kv(&q, &k, &k, &cs, &x(&[2, 3]), &kc, &vc, &slots), &["sin", "[2, 4]"]);
+    expect_err(rope_write_paged_kv(&x(&[2, 4, 6]), &k, &k, &cs, &cs, &kc, &vc, &slots), &["q must have shape"]);
+    expect_err(rope_write_paged_kv(&q.transpose(0, 1)?, &k, &k, &cs, &cs, &kc, &vc, &slots), &["q must have shape"]);
+    let q_strided_heads = x(&[2, 8, 4]).transpose(1, 2)?;
+    expect_err(rope_write_paged_kv(&q_strided_heads, &k, &k, &cs, &cs, &kc, &vc, &slots), &["heads must be contiguous"]);
+    let (k_odd, kc_odd, cs_odd) = (x(&[2, 2, 7]), x(&[2, 4, 2, 7]), x(&[2, 3]));
+    expect_err(
+        rope_write_paged_kv(&x(&[2, 4, 7]), &k_odd, &k_odd, &cs_odd, &cs_odd, &kc_odd, &kc_odd, &slots),
+        &["even head dim"],
+    );
     Ok(())
 }
 

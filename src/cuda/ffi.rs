@@ -83,7 +83,32 @@ pub struct CfBwdParams {
 const _: () = assert!(std::mem::size_of::<CfFwdParams>() == 272);
 const _: () = assert!(std::mem::size_of::<CfBwdParams>() == 408);
 
+/// `CfRopeKvParams`: the fused rotary embedding and paged cache write.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CfRopeKvParams {
+    pub q_in: *const c_void,
+    pub k_in: *const c_void,
+    pub v_in: *const c_void,
+    pub cos: *const c_void,
+    pub sin: *const c_void,
+    pub slots: *const u32,
+    pub q_out: *mut c_void,
+    pub k_cache: *mut c_void,
+    pub v_cache: *mut c_void,
+    pub q_row_stride: i64,
+    pub k_row_stride: i64,
+    pub v_row_stride: i64,
+    pub num_slots: i64,
+    pub t: i32,
+    pub h: i32,
+    pub hkv: i32,
+    pub d: i32,
+    pub dtype: i32,
+}
+
 extern "C" {
+    pub fn cf_rope_kv_write(p: *const CfRopeKvParams, stream: *mut c_void) -> c_int;
     pub fn cf_fwd_workspace_size(p: *const CfFwdParams) -> usize;
     pub fn cf_fwd(p: *const CfFwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;
     pub fn cf_bwd_workspace_size(p: *const CfBwdParams) -> usize;

@@ -406,3 +406,87 @@ pub fn enable_allocation_caching(device: &CudaDevice) -> Result<()> {
     }
     Ok(())
 }
+
+/// `cf_rope_kv_write`: see [`crate::rope_write_paged_kv`], which validated the shapes, the
+/// strides and the dtypes (f32 / f16 / bf16, u32 slots) into `shape`. The caches are written in
+/// place through their storage (as candle's own in-place scatter does); the rotated q is a new
+/// tensor.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_kv_write(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    slots: &Tensor,
+    shape: &crate::params::RopeCacheWriteShape,
+) -> Result<Tensor> {
+    let dev = q.device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    let dtype = q.dtype();
+    let n = shape.t * shape.h * shape.d;
+    let guards = [q, k, v, cos, sin, k_cache, v_cache, slots].map(Tensor::storage_and_layout);
+    let names = ["q", "k", "v", "cos", "sin", "k_cache", "v_cache", "slot_mapping"];
+    let mut args = Vec::with_capacity(guards.len());
+    for (g, name) in guards.iter().zip(names) {
+        args.push(TensorArg::read(device_storage::<CudaStorage>(name, g)?, &stream)?);
+    }
+    let row_stride = |t: &Tensor| t.stride()[0] as i64;
+    let run = |out: u64| -> Result<()> {
+        let p = ffi::CfRopeKvParams {
+            q_in: const_ptr(&args[0]),
+            k_in: const_ptr(&args[1]),
+            v_in: const_ptr(&args[2]),
+            cos: const_ptr(&args[3]),
+            sin: const_ptr(&args[4]),
+            slots: const_ptr(&args[7]) as *const u32,
+            q_out: out as *mut c_void,
+            k_cache: mut_ptr(&args[5]),
+            v_cache: mut_ptr(&args[6]),
+            q_row_stride: row_stride(q),
+            k_row_stride: row_stride(k),
+            v_row_stride: row_stride(v),
+            num_slots: shape.cache.slots as i64,
+            t: i32::try_from(shape.t).map_err(|_| Error::Msg(format!("candle-flash: {} rows", shape.t)))?,
+            h: shape.h as i32,
+            hkv: shape.hkv as i32,
+            d: shape.d as i32,
+            dtype: dtype_code(dtype)?,
+        };
+        // SAFETY: the pointers address live buffers of the validated extents (q/k/v rows at
+        // their strides, cos/sin and the caches contiguous, `out` t*h*d elements just
+        // allocated); slots at or past num_slots write nothing; the call only enqueues work on
+        // candle's stream.
+        let status = unsafe { ffi::cf_rope_kv_write(&p, stream.cu_stream() as *mut c_void) };
+        check(status, "cf_rope_kv_write")
+    };
+    fn alloc_run<T: CudaDType + DeviceRepr>(
+        dev: &CudaDevice,
+        stream: &CudaStream,
+        n: usize,
+        run: impl Fn(u64) -> Result<()>,
+    ) -> Result<CudaStorage> {
+        let mut out = alloc_output::<T>(dev, stream, n)?;
+        {
+            let (ptr, _sync) = out.device_ptr_mut(stream);
+            run(ptr)?;
+        }
+        Ok(T::wrap_cuda_slice(out, dev.clone()))
+    }
+    let storage = match dtype {
+        DType::F32 => alloc_run::<f32>(&dev, &stream, n, run)?,
+        DType::F16 => alloc_run::<f16>(&dev, &stream, n, run)?,
+        DType::BF16 => alloc_run::<bf16>(&dev, &stream, n, run)?,
+        dt => bail!("candle-flash: unsupported dtype {dt:?} on cuda"),
+    };
+    drop(args);
+    drop(guards);
+    Ok(Tensor::from_storage(
+        candle_core::Storage::Cuda(storage),
+        (shape.t, shape.h, shape.d),
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
+}

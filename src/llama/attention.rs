@@ -167,13 +167,10 @@ impl LlamaAttention {
     ) -> Result<Tensor> {
         let (t, _hidden) = x.dims2()?;
         let (h, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let (q, k, v) = self.proj.forward(x, few)?;
-        // rope_thd wants (B, S, H, D): the packed tokens are one "sequence" of T positions, each
-        // with its own row of the tables.
-        let q = apply_rope(&q.reshape((1, t, h, d))?, rope)?.reshape((t, h, d))?;
-        let k = apply_rope(&k.reshape((1, t, hkv, d))?, rope)?.reshape((t, hkv, d))?;
-        let v = v.reshape((t, hkv, d))?;
-        crate::write_paged_kv(k_cache, v_cache, &k, &v, &step.slots)?;
+        let (q, k, v) = self.proj.forward_heads(x, few, (h, hkv, d))?;
+        // Each packed token at its own position (one row of the tables each); on CUDA one
+        // kernel rotates q and k and writes k and v into their slots.
+        let q = crate::rope_write_paged_kv(&q, &k, &v, &rope.cos, &rope.sin, k_cache, v_cache, &step.slots)?;
         let opts = FlashAttnOptions::new(self.softmax_scale)
             .causal(true)
             .varlen(Some(VarLen {
@@ -243,6 +240,23 @@ impl Projections {
             }
         }
         Ok(Self::Separate { q, k, v })
+    }
+
+    /// q, k and v of the rows `x (T, hidden)` shaped `(T, heads, D)` without copies: views of
+    /// the fused product (heads contiguous, rows strided) or the separate ones reshaped.
+    fn forward_heads(&self, x: &Tensor, few: usize, (h, hkv, d): (usize, usize, usize)) -> Result<(Tensor, Tensor, Tensor)> {
+        let t = x.dim(0)?;
+        match self {
+            Self::Separate { q, k, v } => Ok((
+                q.forward_split(x, few)?.reshape((t, h, d))?,
+                k.forward_split(x, few)?.reshape((t, hkv, d))?,
+                v.forward_split(x, few)?.reshape((t, hkv, d))?,
+            )),
+            Self::Fused { qkv, .. } => {
+                let y = qkv.forward_split(x, few)?.reshape((t, h + 2 * hkv, d))?;
+                Ok((y.narrow(1, 0, h)?, y.narrow(1, h, hkv)?, y.narrow(1, h + hkv, hkv)?))
+            }
+        }
     }
 
     /// `few`: see [`QLinear::forward_split`].
