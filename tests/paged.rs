@@ -435,9 +435,11 @@ fn write_paged_kv_writes_in_place() -> Result<()> {
 /// rotates in f32 and rounds once (within a rounding of the dtype). Bad shapes are errors.
 #[test]
 fn rope_write_paged_kv_matches_composition() -> Result<()> {
+    // Tolerances relative to the largest value: CUDA rounds once from f32, the composition
+    // (candle's kernel) may round its products and sums apart: two units of the last place.
     let mut devices = vec![(Device::Cpu, [0.0, 0.0, 0.0])];
     if let Some(gpu) = common::cuda_device() {
-        devices.push((gpu, [1e-6, 1e-3, 8e-3]));
+        devices.push((gpu, [1e-6, 2.0 / 1024.0, 2.0 / 128.0]));
     }
     let (h, hkv, d, pages, page) = (6, 2, 32, 9, 16);
     let mut rng = StdRng::seed_from_u64(11);
@@ -479,8 +481,12 @@ fn rope_write_paged_kv_matches_composition() -> Result<()> {
                 let ctx = format!("{dtype:?} t={t} on {:?}", dev.location());
                 assert_eq!(q_out.dims(), &[t, h, d], "{ctx}");
                 for (name, got, want) in [("q", &q_out, &q_ref), ("k_cache", &kc, &kc_ref), ("v_cache", &vc, &vc_ref)] {
+                    let scale = want.abs()?.flatten_all()?.max(0)?.to_dtype(DType::F32)?.to_scalar::<f32>()?.max(1.0);
                     let err = max_err(got, want);
-                    assert!(err <= tol, "{ctx}: {name} differs from the composition by {err} (tol {tol})");
+                    assert!(
+                        err <= tol * scale as f64,
+                        "{ctx}: {name} differs from the composition by {err} (tol {tol} x {scale})"
+                    );
                 }
             }
         }
