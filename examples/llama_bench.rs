@@ -207,7 +207,12 @@ const GRAPH_PAGE_SIZE: usize = 256;
 /// Like [`run`] with the decode replayed from a CUDA graph (what `Llama::generate` does on
 /// CUDA): the prompt through the paged forward, one capture (timed apart), then the steps.
 /// Returns (prefill tokens/s, decode tokens/s, capture seconds, the generated tokens).
-fn run_graph(model: &Llama, prompt: &[u32], decode_tokens: usize, device: &Device) -> Result<(f64, f64, f64, Vec<u32>)> {
+fn run_graph(
+    model: &Llama,
+    prompt: &[u32],
+    decode_tokens: usize,
+    device: &Device,
+) -> Result<(f64, f64, f64, Vec<u32>)> {
     let max_len = prompt.len() + decode_tokens;
     let mut cache = model.new_paged_cache(GRAPH_PAGE_SIZE, None)?;
     cache.reserve(max_len.div_ceil(GRAPH_PAGE_SIZE))?;

@@ -9,8 +9,7 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_flash::llama::{
     apply_rope, apply_rope_interleaved, permute_qk_rows, unpermute_qk_rows, AttnImpl, Cache, DecodeGraph, FinishReason,
-    KvCache,
-    Llama, Llama3RopeScaling, LlamaAttention, LlamaConfig, Request, RopeScaling, RotaryEmbedding, Scheduler,
+    KvCache, Llama, Llama3RopeScaling, LlamaAttention, LlamaConfig, Request, RopeScaling, RotaryEmbedding, Scheduler,
     SchedulerConfig,
 };
 use candle_nn::{Linear, VarBuilder};
@@ -541,7 +540,10 @@ fn cuda_graph_decode_equals_eager_paged_forward() -> Result<()> {
             // Sequence 1 leaves after 12 steps: the later steps run 2 rows of the 4.
             let live: Vec<u64> = if step < 12 { vec![0, 1, 2] } else { vec![0, 2] };
             let seqs: Vec<(u64, u32)> = live.iter().map(|&s| (s, next[s as usize])).collect();
-            let want = m.forward_paged(&seqs.iter().map(|(s, t)| (*s, std::slice::from_ref(t))).collect::<Vec<_>>(), &mut eager)?;
+            let want = m.forward_paged(
+                &seqs.iter().map(|(s, t)| (*s, std::slice::from_ref(t))).collect::<Vec<_>>(),
+                &mut eager,
+            )?;
             graph.step(&mut graphed, &seqs)?;
             let got = graph.logits()?;
             println!("{dtype:?}: step {step} launched and read");

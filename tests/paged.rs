@@ -463,7 +463,10 @@ fn rope_write_paged_kv_matches_composition() -> Result<()> {
                 }
                 if dev.is_cpu() {
                     // The CPU checks slot values: only padding is allowed there.
-                    slots.iter_mut().filter(|s| **s != u32::MAX && **s >= (pages * page) as u32).for_each(|s| *s = u32::MAX);
+                    slots
+                        .iter_mut()
+                        .filter(|s| **s != u32::MAX && **s >= (pages * page) as u32)
+                        .for_each(|s| *s = u32::MAX);
                 }
                 let slots = Tensor::new(slots.as_slice(), dev)?;
                 let caches = |fill: f64| -> Result<(Tensor, Tensor)> {
@@ -500,7 +503,10 @@ fn rope_write_paged_kv_matches_composition() -> Result<()> {
     expect_err(rope_write_paged_kv(&x(&[2, 4, 6]), &k, &k, &cs, &cs, &kc, &vc, &slots), &["q must have shape"]);
     expect_err(rope_write_paged_kv(&q.transpose(0, 1)?, &k, &k, &cs, &cs, &kc, &vc, &slots), &["q must have shape"]);
     let q_strided_heads = x(&[2, 8, 4]).transpose(1, 2)?;
-    expect_err(rope_write_paged_kv(&q_strided_heads, &k, &k, &cs, &cs, &kc, &vc, &slots), &["heads must be contiguous"]);
+    expect_err(
+        rope_write_paged_kv(&q_strided_heads, &k, &k, &cs, &cs, &kc, &vc, &slots),
+        &["heads must be contiguous"],
+    );
     let (k_odd, kc_odd, cs_odd) = (x(&[2, 2, 7]), x(&[2, 4, 2, 7]), x(&[2, 3]));
     expect_err(
         rope_write_paged_kv(&x(&[2, 4, 7]), &k_odd, &k_odd, &cs_odd, &cs_odd, &kc_odd, &kc_odd, &slots),

@@ -244,7 +244,12 @@ impl Projections {
 
     /// q, k and v of the rows `x (T, hidden)` shaped `(T, heads, D)` without copies: views of
     /// the fused product (heads contiguous, rows strided) or the separate ones reshaped.
-    fn forward_heads(&self, x: &Tensor, few: usize, (h, hkv, d): (usize, usize, usize)) -> Result<(Tensor, Tensor, Tensor)> {
+    fn forward_heads(
+        &self,
+        x: &Tensor,
+        few: usize,
+        (h, hkv, d): (usize, usize, usize),
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let t = x.dim(0)?;
         match self {
             Self::Separate { q, k, v } => Ok((

@@ -385,7 +385,10 @@ impl<'m> Scheduler<'m> {
         let more: usize = self
             .running
             .iter()
-            .map(|r| self.cache.pages_needed(Some(r.id), r.req.max_cached().saturating_sub(self.cache.seq_len(r.id).unwrap_or(0))))
+            .map(|r| {
+                self.cache
+                    .pages_needed(Some(r.id), r.req.max_cached().saturating_sub(self.cache.seq_len(r.id).unwrap_or(0)))
+            })
             .sum();
         let generation = self.cache.pool_generation();
         if self.cache.reserve(self.cache.pages_in_use() + more).is_err() {

@@ -260,7 +260,9 @@ fn record(device: &candle_core::Device, body: &dyn Fn() -> Result<()>) -> Result
     let err = |what: &str, e: candle_core::cuda_backend::cudarc::driver::DriverError| {
         candle_core::Error::Msg(format!("decode graph: {what}: {e:?}"))
     };
-    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| err("begin capture", e))?;
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| err("begin capture", e))?;
     let ran = body();
     let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
     ran?;
