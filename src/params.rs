@@ -840,6 +840,7 @@ pub struct RopeCacheWriteShape {
 /// `(T, H, D)`, k and v `(T, Hkv, D)` with their last two axes contiguous (rows may be strided:
 /// views of one fused projection), cos and sin `(T, D/2)` contiguous, all of one float dtype and
 /// device, D even; the caches and slots as [`validate_cache_write`] checks them.
+#[allow(clippy::too_many_arguments)] // the op's eight tensors, as `rope_write_paged_kv` takes them
 pub fn validate_rope_cache_write(
     q: &Tensor,
     k: &Tensor,

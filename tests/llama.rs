@@ -518,7 +518,7 @@ fn cuda_graph_decode_equals_eager_paged_forward() -> Result<()> {
         let mut eager = m.new_paged_cache(page, None)?;
         let mut graphed = m.new_paged_cache(page, None)?;
         graphed.reserve(3 * max_len / page)?;
-        let mut next = vec![0u32; 3];
+        let mut next = [0u32; 3];
         for (c, cache) in [&mut eager, &mut graphed].into_iter().enumerate() {
             for (s, p) in prompts.iter().enumerate() {
                 cache.add_sequence(s as u64)?;
