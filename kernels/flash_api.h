@@ -151,6 +151,39 @@ typedef struct {
 
 int cf_rope_kv_write(const CfRopeKvParams* p, cudaStream_t stream);
 
+// Residual add and RMSNorm in one pass (the Llama block's norms; src/fused.rs add_rms_norm):
+// for each of `rows` rows of n values, sum = x + residual (rounded to dtype; residual NULL:
+// sum = x), out = sum * rsqrt(mean(sum^2) + eps) * weight, the mean and the scaling in f32,
+// rounded once. sum_out receives the sum (NULL when residual is NULL). All contiguous.
+typedef struct {
+    const void* x;
+    const void* residual;
+    const void* weight;
+    void* sum_out;
+    void* out;
+    int64_t rows;
+    int32_t n;
+    float eps;
+    int32_t dtype;
+} CfAddRmsNormParams;
+
+int cf_add_rms_norm(const CfAddRmsNormParams* p, cudaStream_t stream);
+
+// SwiGLU's product (src/fused.rs silu_mul): out = silu(gate) * up over `rows` rows of n values,
+// in f32, rounded once; gate and up rows at their strides (views of one fused [gate | up]
+// product), out contiguous.
+typedef struct {
+    const void* gate;
+    const void* up;
+    void* out;
+    int64_t gate_row_stride, up_row_stride;
+    int64_t rows;
+    int32_t n;
+    int32_t dtype;
+} CfSiluMulParams;
+
+int cf_silu_mul(const CfSiluMulParams* p, cudaStream_t stream);
+
 // Text for any status returned above (static storage, never NULL).
 const char* cf_error_string(int status);
 

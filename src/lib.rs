@@ -42,6 +42,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod fp8;
+pub mod fused;
 pub mod llama;
 pub mod op;
 pub mod paged;

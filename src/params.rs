@@ -825,6 +825,78 @@ pub fn validate_backward(
     Ok(())
 }
 
+/// What [`validate_add_rms_norm`] found: rows and their length, and whether every tensor is
+/// contiguous (what the CUDA kernel reads).
+#[derive(Clone, Copy, Debug)]
+pub struct NormShape {
+    pub rows: usize,
+    pub n: usize,
+    pub contiguous: bool,
+}
+
+/// Checks [`crate::fused::add_rms_norm`]: `x` of rank ≥ 1, `residual` (if any) of its shape,
+/// `weight` 1-D of its last axis' length, one float dtype and device.
+pub fn validate_add_rms_norm(x: &Tensor, residual: Option<&Tensor>, weight: &Tensor) -> candle_core::Result<NormShape> {
+    let n = match x.dims().last() {
+        Some(&n) if n > 0 => n,
+        _ => bail!("candle-flash: rms norm needs a non-empty last axis, x is {:?}", x.dims()),
+    };
+    check_float_dtype("x", x, true)?;
+    for (name, t) in [("residual", residual), ("weight", Some(weight))] {
+        let Some(t) = t else { continue };
+        check_same_device(name, t, x.device())?;
+        if t.dtype() != x.dtype() {
+            bail!("candle-flash: {name} has dtype {:?} but x has {:?}", t.dtype(), x.dtype())
+        }
+    }
+    if let Some(r) = residual {
+        if r.dims() != x.dims() {
+            bail!("candle-flash: residual {:?} and x {:?} differ in shape", r.dims(), x.dims())
+        }
+    }
+    if weight.dims() != [n] {
+        bail!("candle-flash: rms norm weight must be [{n}] (x's last axis), got {:?}", weight.dims())
+    }
+    let contiguous = x.is_contiguous() && weight.is_contiguous() && residual.is_none_or(Tensor::is_contiguous);
+    Ok(NormShape { rows: x.elem_count() / n, n, contiguous })
+}
+
+/// What [`validate_silu_mul`] found: rows and their length, and whether both inputs are rows of
+/// contiguous values at a fixed row stride (what the CUDA kernel reads).
+#[derive(Clone, Copy, Debug)]
+pub struct SiluMulShape {
+    pub rows: usize,
+    pub n: usize,
+    pub strided_rows: bool,
+}
+
+/// Checks [`crate::fused::silu_mul`]: `gate` and `up` of one shape, float dtype and device.
+pub fn validate_silu_mul(gate: &Tensor, up: &Tensor) -> candle_core::Result<SiluMulShape> {
+    check_float_dtype("gate", gate, true)?;
+    check_same_device("up", up, gate.device())?;
+    if up.dtype() != gate.dtype() || up.dims() != gate.dims() {
+        bail!(
+            "candle-flash: silu_mul needs gate and up of one shape and dtype, got {:?} {:?} and {:?} {:?}",
+            gate.dims(),
+            gate.dtype(),
+            up.dims(),
+            up.dtype()
+        )
+    }
+    let n = gate.dims().last().copied().unwrap_or(1);
+    // Rows of contiguous values at one stride: rank 1, or rank 2 with a unit last stride, or
+    // higher ranks whose leading axes merge into rows.
+    let rows_ok = |t: &Tensor| -> bool {
+        let (d, st) = (t.dims(), t.stride());
+        match d.len() {
+            0 => false,
+            1 => st[0] == 1,
+            r => st[r - 1] == 1 && (0..r - 2).all(|i| d[i + 1] == 1 || st[i] == st[i + 1] * d[i + 1]),
+        }
+    };
+    Ok(SiluMulShape { rows: gate.elem_count() / n.max(1), n, strided_rows: n > 0 && rows_ok(gate) && rows_ok(up) })
+}
+
 /// What [`validate_rope_cache_write`] found.
 #[derive(Clone, Copy, Debug)]
 pub struct RopeCacheWriteShape {

@@ -610,6 +610,62 @@ fn cuda_scheduler_with_graphs_equals_alone() -> Result<()> {
     Ok(())
 }
 
+/// The fused residual add + RMSNorm and silu · mul against their candle compositions: rows 1,
+/// 17 and 113 of 64 and 576 values, with and without a residual, gate and up as views of one
+/// fused `[gate | up]` product. CPU: the compositions themselves (bitwise); CUDA: one kernel each,
+/// in f32 rounded once, within two units of the dtype's last place of the largest value. Bad
+/// shapes are errors.
+#[test]
+fn fused_add_rms_norm_and_silu_mul_match_composition() -> Result<()> {
+    use candle_flash::fused::{add_rms_norm, silu_mul};
+    let mut devices = vec![(DEV, [0.0f32; 3])];
+    match candle_core::Device::new_cuda(0) {
+        Ok(gpu) if cfg!(feature = "cuda") => devices.push((gpu, [1e-5, 2.0 / 1024.0, 2.0 / 128.0])),
+        _ => println!("fused ops on CUDA skipped: no GPU (or built without the `cuda` feature)"),
+    }
+    for (dev, tols) in &devices {
+        for (dtype, tol) in [DType::F32, DType::F16, DType::BF16].into_iter().zip(*tols) {
+            for (rows, n) in [(1, 64), (17, 576), (113, 64)] {
+                let r =
+                    |shape: (usize, usize)| -> Result<Tensor> { Tensor::randn(0f32, 1., shape, dev)?.to_dtype(dtype) };
+                let (x, res, w) = (r((rows, n))?, r((rows, n))?, r((1, n))?.squeeze(0)?);
+                let ctx = format!("{dtype:?} {rows}x{n} on {:?}", dev.location());
+                let close = |got: &Tensor, want: &Tensor, what: &str| -> Result<()> {
+                    let scale = max_abs(&want.to_dtype(DType::F32)?).max(1.0);
+                    let diff = max_abs_diff(&got.to_dtype(DType::F32)?, &want.to_dtype(DType::F32)?);
+                    assert!(diff <= tol * scale, "{ctx}: {what} differs from the composition by {diff}");
+                    Ok(())
+                };
+                for residual in [None, Some(&res)] {
+                    let (sum, normed) = add_rms_norm(&x, residual, &w, 1e-5)?;
+                    let want_sum = match residual {
+                        Some(r) => (&x + r)?,
+                        None => x.clone(),
+                    };
+                    assert_eq!(
+                        max_abs_diff(&sum.to_dtype(DType::F32)?, &want_sum.to_dtype(DType::F32)?),
+                        0.0,
+                        "{ctx}: sum"
+                    );
+                    close(&normed, &candle_nn::ops::rms_norm(&want_sum, &w, 1e-5)?, "rms norm")?;
+                }
+                let fused = r((rows, 2 * n))?;
+                let (gate, up) = (fused.narrow(1, 0, n)?, fused.narrow(1, n, n)?);
+                let got = silu_mul(&gate, &up)?;
+                assert_eq!(got.dims(), &[rows, n]);
+                close(&got, &(candle_nn::ops::silu(&gate)? * &up)?, "silu * up")?;
+            }
+        }
+    }
+    let z = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &DEV).unwrap();
+    use candle_flash::fused::{add_rms_norm as arn, silu_mul as sm};
+    assert!(arn(&z(&[3, 8]), None, &z(&[7]), 1e-5).is_err(), "weight of the wrong length");
+    assert!(arn(&z(&[3, 8]), Some(&z(&[3, 7])), &z(&[8]), 1e-5).is_err(), "residual of another shape");
+    assert!(arn(&z(&[3, 0]), None, &z(&[0]), 1e-5).is_err(), "empty rows");
+    assert!(sm(&z(&[3, 8]), &z(&[3, 4])).is_err(), "gate and up of different shapes");
+    Ok(())
+}
+
 /// The application side: files, tokenizer, sampling, generation, chat templates.
 #[cfg(feature = "llama")]
 mod app {

@@ -107,7 +107,38 @@ pub struct CfRopeKvParams {
     pub dtype: i32,
 }
 
+/// `CfAddRmsNormParams`: residual add and RMSNorm in one pass.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CfAddRmsNormParams {
+    pub x: *const c_void,
+    pub residual: *const c_void,
+    pub weight: *const c_void,
+    pub sum_out: *mut c_void,
+    pub out: *mut c_void,
+    pub rows: i64,
+    pub n: i32,
+    pub eps: f32,
+    pub dtype: i32,
+}
+
+/// `CfSiluMulParams`: silu(gate) * up.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CfSiluMulParams {
+    pub gate: *const c_void,
+    pub up: *const c_void,
+    pub out: *mut c_void,
+    pub gate_row_stride: i64,
+    pub up_row_stride: i64,
+    pub rows: i64,
+    pub n: i32,
+    pub dtype: i32,
+}
+
 extern "C" {
+    pub fn cf_add_rms_norm(p: *const CfAddRmsNormParams, stream: *mut c_void) -> c_int;
+    pub fn cf_silu_mul(p: *const CfSiluMulParams, stream: *mut c_void) -> c_int;
     pub fn cf_rope_kv_write(p: *const CfRopeKvParams, stream: *mut c_void) -> c_int;
     pub fn cf_fwd_workspace_size(p: *const CfFwdParams) -> usize;
     pub fn cf_fwd(p: *const CfFwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;

@@ -462,31 +462,129 @@ pub(crate) fn rope_kv_write(
         let status = unsafe { ffi::cf_rope_kv_write(&p, stream.cu_stream() as *mut c_void) };
         check(status, "cf_rope_kv_write")
     };
-    fn alloc_run<T: CudaDType + DeviceRepr>(
+    let out = new_output(&dev, dtype, n, &run)?;
+    drop(args);
+    drop(guards);
+    Ok(tensor_of(out, (shape.t, shape.h, shape.d)))
+}
+
+/// A new contiguous output of `n` elements of `dtype` (f32 / f16 / bf16), filled by `run` given
+/// its device pointer (work enqueued on candle's stream).
+fn new_output(dev: &CudaDevice, dtype: DType, n: usize, run: &dyn Fn(u64) -> Result<()>) -> Result<CudaStorage> {
+    fn typed<T: CudaDType + DeviceRepr>(
         dev: &CudaDevice,
-        stream: &CudaStream,
         n: usize,
-        run: impl Fn(u64) -> Result<()>,
+        run: &dyn Fn(u64) -> Result<()>,
     ) -> Result<CudaStorage> {
-        let mut out = alloc_output::<T>(dev, stream, n)?;
+        let stream = dev.cuda_stream();
+        let mut out = alloc_output::<T>(dev, &stream, n)?;
         {
-            let (ptr, _sync) = out.device_ptr_mut(stream);
+            let (ptr, _sync) = out.device_ptr_mut(&stream);
             run(ptr)?;
         }
         Ok(T::wrap_cuda_slice(out, dev.clone()))
     }
-    let storage = match dtype {
-        DType::F32 => alloc_run::<f32>(&dev, &stream, n, run)?,
-        DType::F16 => alloc_run::<f16>(&dev, &stream, n, run)?,
-        DType::BF16 => alloc_run::<bf16>(&dev, &stream, n, run)?,
+    match dtype {
+        DType::F32 => typed::<f32>(dev, n, run),
+        DType::F16 => typed::<f16>(dev, n, run),
+        DType::BF16 => typed::<bf16>(dev, n, run),
         dt => bail!("candle-flash: unsupported dtype {dt:?} on cuda"),
+    }
+}
+
+/// A tensor over a new output's storage (no autograd: these ops are inference paths).
+fn tensor_of(storage: CudaStorage, shape: impl Into<candle_core::Shape>) -> Tensor {
+    Tensor::from_storage(candle_core::Storage::Cuda(storage), shape, candle_core::op::BackpropOp::none(), false)
+}
+
+/// Device pointers of `tensors` (read: the kernels take their start offsets into account) and
+/// their ordering guards, kept alive until the launch is enqueued.
+fn with_args<R>(tensors: &[&Tensor], f: impl FnOnce(&[TensorArg]) -> Result<R>) -> Result<R> {
+    let dev = tensors[0].device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+    let mut args = Vec::with_capacity(guards.len());
+    for g in &guards {
+        args.push(TensorArg::read(device_storage::<CudaStorage>("input", g)?, &stream)?);
+    }
+    f(&args)
+}
+
+/// `cf_add_rms_norm`: see [`crate::fused::add_rms_norm`], which validated `x`, `residual` and
+/// `weight` (contiguous, `rows` x `n`). Returns (sum, normed); the sum is `x` itself without a
+/// residual.
+pub(crate) fn add_rms_norm(
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f32,
+    (rows, n): (usize, usize),
+) -> Result<(Tensor, Tensor)> {
+    let dev = x.device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    let dtype = x.dtype();
+    let tensors: Vec<&Tensor> = [Some(x), Some(weight), residual].into_iter().flatten().collect();
+    let (sum, out) = with_args(&tensors, |a| {
+        let sum = match residual {
+            Some(_) => Some(new_output(&dev, dtype, rows * n, &|_| Ok(()))?),
+            None => None,
+        };
+        let sum_ptr = match &sum {
+            Some(s) => TensorArg::read((s, &Layout::contiguous((rows, n))), &stream)?.ptr,
+            None => 0,
+        };
+        let out = new_output(&dev, dtype, rows * n, &|out| {
+            let p = ffi::CfAddRmsNormParams {
+                x: const_ptr(&a[0]),
+                residual: a.get(2).map_or(std::ptr::null(), const_ptr),
+                weight: const_ptr(&a[1]),
+                sum_out: sum_ptr as *mut c_void,
+                out: out as *mut c_void,
+                rows: rows as i64,
+                n: i32::try_from(n).map_err(|_| Error::Msg(format!("candle-flash: rms norm over {n} values")))?,
+                eps,
+                dtype: dtype_code(dtype)?,
+            };
+            // SAFETY: x / residual / out / sum are rows * n contiguous elements, weight n (validated
+            // or just allocated); the call only enqueues work on candle's stream.
+            check(unsafe { ffi::cf_add_rms_norm(&p, stream.cu_stream() as *mut c_void) }, "cf_add_rms_norm")
+        })?;
+        Ok((sum, out))
+    })?;
+    let sum = match sum {
+        Some(s) => tensor_of(s, x.shape().clone()),
+        None => x.clone(),
     };
-    drop(args);
-    drop(guards);
-    Ok(Tensor::from_storage(
-        candle_core::Storage::Cuda(storage),
-        (shape.t, shape.h, shape.d),
-        candle_core::op::BackpropOp::none(),
-        false,
-    ))
+    Ok((sum, tensor_of(out, x.shape().clone())))
+}
+
+/// `cf_silu_mul`: see [`crate::fused::silu_mul`], which validated `gate` and `up` (`rows` x `n`,
+/// rows strided, values contiguous). Returns `(rows, n)` contiguous.
+pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor, (rows, n): (usize, usize)) -> Result<Tensor> {
+    let dev = gate.device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    let dtype = gate.dtype();
+    let row_stride = |t: &Tensor| if t.rank() >= 2 { t.stride()[t.rank() - 2] as i64 } else { 0 };
+    let out = with_args(&[gate, up], |a| {
+        new_output(&dev, dtype, rows * n, &|out| {
+            let p = ffi::CfSiluMulParams {
+                gate: const_ptr(&a[0]),
+                up: const_ptr(&a[1]),
+                out: out as *mut c_void,
+                gate_row_stride: row_stride(gate),
+                up_row_stride: row_stride(up),
+                rows: rows as i64,
+                n: n as i32,
+                dtype: dtype_code(dtype)?,
+            };
+            // SAFETY: gate / up rows at their strides hold n values each (validated), out rows * n
+            // contiguous; the call only enqueues work on candle's stream.
+            check(unsafe { ffi::cf_silu_mul(&p, stream.cu_stream() as *mut c_void) }, "cf_silu_mul")
+        })
+    })?;
+    let mut dims = gate.dims().to_vec();
+    if let Some(l) = dims.last_mut() {
+        *l = n;
+    }
+    Ok(tensor_of(out, dims))
 }

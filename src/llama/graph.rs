@@ -156,8 +156,8 @@ impl DecodeGraph {
                 cos: tables.cos.index_select(&views.positions, 0)?,
                 sin: tables.sin.index_select(&views.positions, 0)?,
             };
-            let x = model.paged_rows(&views.ids, &rope, cache, &step, b)?;
-            let l = model.head_few(&x)?;
+            let (h, pending) = model.paged_rows(&views.ids, &rope, cache, &step, b)?;
+            let l = model.head_few((&h, pending.as_ref()))?;
             logits.slice_set(&l, 0, 0)?;
             tokens.slice_set(&l.argmax(D::Minus1)?, 0, 0)
         };

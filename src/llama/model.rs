@@ -33,6 +33,12 @@ impl RmsNorm {
             candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)
         }
     }
+
+    /// `(x + residual, norm(x + residual))` (`x` and `norm(x)` without a residual): on CUDA one
+    /// kernel ([`crate::fused::add_rms_norm`]).
+    fn forward_add(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        crate::fused::add_rms_norm(x, residual, &self.weight, self.eps)
+    }
 }
 
 /// SwiGLU: `down(silu(gate(x)) * up(x))`.
@@ -76,7 +82,7 @@ impl Mlp {
                 (y.narrow(last, 0, *i)?, y.narrow(last, *i, *i)?)
             }
         };
-        self.down_proj.forward_split(&(candle_nn::ops::silu(&gate)? * up)?, few)
+        self.down_proj.forward_split(&crate::fused::silu_mul(&gate, &up)?, few)
     }
 }
 
@@ -119,18 +125,24 @@ impl DecoderLayer {
         &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)?, 0)?
     }
 
-    /// The packed tokens `x (T, hidden)` of a batch against one layer of a paged cache.
+    /// The packed tokens of a batch against one layer of a paged cache. The layer's input is
+    /// `x + pending` (`pending`: the previous layer's MLP output, not yet added, so that the add
+    /// and this layer's first norm are one step); returns the same pair for the next layer:
+    /// `(h, mlp)` with the layer's output `h + mlp`.
     fn forward_paged(
         &self,
         x: &Tensor,
+        pending: Option<&Tensor>,
         rope: &Rope,
         kv: &(Tensor, Tensor),
         step: &PagedStep,
         few: usize,
-    ) -> Result<Tensor> {
-        let attn = self.self_attn.forward_paged(&self.input_layernorm.forward(x)?, rope, kv, step, few)?;
-        let h = (x + attn)?;
-        &h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)?, few)?
+    ) -> Result<(Tensor, Tensor)> {
+        let (x, normed) = self.input_layernorm.forward_add(x, pending)?;
+        let attn = self.self_attn.forward_paged(&normed, rope, kv, step, few)?;
+        let (h, normed) = self.post_attention_layernorm.forward_add(&x, Some(&attn))?;
+        let mlp = self.mlp.forward(&normed, few)?;
+        Ok((h, mlp))
     }
 }
 
@@ -346,21 +358,23 @@ impl Llama {
         let t = tokens.len();
         let ids = Tensor::from_vec(tokens, t, &self.device)?;
         let rope = self.rotary.rope_at(&step.positions, self.dtype, &self.device)?;
-        let x = self.paged_rows(&ids, &rope, cache, &step, few)?;
+        let (h, pending) = self.paged_rows(&ids, &rope, cache, &step, few)?;
         // Each sequence's last row, back in the caller's order.
         let mut last = vec![0u32; batch.len()];
         for (&i, &row) in order.iter().zip(&step.last_rows) {
             last[i] = row;
         }
         let last = Tensor::from_vec(last, batch.len(), &self.device)?;
+        let pending = pending.map(|p| p.index_select(&last, 0)).transpose()?;
         // Every row through the few-rows kernels, as a sequence alone has one row here.
-        self.head_few(&x.index_select(&last, 0)?)
+        self.head_few((&h.index_select(&last, 0)?, pending.as_ref()))
     }
 
     /// The decoder stack over the packed tokens `ids (T)` of a paged step (rotary tables `rope`
-    /// one row per token, the step's addressing in `step`): `(T, hidden)` before the final norm.
-    /// Only device work: no value is read back, nothing is copied from the host (what a captured
-    /// CUDA graph replays, see [`super::graph`]).
+    /// one row per token, the step's addressing in `step`): the hidden states `(T, hidden)`
+    /// before the final norm, as the pair `(h, mlp)` whose sum they are (see
+    /// [`DecoderLayer::forward_paged`]). Only device work: no value is read back, nothing is
+    /// copied from the host (what a captured CUDA graph replays, see [`super::graph`]).
     pub(crate) fn paged_rows(
         &self,
         ids: &Tensor,
@@ -368,18 +382,22 @@ impl Llama {
         cache: &PagedKvCache,
         step: &PagedStep,
         few: usize,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let mut x = self.embed_tokens.forward(ids)?;
+        let mut pending = None;
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_paged(&x, rope, cache.layer(i)?, step, few)?;
+            let (h, mlp) = layer.forward_paged(&x, pending.as_ref(), rope, cache.layer(i)?, step, few)?;
+            (x, pending) = (h, Some(mlp));
         }
-        Ok(x)
+        Ok((x, pending))
     }
 
-    /// The final norm and lm_head over rows `x (T, hidden)` that all take the few-rows kernels
-    /// (each row is one sequence's last token): logits `(T, vocab)` in f32.
-    pub(crate) fn head_few(&self, x: &Tensor) -> Result<Tensor> {
-        self.lm_head.forward_split(&self.norm.forward(x)?, x.dim(0)?)?.to_dtype(DType::F32)
+    /// The final add and norm and lm_head over rows `h + pending` (`(T, hidden)`, as
+    /// [`Llama::paged_rows`] returns them) that all take the few-rows kernels (each row is one
+    /// sequence's last token): logits `(T, vocab)` in f32.
+    pub(crate) fn head_few(&self, (h, pending): (&Tensor, Option<&Tensor>)) -> Result<Tensor> {
+        let (_, normed) = self.norm.forward_add(h, pending)?;
+        self.lm_head.forward_split(&normed, h.dim(0)?)?.to_dtype(DType::F32)
     }
 
     pub(crate) fn rotary(&self) -> &RotaryEmbedding {
