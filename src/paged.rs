@@ -41,7 +41,7 @@ pub fn write_paged_kv(k_cache: &Tensor, v_cache: &Tensor, k: &Tensor, v: &Tensor
 }
 
 /// The Llama block's step between its projections and the attention: rotary embeddings on q
-/// `(T, H, D)` and k `(T, Hkv, D)` (cos and sin `(T, D/2)`, one row per token, non-interleaved
+/// `(T, H, D)` and k `(T, Hkv, D)` (`(cos, sin)` `(T, D/2)` each, one row per token, non-interleaved
 /// halves as candle-nn's `rope_thd`), the rotated k and v written into their cache slots as
 /// [`write_paged_kv`] does; returns the rotated q `(T, H, D)`. q, k and v may be strided row-wise
 /// (views of one fused projection) with contiguous heads.
@@ -49,24 +49,21 @@ pub fn write_paged_kv(k_cache: &Tensor, v_cache: &Tensor, k: &Tensor, v: &Tensor
 /// On CUDA (u32 slots) one kernel does all of it in one pass, computing the rotation in f32 and
 /// rounding once; elsewhere it is `rope_thd` on q and k followed by [`write_paged_kv`] (a decode
 /// step runs this once per layer: on the GPU the composition is about ten small kernels).
-#[allow(clippy::too_many_arguments)]
 pub fn rope_write_paged_kv(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    (k_cache, v_cache): (&Tensor, &Tensor),
     slot_mapping: &Tensor,
 ) -> Result<Tensor> {
-    let shape = validate_rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)?;
+    let shape = validate_rope_cache_write(q, k, v, (cos, sin), (k_cache, v_cache), slot_mapping)?;
     #[cfg(feature = "cuda")]
     if q.device().is_cuda()
         && slot_mapping.dtype() == DType::U32
         && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16)
     {
-        return crate::cuda::rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, &shape);
+        return crate::cuda::rope_kv_write([q, k, v], (cos, sin), (k_cache, v_cache), slot_mapping, &shape);
     }
     let _ = shape;
     let rope = |x: &Tensor| -> Result<Tensor> {

@@ -912,15 +912,12 @@ pub struct RopeCacheWriteShape {
 /// `(T, H, D)`, k and v `(T, Hkv, D)` with their last two axes contiguous (rows may be strided:
 /// views of one fused projection), cos and sin `(T, D/2)` contiguous, all of one float dtype and
 /// device, D even; the caches and slots as [`validate_cache_write`] checks them.
-#[allow(clippy::too_many_arguments)] // the op's eight tensors, as `rope_write_paged_kv` takes them
 pub fn validate_rope_cache_write(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    (k_cache, v_cache): (&Tensor, &Tensor),
     slot_mapping: &Tensor,
 ) -> candle_core::Result<RopeCacheWriteShape> {
     let cache = validate_cache_write(k_cache, v_cache, k, v, slot_mapping)?;

@@ -475,7 +475,7 @@ fn rope_write_paged_kv_matches_composition() -> Result<()> {
                 };
                 let (kc, vc) = caches(0.5)?;
                 let (kc_ref, vc_ref) = caches(0.5)?;
-                let q_out = rope_write_paged_kv(&q, &k, &v, &cos, &sin, &kc, &vc, &slots)?;
+                let q_out = rope_write_paged_kv(&q, &k, &v, (&cos, &sin), (&kc, &vc), &slots)?;
                 let rope = |x: &Tensor| -> Result<Tensor> {
                     candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?.contiguous()?, &cos, &sin)?.squeeze(0)
                 };
@@ -499,17 +499,20 @@ fn rope_write_paged_kv_matches_composition() -> Result<()> {
     let x = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &dev).unwrap();
     let (kc, vc, slots) = (x(&[2, 4, 2, 8]), x(&[2, 4, 2, 8]), Tensor::new(&[0u32, 1], &dev)?);
     let (q, k, cs) = (x(&[2, 4, 8]), x(&[2, 2, 8]), x(&[2, 4]));
-    expect_err(rope_write_paged_kv(&q, &k, &k, &cs, &x(&[2, 3]), &kc, &vc, &slots), &["sin", "[2, 4]"]);
-    expect_err(rope_write_paged_kv(&x(&[2, 4, 6]), &k, &k, &cs, &cs, &kc, &vc, &slots), &["q must have shape"]);
-    expect_err(rope_write_paged_kv(&q.transpose(0, 1)?, &k, &k, &cs, &cs, &kc, &vc, &slots), &["q must have shape"]);
+    expect_err(rope_write_paged_kv(&q, &k, &k, (&cs, &x(&[2, 3])), (&kc, &vc), &slots), &["sin", "[2, 4]"]);
+    expect_err(rope_write_paged_kv(&x(&[2, 4, 6]), &k, &k, (&cs, &cs), (&kc, &vc), &slots), &["q must have shape"]);
+    expect_err(
+        rope_write_paged_kv(&q.transpose(0, 1)?, &k, &k, (&cs, &cs), (&kc, &vc), &slots),
+        &["q must have shape"],
+    );
     let q_strided_heads = x(&[2, 8, 4]).transpose(1, 2)?;
     expect_err(
-        rope_write_paged_kv(&q_strided_heads, &k, &k, &cs, &cs, &kc, &vc, &slots),
+        rope_write_paged_kv(&q_strided_heads, &k, &k, (&cs, &cs), (&kc, &vc), &slots),
         &["heads must be contiguous"],
     );
     let (k_odd, kc_odd, cs_odd) = (x(&[2, 2, 7]), x(&[2, 4, 2, 7]), x(&[2, 3]));
     expect_err(
-        rope_write_paged_kv(&x(&[2, 4, 7]), &k_odd, &k_odd, &cs_odd, &cs_odd, &kc_odd, &kc_odd, &slots),
+        rope_write_paged_kv(&x(&[2, 4, 7]), &k_odd, &k_odd, (&cs_odd, &cs_odd), (&kc_odd, &kc_odd), &slots),
         &["even head dim"],
     );
     Ok(())

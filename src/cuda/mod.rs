@@ -411,15 +411,10 @@ pub fn enable_allocation_caching(device: &CudaDevice) -> Result<()> {
 /// strides and the dtypes (f32 / f16 / bf16, u32 slots) into `shape`. The caches are written in
 /// place through their storage (as candle's own in-place scatter does); the rotated q is a new
 /// tensor.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn rope_kv_write(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
+    [q, k, v]: [&Tensor; 3],
+    (cos, sin): (&Tensor, &Tensor),
+    (k_cache, v_cache): (&Tensor, &Tensor),
     slots: &Tensor,
     shape: &crate::params::RopeCacheWriteShape,
 ) -> Result<Tensor> {

@@ -170,7 +170,8 @@ impl LlamaAttention {
         let (q, k, v) = self.proj.forward_heads(x, few, (h, hkv, d))?;
         // Each packed token at its own position (one row of the tables each); on CUDA one
         // kernel rotates q and k and writes k and v into their slots.
-        let q = crate::rope_write_paged_kv(&q, &k, &v, &rope.cos, &rope.sin, k_cache, v_cache, &step.slots)?;
+        let tables = (&rope.cos, &rope.sin);
+        let q = crate::rope_write_paged_kv(&q, &k, &v, tables, (k_cache, v_cache), &step.slots)?;
         let opts = FlashAttnOptions::new(self.softmax_scale)
             .causal(true)
             .varlen(Some(VarLen {
