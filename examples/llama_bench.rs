@@ -179,26 +179,29 @@ fn prompt_tokens(tokens: &[u32], n: usize) -> Vec<u32> {
     tokens.iter().copied().cycle().take(n).collect()
 }
 
-fn run(
-    model: &Llama,
-    prompt: &[u32],
-    decode_tokens: usize,
-    device: &Device,
-) -> Result<(f64, Option<f64>, f64, Option<f64>)> {
+/// Prefill tokens/s and peak MB, decode tokens/s and peak MB, and the greedy tokens (what the
+/// graph runs must reproduce).
+type EagerRun = (f64, Option<f64>, f64, Option<f64>, Vec<u32>);
+
+fn run(model: &Llama, prompt: &[u32], decode_tokens: usize, device: &Device) -> Result<EagerRun> {
     // Exactly the capacity needed, so that the cache never grows mid-measurement.
     let mut cache = Cache::new(model.config().num_hidden_layers, prompt.len() + decode_tokens);
     let ids = Tensor::new(prompt, device)?.unsqueeze(0)?;
     let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
+    // Allocated before the timed parts, so that the heap peaks do not count it.
+    let mut tokens = Vec::with_capacity(decode_tokens + 1);
     let (mut next, prefill_secs, prefill_peak) =
         measure(device, || Ok(sampler.sample(&model.forward(&ids, Some(&mut cache))?.squeeze(0)?)?))?;
+    tokens.push(next);
     let (_, decode_secs, decode_peak) = measure(device, || {
         for _ in 0..decode_tokens {
             let input = Tensor::new(&[next], device)?.unsqueeze(0)?;
             next = sampler.sample(&model.forward(&input, Some(&mut cache))?.squeeze(0)?)?;
+            tokens.push(next);
         }
         Ok(())
     })?;
-    Ok((prompt.len() as f64 / prefill_secs, prefill_peak, decode_tokens as f64 / decode_secs, decode_peak))
+    Ok((prompt.len() as f64 / prefill_secs, prefill_peak, decode_tokens as f64 / decode_secs, decode_peak, tokens))
 }
 
 /// Rows per page of the graph runs' cache (one sequence: large pages, a short table).
@@ -230,22 +233,6 @@ fn run_graph(
         Ok(())
     })?;
     Ok((prompt.len() as f64 / prefill_secs, decode_tokens as f64 / decode_secs, capture_secs, tokens))
-}
-
-/// The greedy tokens of [`run`]'s schedule (prefill, then `decode_tokens` steps), eagerly: what
-/// the graph runs must reproduce.
-fn eager_tokens(model: &Llama, prompt: &[u32], decode_tokens: usize, device: &Device) -> Result<Vec<u32>> {
-    let mut cache = Cache::new(model.config().num_hidden_layers, prompt.len() + decode_tokens);
-    let mut sampler = LogitsProcessor::new(Sampling::Greedy, 0);
-    let ids = Tensor::new(prompt, device)?.unsqueeze(0)?;
-    let mut next = sampler.sample(&model.forward(&ids, Some(&mut cache))?.squeeze(0)?)?;
-    let mut tokens = vec![next];
-    for _ in 0..decode_tokens {
-        let input = Tensor::new(&[next], device)?.unsqueeze(0)?;
-        next = sampler.sample(&model.forward(&input, Some(&mut cache))?.squeeze(0)?)?;
-        tokens.push(next);
-    }
-    Ok(tokens)
 }
 
 /// One batched measurement.
@@ -428,7 +415,7 @@ fn main() -> Result<()> {
         if graph_rows {
             let prompt = prompt_tokens(&base, n);
             let (mut pre, mut dec, mut cap, mut same) = (vec![], vec![], vec![], true);
-            let eager = eager_tokens(&model, &prompt, args.decode_tokens, &device)?;
+            let eager = run(&model, &prompt, args.decode_tokens, &device)?.4;
             for _ in 0..args.repeats {
                 let (p, d, c, tokens) = run_graph(&model, &prompt, args.decode_tokens, &device)?;
                 pre.push(p);
@@ -464,7 +451,7 @@ fn main() -> Result<()> {
             model.set_attn_impl(attn);
             let (mut pre, mut dec, mut prefill_peak, mut decode_peak) = (vec![], vec![], None, None);
             for _ in 0..args.repeats {
-                let (p, pp, d, dp) = run(&model, &prompt_tokens(&base, n), args.decode_tokens, &device)?;
+                let (p, pp, d, dp, _) = run(&model, &prompt_tokens(&base, n), args.decode_tokens, &device)?;
                 pre.push(p);
                 dec.push(d);
                 (prefill_peak, decode_peak) = (pp, dp);

@@ -422,67 +422,75 @@ pub(crate) fn rope_kv_write(
     let stream = dev.cuda_stream();
     let dtype = q.dtype();
     let n = shape.t * shape.h * shape.d;
-    let guards = [q, k, v, cos, sin, k_cache, v_cache, slots].map(Tensor::storage_and_layout);
-    let names = ["q", "k", "v", "cos", "sin", "k_cache", "v_cache", "slot_mapping"];
-    let mut args = Vec::with_capacity(guards.len());
-    for (g, name) in guards.iter().zip(names) {
-        args.push(TensorArg::read(device_storage::<CudaStorage>(name, g)?, &stream)?);
-    }
     let row_stride = |t: &Tensor| t.stride()[0] as i64;
-    let run = |out: u64| -> Result<()> {
-        let p = ffi::CfRopeKvParams {
-            q_in: const_ptr(&args[0]),
-            k_in: const_ptr(&args[1]),
-            v_in: const_ptr(&args[2]),
-            cos: const_ptr(&args[3]),
-            sin: const_ptr(&args[4]),
-            slots: const_ptr(&args[7]) as *const u32,
-            q_out: out as *mut c_void,
-            k_cache: mut_ptr(&args[5]),
-            v_cache: mut_ptr(&args[6]),
-            q_row_stride: row_stride(q),
-            k_row_stride: row_stride(k),
-            v_row_stride: row_stride(v),
-            num_slots: shape.cache.slots as i64,
-            t: i32::try_from(shape.t).map_err(|_| Error::Msg(format!("candle-flash: {} rows", shape.t)))?,
-            h: shape.h as i32,
-            hkv: shape.hkv as i32,
-            d: shape.d as i32,
-            dtype: dtype_code(dtype)?,
-        };
-        // SAFETY: the pointers address live buffers of the validated extents (q/k/v rows at
-        // their strides, cos/sin and the caches contiguous, `out` t*h*d elements just
-        // allocated); slots at or past num_slots write nothing; the call only enqueues work on
-        // candle's stream.
-        let status = unsafe { ffi::cf_rope_kv_write(&p, stream.cu_stream() as *mut c_void) };
-        check(status, "cf_rope_kv_write")
-    };
-    let out = new_output(&dev, dtype, n, &run)?;
-    drop(args);
-    drop(guards);
+    let named = [
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("cos", cos),
+        ("sin", sin),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("slot_mapping", slots),
+    ];
+    let (out, ()) = with_args(&named, |args| {
+        new_output(&dev, dtype, n, |out| {
+            let p = ffi::CfRopeKvParams {
+                q_in: const_ptr(&args[0]),
+                k_in: const_ptr(&args[1]),
+                v_in: const_ptr(&args[2]),
+                cos: const_ptr(&args[3]),
+                sin: const_ptr(&args[4]),
+                slots: const_ptr(&args[7]) as *const u32,
+                q_out: out as *mut c_void,
+                k_cache: mut_ptr(&args[5]),
+                v_cache: mut_ptr(&args[6]),
+                q_row_stride: row_stride(q),
+                k_row_stride: row_stride(k),
+                v_row_stride: row_stride(v),
+                num_slots: shape.cache.slots as i64,
+                t: i32::try_from(shape.t).map_err(|_| Error::Msg(format!("candle-flash: {} rows", shape.t)))?,
+                h: shape.h as i32,
+                hkv: shape.hkv as i32,
+                d: shape.d as i32,
+                dtype: dtype_code(dtype)?,
+            };
+            // SAFETY: the pointers address live buffers of the validated extents (q/k/v rows at
+            // their strides, cos/sin and the caches contiguous, `out` t*h*d elements just
+            // allocated); slots at or past num_slots write nothing; the call only enqueues work
+            // on candle's stream.
+            let status = unsafe { ffi::cf_rope_kv_write(&p, stream.cu_stream() as *mut c_void) };
+            check(status, "cf_rope_kv_write")
+        })
+    })?;
     Ok(tensor_of(out, (shape.t, shape.h, shape.d)))
 }
 
 /// A new contiguous output of `n` elements of `dtype` (f32 / f16 / bf16), filled by `run` given
-/// its device pointer (work enqueued on candle's stream).
-fn new_output(dev: &CudaDevice, dtype: DType, n: usize, run: &dyn Fn(u64) -> Result<()>) -> Result<CudaStorage> {
-    fn typed<T: CudaDType + DeviceRepr>(
+/// its device pointer (work enqueued on candle's stream); with what `run` returned.
+fn new_output<R>(
+    dev: &CudaDevice,
+    dtype: DType,
+    n: usize,
+    run: impl FnOnce(u64) -> Result<R>,
+) -> Result<(CudaStorage, R)> {
+    fn typed<T: CudaDType + DeviceRepr, R>(
         dev: &CudaDevice,
         n: usize,
-        run: &dyn Fn(u64) -> Result<()>,
-    ) -> Result<CudaStorage> {
+        run: impl FnOnce(u64) -> Result<R>,
+    ) -> Result<(CudaStorage, R)> {
         let stream = dev.cuda_stream();
         let mut out = alloc_output::<T>(dev, &stream, n)?;
-        {
+        let r = {
             let (ptr, _sync) = out.device_ptr_mut(&stream);
-            run(ptr)?;
-        }
-        Ok(T::wrap_cuda_slice(out, dev.clone()))
+            run(ptr)?
+        };
+        Ok((T::wrap_cuda_slice(out, dev.clone()), r))
     }
     match dtype {
-        DType::F32 => typed::<f32>(dev, n, run),
-        DType::F16 => typed::<f16>(dev, n, run),
-        DType::BF16 => typed::<bf16>(dev, n, run),
+        DType::F32 => typed::<f32, R>(dev, n, run),
+        DType::F16 => typed::<f16, R>(dev, n, run),
+        DType::BF16 => typed::<bf16, R>(dev, n, run),
         dt => bail!("candle-flash: unsupported dtype {dt:?} on cuda"),
     }
 }
@@ -492,15 +500,14 @@ fn tensor_of(storage: CudaStorage, shape: impl Into<candle_core::Shape>) -> Tens
     Tensor::from_storage(candle_core::Storage::Cuda(storage), shape, candle_core::op::BackpropOp::none(), false)
 }
 
-/// Device pointers of `tensors` (read: the kernels take their start offsets into account) and
-/// their ordering guards, kept alive until the launch is enqueued.
-fn with_args<R>(tensors: &[&Tensor], f: impl FnOnce(&[TensorArg]) -> Result<R>) -> Result<R> {
-    let dev = tensors[0].device().as_cuda_device()?.clone();
-    let stream = dev.cuda_stream();
-    let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+/// Device pointers of the named tensors (at their start offsets) and their ordering guards, kept
+/// alive while `f` enqueues the launch; a tensor not on CUDA is an error naming it.
+fn with_args<R>(tensors: &[(&str, &Tensor)], f: impl FnOnce(&[TensorArg]) -> Result<R>) -> Result<R> {
+    let stream = tensors[0].1.device().as_cuda_device()?.cuda_stream();
+    let guards: Vec<_> = tensors.iter().map(|(_, t)| t.storage_and_layout()).collect();
     let mut args = Vec::with_capacity(guards.len());
-    for g in &guards {
-        args.push(TensorArg::read(device_storage::<CudaStorage>("input", g)?, &stream)?);
+    for (g, (name, _)) in guards.iter().zip(tensors) {
+        args.push(TensorArg::read(device_storage::<CudaStorage>(name, g)?, &stream)?);
     }
     f(&args)
 }
@@ -518,17 +525,11 @@ pub(crate) fn add_rms_norm(
     let dev = x.device().as_cuda_device()?.clone();
     let stream = dev.cuda_stream();
     let dtype = x.dtype();
-    let tensors: Vec<&Tensor> = [Some(x), Some(weight), residual].into_iter().flatten().collect();
-    let (sum, out) = with_args(&tensors, |a| {
-        let sum = match residual {
-            Some(_) => Some(new_output(&dev, dtype, rows * n, &|_| Ok(()))?),
-            None => None,
-        };
-        let sum_ptr = match &sum {
-            Some(s) => TensorArg::read((s, &Layout::contiguous((rows, n))), &stream)?.ptr,
-            None => 0,
-        };
-        let out = new_output(&dev, dtype, rows * n, &|out| {
+    let mut named = vec![("x", x), ("weight", weight)];
+    named.extend(residual.map(|r| ("residual", r)));
+    with_args(&named, |a| {
+        // Writes `out`, and the sum to `sum_ptr` (0 without a residual).
+        let launch = |sum_ptr: u64, out: u64| -> Result<()> {
             let p = ffi::CfAddRmsNormParams {
                 x: const_ptr(&a[0]),
                 residual: a.get(2).map_or(std::ptr::null(), const_ptr),
@@ -540,17 +541,20 @@ pub(crate) fn add_rms_norm(
                 eps,
                 dtype: dtype_code(dtype)?,
             };
-            // SAFETY: x / residual / out / sum are rows * n contiguous elements, weight n (validated
-            // or just allocated); the call only enqueues work on candle's stream.
+            // SAFETY: x / residual / out / sum are rows * n contiguous elements, weight n
+            // (validated or just allocated); the call only enqueues work on candle's stream.
             check(unsafe { ffi::cf_add_rms_norm(&p, stream.cu_stream() as *mut c_void) }, "cf_add_rms_norm")
-        })?;
-        Ok((sum, out))
-    })?;
-    let sum = match sum {
-        Some(s) => tensor_of(s, x.shape().clone()),
-        None => x.clone(),
-    };
-    Ok((sum, tensor_of(out, x.shape().clone())))
+        };
+        let tensor = |s: CudaStorage| tensor_of(s, x.shape().clone());
+        if residual.is_some() {
+            let (sum, (out, ())) =
+                new_output(&dev, dtype, rows * n, |sum| new_output(&dev, dtype, rows * n, |out| launch(sum, out)))?;
+            Ok((tensor(sum), tensor(out)))
+        } else {
+            let (out, ()) = new_output(&dev, dtype, rows * n, |out| launch(0, out))?;
+            Ok((x.clone(), tensor(out)))
+        }
+    })
 }
 
 /// `cf_silu_mul`: see [`crate::fused::silu_mul`], which validated `gate` and `up` (`rows` x `n`,
@@ -560,8 +564,8 @@ pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor, (rows, n): (usize, usize)) ->
     let stream = dev.cuda_stream();
     let dtype = gate.dtype();
     let row_stride = |t: &Tensor| if t.rank() >= 2 { t.stride()[t.rank() - 2] as i64 } else { 0 };
-    let out = with_args(&[gate, up], |a| {
-        new_output(&dev, dtype, rows * n, &|out| {
+    let (out, ()) = with_args(&[("gate", gate), ("up", up)], |a| {
+        new_output(&dev, dtype, rows * n, |out| {
             let p = ffi::CfSiluMulParams {
                 gate: const_ptr(&a[0]),
                 up: const_ptr(&a[1]),

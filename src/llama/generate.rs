@@ -82,14 +82,14 @@ impl Llama {
         mut on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Generation> {
         const SEQ: u64 = 0;
-        let max_len = prompt.len() + max_new_tokens;
-        let mut cache = self.new_paged_cache(GRAPH_PAGE_SIZE, None)?;
-        cache.reserve(max_len.div_ceil(GRAPH_PAGE_SIZE))?;
-        cache.add_sequence(SEQ)?;
         let mut tokens = Vec::with_capacity(max_new_tokens);
         if max_new_tokens == 0 {
             return Ok(Generation { tokens, prompt_tokens: prompt.len(), prefill_secs: 0.0, decode_secs: 0.0 });
         }
+        let max_len = prompt.len() + max_new_tokens;
+        let mut cache = self.new_paged_cache(GRAPH_PAGE_SIZE, None)?;
+        cache.reserve(max_len.div_ceil(GRAPH_PAGE_SIZE))?;
+        cache.add_sequence(SEQ)?;
         let t0 = Instant::now();
         let logits = self.forward_paged(&[(SEQ, prompt)], &mut cache)?;
         let mut next = sampler.sample(&logits.get(0)?)?;

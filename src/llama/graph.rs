@@ -32,7 +32,8 @@ use candle_core::{bail, DType, Result, Tensor, D};
 /// Whether CUDA decoding replays captured graphs (default) or launches every op
 /// (`CANDLE_FLASH_CUDA_GRAPHS=0`, for comparison and debugging).
 pub fn cuda_graphs_enabled() -> bool {
-    std::env::var("CANDLE_FLASH_CUDA_GRAPHS").map_or(true, |v| v != "0")
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CANDLE_FLASH_CUDA_GRAPHS").map_or(true, |v| v != "0"))
 }
 
 /// A padding row's slot: [`crate::write_paged_kv`] skips it.
@@ -53,7 +54,6 @@ pub struct DecodeGraph {
     generation: u64,
     /// `ids (B) | positions (B) | slots (B) | cumulative key lengths (B + 1) | table (B, W)`.
     inputs: Tensor,
-    host: Vec<u32>,
     logits: Tensor,
     tokens: Tensor,
     /// Sequences in the last step (the rows that are not padding).
@@ -126,8 +126,8 @@ impl DecodeGraph {
             bail!("decode graph: batch {b} x {w} pages is too large")
         }
         let device = model.device();
-        let host = padding_inputs(b, w);
-        let inputs = Tensor::from_slice(&host, host.len(), device)?;
+        let padding = padding_inputs(b, w);
+        let inputs = Tensor::from_slice(&padding, padding.len(), device)?;
         let views = InputViews::new(&inputs, b, w)?;
         let seqlens_q = Tensor::arange(0u32, b as u32 + 1, device)?;
         let tables = model.rotary().rope(0, max_seqlen_k, model.dtype(), device)?;
@@ -175,7 +175,6 @@ impl DecodeGraph {
             table_width: w,
             generation: cache.pool_generation(),
             inputs,
-            host,
             logits,
             tokens,
             rows: 0,
@@ -234,9 +233,8 @@ impl DecodeGraph {
         let last = hs.cu_k[n];
         cu_k[n + 1..].fill(last); // padding rows: no keys
         host[4 * b + 1..4 * b + 1 + n * w].copy_from_slice(&hs.table);
-        self.host = host;
         self.rows = n;
-        launch(&self.inputs, &self.host, &self.exec)
+        launch(&self.inputs, &host, &self.exec)
     }
 
     /// The greedy choice of each sequence of the last step (the argmax of its logits).
