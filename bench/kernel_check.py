@@ -601,6 +601,16 @@ def matrix(quick):
         C("f16-d256-1023", "f16", b=1, h=2, sq=1023, d=256, wl=-1, wr=0),
         C("bf16-d192-q1023-k17", "bf16", b=1, h=2, sq=1023, sk=17, d=192),
         C("bf16-softcap-alibi-window", "bf16", b=2, h=2, sq=90, d=72, wl=20, wr=3, softcap=4.0, alibi="bh", qmul=3),
+        # the wide sm_90a backward (tiles 192 / 256: GQA partials, varlen, the general logit
+        # path, columns past d) and d = 96 / 160 / 224 on the next wider tile
+        C("bf16-wide-gqa-split-causal-d256", "bf16", b=1, h=8, hkv=2, sq=200, sk=700, d=256, wl=-1, wr=0),
+        C("f16-wide-varlen-softcap-d192", "f16", h=4, hkv=2, d=192, varlen=[(17, 17), (0, 5), (130, 200), (1, 1), (70, 64)],
+          softcap=3.0, qmul=3, wl=-1, wr=0),
+        C("bf16-wide-alibi-window-d256", "bf16", b=2, h=2, sq=150, sk=190, d=256, wl=40, wr=7, alibi="bh"),
+        C("f16-d160", "f16", b=2, h=2, sq=129, d=160),
+        C("bf16-d224-gqa", "bf16", b=1, h=4, hkv=2, sq=100, sk=300, d=224),
+        C("bf16-d96-varlen-gqa-causal", "bf16", h=4, hkv=2, d=96, varlen=[(17, 17), (0, 5), (113, 113), (70, 130)], wl=-1, wr=0),
+        C("f16-d96-mqa-det", "f16", b=1, h=4, hkv=1, sq=150, sk=260, d=96, det=True),
         # GQA grids large enough that one CTA loops over several query heads (nsplit 1, 4 heads;
         # nsplit 2, 2 heads) instead of one head per split
         C("bf16-gqa-headloop", "bf16", b=3, h=8, hkv=2, sq=300, sk=2900, d=64),

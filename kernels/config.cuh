@@ -217,6 +217,31 @@ struct BwdSm90Traits {
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 shared memory");
 };
 
+// sm_90a dK/dV kernel for the wide head-dim tiles 192 and 256 (sm90/bwd_wide.cuh): CTA = 2
+// warpgroups over 64 keys, both covering all of them; warpgroup 0 holds dV (and computes P^T,
+// dS^T), warpgroup 1 holds dK (and computes dP^T); dQ columns [0, kDq0) / [kDq0, D) per
+// warpgroup. Shared (panel layout): K, V [64][D]; Q, dO [2][64][D]; dS^T, P^T [64][64]; the dP^T
+// exchange (f32, 64 x 64); lse, dsum [2][64]. dK/dV staged through Q/dO at the end.
+template <typename T_, int kHeadDim_>
+struct BwdSm90WideTraits {
+    using Elem = T_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockN = 64;
+    static constexpr int kBlockM = 64;
+    static constexpr int kNThreads = 256;
+    // dQ's column split: whole 64-column panels per warpgroup (an MN-major B operand starts at a
+    // panel), so d = 192 splits 128 + 64
+    static constexpr int kDq0 = kHeadDim == 192 ? 128 : kHeadDim / 2;
+    static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 4 * kBlockM * kHeadDim * 2 +
+                                      2 * kBlockN * kBlockM * 2 + 128 * (kBlockM / 2) * 4 + 4 * kBlockM * 4;
+
+    static_assert(kHeadDim == 192 || kHeadDim == 256, "wide wgmma backward: head-dim tiles 192 and 256");
+    static_assert(kBlockN == 64 && kBlockM == 64, "one m64 key slice, one panel of queries");
+    static_assert(kDq0 % 64 == 0 && (kHeadDim - kDq0) % 64 == 0, "dQ split on panel boundaries");
+    static_assert(2 * kBlockM * kHeadDim >= kBlockN * kHeadDim, "dK/dV staging fits in Q / dO");
+    static_assert(kSmemBytes <= 227 * 1024, "sm_90 shared memory");
+};
+
 // ------------------------------------------------------------------ f32 (SIMT)
 struct F32FwdTraits {  // 16 query rows x 32 keys, 8 threads per row
     static constexpr int kBlockM = 16, kBlockN = 32, kNThreads = 128;

@@ -156,12 +156,14 @@ cudaError_t fwd_tc(const CfFwdParams& p, void* ws, cudaStream_t s) {
     }
 }
 
-// Tensor-core backward: the wgmma dK/dV kernel on Hopper for head-dim tiles 64 and 128.
+// Tensor-core backward: the wgmma dK/dV kernels on Hopper (bwd_sm90_tile says which tile),
+// else the mma.sync kernels of the rounded head dim.
 template <typename T>
 cudaError_t bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
     const int rd = round_head_dim(p.fwd.d);
-    const bool wgmma = (rd == 64 || rd == 128) && sm90a_available();
-    switch (rd) {
+    const int tile90 = sm90a_available() ? bwd_sm90_tile(rd) : 0;
+    const bool wgmma = tile90 != 0;
+    switch (wgmma ? tile90 : rd) {
         case 32: return run_bwd_tc<T, 32>(p, ws, wgmma, s);
         case 64: return run_bwd_tc<T, 64>(p, ws, wgmma, s);
         case 96: return run_bwd_tc<T, 96>(p, ws, wgmma, s);

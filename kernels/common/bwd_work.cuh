@@ -34,6 +34,32 @@ struct BwdWs {
 };
 
 
+// f32 atomics of one thread's part of an m64 x (8 NJ) dQ accumulator slice (the wgmma / mma.sync
+// C layout: element 4j + 2r (+1) is row r0 + 8r, columns c0 + 8j (+1)). Both row pointers are
+// formed once per slice, so every reduction is one instruction with an immediate offset: with the
+// address recomputed per element (what the compiler did at 254 registers) the atomics took ~28%
+// of the D = 128 kernel's issue slots (ncu source counters, bench/NOTES.md "Backward v4").
+// cols_left = d - c0: columns past d are never touched; a row past the sequence passes null.
+template <int NJ>
+__device__ __forceinline__ void dq_slice_atomics(const float (&dq)[4 * NJ], float* row0, float* row8, int cols_left,
+                                                 bool vec2) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        if (8 * j >= cols_left) break;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float* dst = r == 0 ? row0 : row8;
+            if (dst == nullptr) continue;
+            if (vec2) {  // one 8-byte reduction per column pair
+                atomicAdd(reinterpret_cast<float2*>(dst + 8 * j), make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
+            } else {
+                atomicAdd(dst + 8 * j, dq[4 * j + 2 * r]);
+                atomicAdd(dst + 8 * j + 1, dq[4 * j + 2 * r + 1]);
+            }
+        }
+    }
+}
+
 template <typename T, int BN, int BM>
 struct DkdvWork {
     SeqInfo si;

@@ -12,6 +12,7 @@
 #include "../common/bwd_work.cuh"
 #include "../launch.cuh"
 #include "../sm90/bwd.cuh"
+#include "../sm90/bwd_wide.cuh"
 
 namespace cf {
 
@@ -437,6 +438,12 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
     if constexpr (D == 64 || D == 128) {
         if (wgmma) {
             if ((e = launch_dkdv(bwd_dkdv_sm90_kernel<BwdSm90Traits<T, D>>, BwdSm90Traits<T, D>{})) != cudaSuccess) return e;
+            done = true;
+        }
+    } else if constexpr (D == 192 || D == 256) {
+        if (wgmma) {
+            using Kt = BwdSm90WideTraits<T, D>;
+            if ((e = launch_dkdv(bwd_dkdv_sm90_wide_kernel<Kt>, Kt{})) != cudaSuccess) return e;
             done = true;
         }
     }

@@ -173,23 +173,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
             reg_fence(pa);
             reg_fence(dsa);
             const int64_t rstride = (int64_t)f.h * f.d;
-            float* dqg = ws.dq_accum_rows(f, si, hq) + m0 * rstride;
-            const int row0 = (D == 64 ? 64 * wg : 0) + 16 * wq + g, col0 = (D == 64 ? 0 : 64 * wg) + 2 * q4;
-#pragma unroll
-            for (int j = 0; j < NQ / 4; ++j)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int rl = row0 + 8 * r, col = col0 + 8 * j;  // even; d % 8 == 0
-                    if (m0 + rl < si.sq && col < f.d) {
-                        float* dst = dqg + rl * rstride + col;
-                        if (dq_vec2) {  // one 8-byte reduction per column pair
-                            atomicAdd(reinterpret_cast<float2*>(dst), make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
-                        } else {
-                            atomicAdd(dst, dq[4 * j + 2 * r]);
-                            atomicAdd(dst + 1, dq[4 * j + 2 * r + 1]);
-                        }
-                    }
-                }
+            const int rl = (D == 64 ? 64 * wg : 0) + 16 * wq + g, c0 = (D == 64 ? 0 : 64 * wg) + 2 * q4;
+            float* r0 = ws.dq_accum_rows(f, si, hq) + (int64_t)(m0 + rl) * rstride + c0;
+            dq_slice_atomics<NQ / 4>(dq, m0 + rl < si.sq ? r0 : nullptr, m0 + rl + 8 < si.sq ? r0 + 8 * rstride : nullptr,
+                                     f.d - c0, dq_vec2);
         } else {
             wg_wait<0>();
             reg_fence(dv);

@@ -1,0 +1,272 @@
+// Backward dK/dV (+ atomic dQ) on wgmma for the wide head-dim tiles 192 and 256 (sm_90a).
+// Same algorithm, semantics and workspace as bwd_dkdv_sm90_kernel (bwd.cuh). What changes is how
+// the two warpgroups share a CTA's work: at these widths one warpgroup cannot hold both dK and dV
+// of 64 keys (64 x 256 x 2 f32 = 256 registers per thread), so each warpgroup owns one of them,
+// for all 64 keys of the CTA:
+//   warpgroup 1 ("dK"):  dP^T = V dO^T (m64 x BM)  -> shared, f32              [barrier dP]
+//   warpgroup 0 ("dV"):  S^T = K Q^T (m64 x BM); with dP^T from shared: P^T, dS^T in registers
+//                        (the one p_ds of common/mask.cuh, so softcap's derivative stays with S);
+//                        P^T, dS^T -> shared (bf16 panels)                       [barrier dS]
+//   warpgroup 0:         dV += P^T dO;   warpgroup 1: dK += dS^T Q   (A from shared, K-major;
+//                        one instruction stream with role-dependent descriptors: a version with
+//                        P^T as a register operand on warpgroup 0 spilled 512 bytes at d = 256)
+//   both, atomic mode:   dQ = dS K, columns [0, kDq0) on warpgroup 0 and [kDq0, D) on 1
+//                        (A = dS^T read MN-major, B = K MN-major), then f32 atomics.
+// S^T and dP^T run on the tensor cores at the same time; the work after the exchange is one
+// D-wide product per warpgroup plus half of dQ, so both warpgroups issue the same MMA volume.
+// Step protocol: cp.async double-buffered Q / dO / lse / dsum as in bwd.cuh, one CTA-wide barrier
+// per step (the tiles landed; the previous step's shared reads are done everywhere), two named
+// barriers (both warpgroups) inside it. The dP^T exchange buffer and dS^T are rewritten only after
+// the next step's CTA-wide barrier, when every read of them has completed.
+#pragma once
+#include "../config.cuh"
+#include "../common/bwd_work.cuh"
+#include "wgmma.cuh"
+
+namespace cf {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// dQ (N columns starting at column tile tKc of K) = dS K over the CTA's BN keys.
+template <int N, int BN, typename T>
+__device__ __forceinline__ void wide_dq_product(float (&dq)[N / 2], uint32_t tdS, uint32_t tKc) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+        wgmma_ss<N, T, 1, 1>(dq, desc_mn_major(tdS, BN, kk), desc_mn_major(tKc, BN, kk), kk > 0);
+}
+#endif
+
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_wide_kernel(const CfBwdParams p, const BwdWs ws) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using T = typename Kt::Elem;
+    constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
+    constexpr int C = D / 8;      // chunks per Q/K/V/dO row
+    constexpr int KS = D / 16;    // k16 steps of S^T and dP^T
+    constexpr int MS = BM / 16;   // k16 steps of dV / dK (query rows)
+    constexpr int NA = BM / 2;    // accumulators of an m64 x BM product
+    constexpr int ND = D / 2;     // accumulators of an m64 x D product
+    constexpr int DQ0 = Kt::kDq0, DQ1 = D - DQ0;
+    constexpr uint32_t kBarDp = 1, kBarDs = 2;  // named barriers (0 is __syncthreads)
+
+    extern __shared__ __align__(1024) unsigned char smem_sm90[];
+    if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
+    T* sK = reinterpret_cast<T*>(smem_sm90);
+    T* sV = sK + BN * D;
+    T* sQ = sV + BN * D;       // [2][BM*D]
+    T* sdO = sQ + 2 * BM * D;  // [2][BM*D]
+    T* sdS = sdO + 2 * BM * D; // [BN][BM] (dS^T)
+    T* sP = sdS + BN * BM;     // [BN][BM] (P^T)
+    float4* sX = reinterpret_cast<float4*>(sP + BN * BM);  // dP^T exchange: [NA/4][128] per thread
+    float* sL = reinterpret_cast<float*>(sX + (NA / 4) * 128);  // [2][BM]
+    float* sD = sL + 2 * BM;                                     // [2][BM]
+
+    const CfFwdParams& f = p.fwd;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wq = warp & 3, wt = tid & 127;  // warpgroup, warp / thread within it
+    const int g = lane >> 2, q4 = lane & 3;
+    const DkdvWork<T, BN, BM> w(p, ws);
+    if (w.empty()) return;
+    const SeqInfo& si = w.si;
+    const MaskInfo& mk = w.mk;
+    const int hkv_i = w.hkv_i, split = w.split, n0 = w.n0, dch = w.dch, total_it = w.total_it;
+    using Loader = PanelLoader<C, NTH>;
+    w.template prologue<Loader, D>(p, ws, sK, sV, sQ, sdO, sL, sD, tid);
+
+    float acc[ND];  // dV on warpgroup 0, dK on warpgroup 1
+#pragma unroll
+    for (int i = 0; i < ND; ++i) acc[i] = 0.f;
+
+    const uint32_t tK = smem_addr(sK), tV = smem_addr(sV), tdS = smem_addr(sdS), tP = smem_addr(sP);
+    const int key_l0 = 16 * wq + g;  // local key of accumulator rows (e < 2); +8 for e >= 2
+    const bool dq_vec2 = (reinterpret_cast<uintptr_t>(ws.dq_accum) & 7) == 0;
+    const int64_t rstride = (int64_t)f.h * f.d;
+
+    for (int it = 0; it < total_it; ++it) {
+        const int hq = w.head(it), m0 = w.row0(it);
+        const int st = it & 1;
+        cp_async_wait<0>();
+        fence_async_smem();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
+        __syncthreads();     // this step's tiles landed; the previous step is done everywhere
+        if (it + 1 < total_it) {
+            w.template issue_stage<Loader, D>(p, ws, it + 1, st ^ 1, sQ, sdO, sL, sD, tid);
+            cp_async_commit();
+        }
+        const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
+
+        // ---- S^T = K Q^T (warpgroup 0) / dP^T = V dO^T (warpgroup 1): 64 keys x BM queries
+        float sc[NA];
+        {
+            const uint32_t tA = wg == 0 ? tK : tV, tB = wg == 0 ? tQ : tdO;
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks)
+                wgmma_ss<BM, T, 0, 0>(sc, desc_k_major(tA, BN, ks), desc_k_major(tB, BM, ks), ks > 0);
+            wg_commit();
+            wg_wait<0>();
+            reg_fence(sc);
+        }
+
+        if (wg == 1) {
+            // ---- dP^T to warpgroup 0 (thread wt of both warpgroups holds the same elements)
+#pragma unroll
+            for (int c = 0; c < NA / 4; ++c) sX[c * 128 + wt] = make_float4(sc[4 * c], sc[4 * c + 1], sc[4 * c + 2], sc[4 * c + 3]);
+            named_bar_arrive(kBarDp, 256);
+        } else {
+            named_bar_sync(kBarDp, 256);
+            float dp[NA];
+#pragma unroll
+            for (int c = 0; c < NA / 4; ++c) {
+                const float4 x = sX[c * 128 + wt];
+                dp[4 * c] = x.x;
+                dp[4 * c + 1] = x.y;
+                dp[4 * c + 2] = x.z;
+                dp[4 * c + 3] = x.w;
+            }
+            // ---- P^T, dS^T. Element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1).
+            //      The fast loop (every element visible, plain scale) and the general one, as in bwd.cuh.
+            const LogitInfo li(f, w.b, hq);
+            const float* cL = sL + st * BM;
+            const float* cD = sD + st * BM;
+            const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
+            if (full && !li.general) {
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j) {
+                    const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * q4);
+                    const float2 ds2 = *reinterpret_cast<const float2*>(cD + 8 * j + 2 * q4);
+                    const float lse2[2] = {Log2Units::lse(l2.x), Log2Units::lse(l2.y)}, dsv[2] = {ds2.x, ds2.y};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const PdS x = p_ds<Log2Units, true>(li, mk, sc[4 * j + e], dp[4 * j + e], lse2[e & 1], dsv[e & 1], 0, 0, true);
+                        sc[4 * j + e] = x.p;
+                        dp[4 * j + e] = x.ds;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int ql = 8 * j + 2 * q4 + (e & 1);
+                        const int i = m0 + ql, jk = n0 + key_l0 + 8 * (e >> 1);
+                        const PdS x = p_ds(li, mk, sc[4 * j + e], dp[4 * j + e], Log2Units::lse(cL[ql]), cD[ql], i, jk, false);
+                        sc[4 * j + e] = x.p;
+                        dp[4 * j + e] = x.ds;
+                    }
+                }
+            }
+            // ---- P^T and dS^T -> shared (bf16 panels [keys][queries]): n8 tile j of the
+            //      accumulators holds queries 8j + 2 q4 (+1) of keys key_l0 (+8)
+            unsigned char* pP = reinterpret_cast<unsigned char*>(sP);
+            unsigned char* pdS = reinterpret_cast<unsigned char*>(sdS);
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const uint32_t off = panel_offset(BN, key_l0 + 8 * r, 8 * j + 2 * q4);
+                    *reinterpret_cast<uint32_t*>(pP + off) = pack2<T>(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]);
+                    *reinterpret_cast<uint32_t*>(pdS + off) = pack2<T>(dp[4 * j + 2 * r], dp[4 * j + 2 * r + 1]);
+                }
+            fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)
+        }
+        named_bar_sync(kBarDs, 256);  // P^T and dS^T are in shared
+
+        // ---- dV += P^T dO (warpgroup 0) / dK += dS^T Q (warpgroup 1): A = [keys][queries]
+        //      K-major, B = [queries][d] MN-major. One instruction stream for both roles (only
+        //      the descriptors differ), so the accumulators keep one register assignment.
+        const uint32_t tA2 = wg == 0 ? tP : tdS, tB2 = wg == 0 ? tdO : tQ;
+        wg_fence();
+#pragma unroll
+        for (int kq = 0; kq < MS; ++kq)
+            wgmma_ss<D, T, 0, 1>(acc, desc_k_major(tA2, BN, kq), desc_mn_major(tB2, BM, kq), 1);
+        wg_commit();
+        if (ws.dq_accum != nullptr) {
+            // ---- dQ = dS K, this warpgroup's columns (A = dS^T read MN-major, B = K MN-major)
+            // this thread's rows 16 wq + g (+8) of the query block, from column c0 + 2 q4
+            auto dq_atomics = [&](auto const& dq, int c0) {
+                constexpr int NJ = sizeof(dq) / sizeof(float) / 4;
+                const int rl = 16 * wq + g;
+                float* r0 = ws.dq_accum_rows(f, si, hq) + (int64_t)(m0 + rl) * rstride + c0 + 2 * q4;
+                dq_slice_atomics<NJ>(dq, m0 + rl < si.sq ? r0 : nullptr, m0 + rl + 8 < si.sq ? r0 + 8 * rstride : nullptr,
+                                     f.d - c0 - 2 * q4, dq_vec2);
+            };
+            if constexpr (DQ0 == DQ1) {
+                float dq[DQ0 / 2];
+                wg_fence();  // dq's registers were last written by ordinary instructions
+                wide_dq_product<DQ0, BN, T>(dq, tdS, tK + wg * (DQ0 / 64) * BN * kPanelRowBytes);
+                wg_commit();
+                wg_wait<0>();
+                reg_fence(dq);
+                reg_fence(acc);
+                dq_atomics(dq, wg * DQ0);
+            } else if (wg == 0) {
+                float dq[DQ0 / 2];
+                wg_fence();  // dq's registers were last written by ordinary instructions
+                wide_dq_product<DQ0, BN, T>(dq, tdS, tK);
+                wg_commit();
+                wg_wait<0>();
+                reg_fence(dq);
+                reg_fence(acc);
+                dq_atomics(dq, 0);
+            } else {
+                float dq[DQ1 / 2];
+                wg_fence();
+                wide_dq_product<DQ1, BN, T>(dq, tdS, tK + (DQ0 / 64) * BN * kPanelRowBytes);
+                wg_commit();
+                wg_wait<0>();
+                reg_fence(dq);
+                reg_fence(acc);
+                dq_atomics(dq, DQ0);
+            }
+        } else {
+            wg_wait<0>();
+            reg_fence(acc);
+        }
+    }
+
+    // ---- write dK (scaled; warpgroup 1) and dV (warpgroup 0).
+    //      Element 4j+e: key key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1).
+    if (wg == 1) {
+        const float scale = f.softmax_scale;
+#pragma unroll
+        for (int i = 0; i < ND; ++i) acc[i] *= scale;
+    }
+    cp_async_wait<0>();
+    if (ws.nsplit == 1) {
+        __syncthreads();  // all shared reads done: stage dK / dV in the Q / dO buffers
+        unsigned char* sOk = reinterpret_cast<unsigned char*>(sQ);
+        unsigned char* sOv = reinterpret_cast<unsigned char*>(sdO);
+        unsigned char* sO = wg == 0 ? sOv : sOk;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                *reinterpret_cast<uint32_t*>(sO + panel_offset(BN, key_l0 + 8 * r, 8 * j + 2 * q4)) =
+                    pack2<T>(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+        __syncthreads();
+        T* dkg = si.dk<T>(p, hkv_i);
+        T* dvg = si.dv<T>(p, hkv_i);
+        for (int idx = tid; idx < BN * C; idx += NTH) {
+            const int r = idx / C, c = idx % C;
+            if (n0 + r < si.sk && c < dch) {
+                const uint32_t off = panel_offset(BN, r, 8 * c);
+                *reinterpret_cast<uint4*>(dkg + (int64_t)(n0 + r) * p.dk_row_stride + c * 8) = *reinterpret_cast<const uint4*>(sOk + off);
+                *reinterpret_cast<uint4*>(dvg + (int64_t)(n0 + r) * p.dv_row_stride + c * 8) = *reinterpret_cast<const uint4*>(sOv + off);
+            }
+        }
+    } else {
+        const int64_t rs = (int64_t)f.hkv * f.d;
+        float* wk = ws.dk_part_rows(f, si, split, hkv_i) + n0 * rs;
+        float* dst = wg == 0 ? wk + ws.dkv_v_offset(f) : wk;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int rl = key_l0 + 8 * r, col = 8 * j + 2 * q4;
+                if (n0 + rl < si.sk && col < f.d)
+                    *reinterpret_cast<float2*>(dst + rl * rs + col) = make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+            }
+    }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+}  // namespace cf
