@@ -198,7 +198,8 @@ struct BwdDqTraits {
 // S^T = K Q^T and dP^T = V dO^T for its keys (m64 x n kBlockM), then dV += P^T dO and dK += dS^T Q
 // with P^T / dS^T straight from registers; atomic mode: dS^T -> shared, dQ = dS K (m64 x n64 per
 // warpgroup). Shared (panel layout, wgmma.cuh): K, V [kBlockN][D]; Q, dO [2][kBlockM][D];
-// dS^T [kBlockN][kBlockM]; lse, dsum [2][kBlockM] (f32). dK/dV staged through Q/dO at the end.
+// dS^T [kBlockN][kBlockM]; lse, dsum [2][kBlockM] (f32); dQ staging [2][64][64] (f32, for the
+// bulk reductions). dK/dV staged through Q/dO at the end.
 template <typename T_, int kHeadDim_>
 struct BwdSm90Traits {
     using Elem = T_;
@@ -207,7 +208,7 @@ struct BwdSm90Traits {
     static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
     static constexpr int kNThreads = 256;
     static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 4 * kBlockM * kHeadDim * 2 +
-                                      kBlockN * kBlockM * 2 + 4 * kBlockM * 4;
+                                      kBlockN * kBlockM * 2 + 4 * kBlockM * 4 + 2 * 64 * 64 * 4;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma backward: head-dim tiles 64 and 128");
     static_assert(kBlockN == 2 * 64, "one m64 slice of keys per warpgroup");

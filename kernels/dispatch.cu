@@ -238,6 +238,7 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
     ws.dq_accum = pl.atomic_dq ? reinterpret_cast<float*>(base + pl.dq_off) : nullptr;
     ws.dkv = pl.nsplit > 1 ? reinterpret_cast<float*>(base + pl.dkv_off) : nullptr;
     ws.nsplit = pl.nsplit;
+    ws.dq_tiled = pl.atomic_dq && f.dtype != CF_F32 && sm90a_available() && bwd_sm90_tile(round_head_dim(f.d)) != 0;
     ws.hps = pl.hps;
     ws.total_q = pl.total_q;
     ws.total_k = pl.total_k;

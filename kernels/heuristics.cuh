@@ -95,7 +95,9 @@ inline BwdPlan plan_bwd(const CfBwdParams& p) {
     pl.dsum_off = off;
     off += round256(sizeof(float) * (size_t)f.h * pl.total_q);
     pl.dq_off = off;
-    if (pl.atomic_dq) off += round256(sizeof(float) * (size_t)pl.total_q * f.h * f.d);
+    // the tiled layout (sm_90a) holds the rows layout's floats and more; one size for both
+    if (pl.atomic_dq)
+        off += round256(sizeof(float) * (size_t)(pl.total_q + BwdWs::kDqSpareRows) * f.h * 64 * BwdWs::dq_panels(f.d));
     pl.dkv_off = off;
     if (pl.nsplit > 1) off += round256(sizeof(float) * 2 * (size_t)pl.nsplit * pl.total_k * f.hkv * f.d);
     pl.total = off;

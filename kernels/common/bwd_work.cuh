@@ -8,7 +8,13 @@ namespace cf {
 
 // Backward scratch memory (all f32). Offsets are rounded up to 256 bytes.
 //   dsum     [h][total_q]                 D_i = rowsum(dO * O)
-//   dq_accum [total_q][h][d]              only for the tensor-core path with atomics
+//   dq_accum                              only for the tensor-core path in atomic mode:
+//            rows   [total_q][h][d]         (sm_80 kernels: f32 atomics per element pair)
+//            tiled  [h][d/64][total_q + 128][64], chunk c (8 floats) of row i at c ^ (i & 7)
+//                                          (sm_90a kernels: bulk reductions of whole 64 x 64
+//                                          tiles; i counts from the sequence start, and the
+//                                          128 spare rows take the zero rows of a query block
+//                                          that runs past the last sequence)
 //   dkv      [2][nsplit][total_k][hkv][d] only when the query heads of a KV head are split
 //                                          over nsplit CTAs (GQA/MQA): dK part, then dV part
 struct BwdWs {
@@ -16,6 +22,7 @@ struct BwdWs {
     float* dq_accum;
     float* dkv;
     int nsplit;    // CTAs sharing the query heads of one KV head (1 = write dk/dv directly)
+    int dq_tiled;  // dq_accum in the tiled layout (the sm_90a kernels run)
     int hps;       // query heads per split
     int64_t total_q, total_k;
 
@@ -25,6 +32,12 @@ struct BwdWs {
     __device__ __forceinline__ float* dq_accum_rows(const CfFwdParams& f, const SeqInfo& si, int h) const {
         return dq_accum + si.q_row0 * ((int64_t)f.h * f.d) + (int64_t)h * f.d;
     }
+    // Tiled layout: the [rows][64] column panel pnl of head h, from row 0 of sequence si.
+    __device__ __forceinline__ float* dq_tile_rows(const CfFwdParams& f, const SeqInfo& si, int h, int pnl) const {
+        return dq_accum + (((int64_t)h * dq_panels(f.d) + pnl) * (total_q + kDqSpareRows) + si.q_row0) * 64;
+    }
+    static constexpr int kDqSpareRows = 128;
+    static __host__ __device__ __forceinline__ int dq_panels(int d) { return (d + 63) / 64; }
     // dK partial of split `split`, KV head hk (rows hkv * d floats apart); the dV partials
     // follow all dK partials (dkv_v_offset floats further).
     __device__ __forceinline__ float* dk_part_rows(const CfFwdParams& f, const SeqInfo& si, int split, int hk) const {
@@ -33,32 +46,6 @@ struct BwdWs {
     __device__ __forceinline__ int64_t dkv_v_offset(const CfFwdParams& f) const { return (int64_t)nsplit * total_k * f.hkv * f.d; }
 };
 
-
-// f32 atomics of one thread's part of an m64 x (8 NJ) dQ accumulator slice (the wgmma / mma.sync
-// C layout: element 4j + 2r (+1) is row r0 + 8r, columns c0 + 8j (+1)). Both row pointers are
-// formed once per slice, so every reduction is one instruction with an immediate offset: with the
-// address recomputed per element (what the compiler did at 254 registers) the atomics took ~28%
-// of the D = 128 kernel's issue slots (ncu source counters, bench/NOTES.md "Backward v4").
-// cols_left = d - c0: columns past d are never touched; a row past the sequence passes null.
-template <int NJ>
-__device__ __forceinline__ void dq_slice_atomics(const float (&dq)[4 * NJ], float* row0, float* row8, int cols_left,
-                                                 bool vec2) {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-        if (8 * j >= cols_left) break;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float* dst = r == 0 ? row0 : row8;
-            if (dst == nullptr) continue;
-            if (vec2) {  // one 8-byte reduction per column pair
-                atomicAdd(reinterpret_cast<float2*>(dst + 8 * j), make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
-            } else {
-                atomicAdd(dst + 8 * j, dq[4 * j + 2 * r]);
-                atomicAdd(dst + 8 * j + 1, dq[4 * j + 2 * r + 1]);
-            }
-        }
-    }
-}
 
 template <typename T, int BN, int BM>
 struct DkdvWork {

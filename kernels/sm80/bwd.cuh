@@ -382,10 +382,17 @@ __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const CfBwdParams p
     const int h = blockIdx.y, b = blockIdx.z, i = blockIdx.x * 8 + warp;
     const SeqInfo si(f, b);
     if (i >= si.sq) return;
-    const float* src = ws.dq_accum_rows(f, si, h) + (int64_t)i * f.h * f.d;
     T* dst = si.dq<T>(p, h) + (int64_t)i * p.dq_row_stride;
     const float scale = f.softmax_scale;
-    for (int c = lane; c < f.d; c += 32) dst[c] = from_float<T>(src[c] * scale);
+    if (ws.dq_tiled) {
+        for (int c = lane; c < f.d; c += 32) {
+            const float* row = ws.dq_tile_rows(f, si, h, c >> 6) + (int64_t)i * 64;
+            dst[c] = from_float<T>(row[((((c & 63) >> 3) ^ (i & 7)) << 3) + (c & 7)] * scale);
+        }
+    } else {
+        const float* src = ws.dq_accum_rows(f, si, h) + (int64_t)i * f.h * f.d;
+        for (int c = lane; c < f.d; c += 32) dst[c] = from_float<T>(src[c] * scale);
+    }
 }
 
 template <typename T>

@@ -4,13 +4,17 @@
 //     S^T  = K Q^T,  dP^T = V dO^T         wgmma, A and B from shared (both K-major)
 //     P^T  = 2^(S^T c - lse2),  dS^T = P^T (dP^T - dsum)     registers (columns = queries)
 //     dV  += P^T dO, dK += dS^T Q          wgmma, A = P^T / dS^T from registers, B MN-major
-//     atomic mode: dS^T -> shared; dQ_accum += dS K (wgmma, both MN-major), f32 atomics
+//     atomic mode: dS^T -> shared; dQ = dS K (wgmma, both MN-major) -> a 64 x 64 f32 tile in
+//                  shared memory -> one bulk reduction (cp.reduce.async.bulk) into the tiled
+//                  dq_accum per warpgroup and step. Per-element f32 atomics here were the
+//                  kernel's bound: without them it ran 1.5x faster (bench/NOTES.md "Backward v4").
 // Computing the transposed scores keeps P^T and dS^T in the accumulator layout that the dV / dK
 // products take as register A operands: no shared-memory round trip for P at all, and dS goes
 // through shared memory only for dQ.
 #pragma once
 #include "../config.cuh"
 #include "../common/bwd_work.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace cf {
@@ -37,6 +41,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
     T* sdS = sdO + 2 * BM * D;    // [BN][BM] (dS^T)
     float* sL = reinterpret_cast<float*>(sdS + BN * BM);  // [2][BM]
     float* sD = sL + 2 * BM;                              // [2][BM]
+    float* sDq = sD + 2 * BM;                             // [2 warpgroups][64][64] dQ staging (f32)
 
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -59,7 +64,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
     const uint32_t tKw = tK + 64 * wg * kPanelRowBytes;  // this warpgroup's 64 keys (K-major A)
     const uint32_t tVw = tV + 64 * wg * kPanelRowBytes;
     const int key_l0 = 64 * wg + 16 * wq + g;  // local key of accumulator rows (e < 2); +8 for e >= 2
-    const bool dq_vec2 = (reinterpret_cast<uintptr_t>(ws.dq_accum) & 7) == 0;
+    const int wt = tid & 127;  // thread within the warpgroup
 
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
@@ -172,11 +177,19 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
             reg_fence(dk);
             reg_fence(pa);
             reg_fence(dsa);
-            const int64_t rstride = (int64_t)f.h * f.d;
-            const int rl = (D == 64 ? 64 * wg : 0) + 16 * wq + g, c0 = (D == 64 ? 0 : 64 * wg) + 2 * q4;
-            float* r0 = ws.dq_accum_rows(f, si, hq) + (int64_t)(m0 + rl) * rstride + c0;
-            dq_slice_atomics<NQ / 4>(dq, m0 + rl < si.sq ? r0 : nullptr, m0 + rl + 8 < si.sq ? r0 + 8 * rstride : nullptr,
-                                     f.d - c0, dq_vec2);
+            // ---- dQ tile -> shared -> one bulk reduction into the tiled dq_accum (d = 64: this
+            //      warpgroup's 64 query rows of panel 0; d = 128: all 64 rows of panel wg)
+            float* stile = sDq + wg * 64 * 64;
+            if (wt == 0) bulk_wait_read<0>();  // the previous step's reduction has read the tile
+            named_bar_sync(1 + wg, 128);
+            stage_dq_tile<NQ / 4>(dq, 0, stile, 16 * wq + g, q4);
+            fence_async_smem();  // st.shared (generic proxy) -> bulk copy (async proxy)
+            named_bar_sync(1 + wg, 128);
+            if (wt == 0) {
+                const int pnl = D == 64 ? 0 : wg, r0 = m0 + (D == 64 ? 64 * wg : 0);
+                bulk_reduce_add_f32(ws.dq_tile_rows(f, si, hq, pnl) + (int64_t)r0 * 64, smem_addr(stile), 64 * 64 * 4);
+                bulk_commit();
+            }
         } else {
             wg_wait<0>();
             reg_fence(dv);
@@ -185,6 +198,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
             reg_fence(dsa);
         }
     }
+
+    if (ws.dq_accum != nullptr && wt == 0) bulk_wait<0>();  // the last reduction is done with shared memory
 
     // ---- write dK (scaled) and dV. Element 4j+e: key key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1).
     const float scale = f.softmax_scale;

@@ -11,7 +11,8 @@
 //                        one instruction stream with role-dependent descriptors: a version with
 //                        P^T as a register operand on warpgroup 0 spilled 512 bytes at d = 256)
 //   both, atomic mode:   dQ = dS K, columns [0, kDq0) on warpgroup 0 and [kDq0, D) on 1
-//                        (A = dS^T read MN-major, B = K MN-major), then f32 atomics.
+//                        (A = dS^T read MN-major, B = K MN-major), then 64 x 64 tiles through
+//                        shared memory into bulk reductions (the tiled dq_accum).
 // S^T and dP^T run on the tensor cores at the same time; the work after the exchange is one
 // D-wide product per warpgroup plus half of dQ, so both warpgroups issue the same MMA volume.
 // Step protocol: cp.async double-buffered Q / dO / lse / dsum as in bwd.cuh, one CTA-wide barrier
@@ -21,6 +22,7 @@
 #pragma once
 #include "../config.cuh"
 #include "../common/bwd_work.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace cf {
@@ -46,7 +48,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_wide_kernel(co
     constexpr int NA = BM / 2;    // accumulators of an m64 x BM product
     constexpr int ND = D / 2;     // accumulators of an m64 x D product
     constexpr int DQ0 = Kt::kDq0, DQ1 = D - DQ0;
-    constexpr uint32_t kBarDp = 1, kBarDs = 2;  // named barriers (0 is __syncthreads)
+    // named barriers (0 is __syncthreads): dP^T exchanged, dS^T / P^T stored, the step's products
+    // done reading shared memory (all 256 threads); kBarWg + wg: one warpgroup's dQ staging
+    constexpr uint32_t kBarDp = 1, kBarDs = 2, kBarRead = 3, kBarWg = 4;
 
     extern __shared__ __align__(1024) unsigned char smem_sm90[];
     if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
@@ -78,14 +82,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_wide_kernel(co
 
     const uint32_t tK = smem_addr(sK), tV = smem_addr(sV), tdS = smem_addr(sdS), tP = smem_addr(sP);
     const int key_l0 = 16 * wq + g;  // local key of accumulator rows (e < 2); +8 for e >= 2
-    const bool dq_vec2 = (reinterpret_cast<uintptr_t>(ws.dq_accum) & 7) == 0;
-    const int64_t rstride = (int64_t)f.h * f.d;
 
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
         const int st = it & 1;
         cp_async_wait<0>();
         fence_async_smem();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
+        if (ws.dq_accum != nullptr && wt == 0) bulk_wait_read<0>();  // dQ staging (dS^T, P^T, dP^T) is free
         __syncthreads();     // this step's tiles landed; the previous step is done everywhere
         if (it + 1 < total_it) {
             w.template issue_stage<Loader, D>(p, ws, it + 1, st ^ 1, sQ, sdO, sL, sD, tid);
@@ -180,48 +183,53 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_wide_kernel(co
             wgmma_ss<D, T, 0, 1>(acc, desc_k_major(tA2, BN, kq), desc_mn_major(tB2, BM, kq), 1);
         wg_commit();
         if (ws.dq_accum != nullptr) {
-            // ---- dQ = dS K, this warpgroup's columns (A = dS^T read MN-major, B = K MN-major)
-            // this thread's rows 16 wq + g (+8) of the query block, from column c0 + 2 q4
-            auto dq_atomics = [&](auto const& dq, int c0) {
-                constexpr int NJ = sizeof(dq) / sizeof(float) / 4;
-                const int rl = 16 * wq + g;
-                float* r0 = ws.dq_accum_rows(f, si, hq) + (int64_t)(m0 + rl) * rstride + c0 + 2 * q4;
-                dq_slice_atomics<NJ>(dq, m0 + rl < si.sq ? r0 : nullptr, m0 + rl + 8 < si.sq ? r0 + 8 * rstride : nullptr,
-                                     f.d - c0 - 2 * q4, dq_vec2);
+            // ---- dQ = dS K, this warpgroup's columns (A = dS^T read MN-major, B = K MN-major),
+            //      then one 64 x 64 tile at a time through shared memory into a bulk reduction
+            //      (tiled dq_accum). The staging tiles reuse dS^T, P^T and the dP^T exchange
+            //      (32 KB, contiguous), free once both warpgroups' products have completed.
+            float* stile = reinterpret_cast<float*>(sdS) + wg * 64 * 64;
+            auto dq_reduce = [&](auto& dq, int pnl0) {
+                constexpr int NJ = sizeof(dq) / sizeof(float) / 4;  // n8 tiles; 8 per panel
+                wg_fence();  // dq's registers were last written by ordinary instructions
+                wide_dq_product<NJ * 8, BN, T>(dq, tdS, tK + pnl0 * BN * kPanelRowBytes);
+                wg_commit();
+                wg_wait<0>();
+                reg_fence(dq);
+                reg_fence(acc);
+                named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
+#pragma unroll
+                for (int pp = 0; pp < NJ / 8; ++pp) {
+                    if (pp > 0) {
+                        if (wt == 0) bulk_wait_read<0>();
+                        named_bar_sync(kBarWg + wg, 128);
+                    }
+                    stage_dq_tile<NJ>(dq, 8 * pp, stile, 16 * wq + g, q4);
+                    fence_async_smem();  // st.shared (generic proxy) -> bulk copy (async proxy)
+                    named_bar_sync(kBarWg + wg, 128);
+                    if (wt == 0) {
+                        bulk_reduce_add_f32(ws.dq_tile_rows(f, si, hq, pnl0 + pp) + (int64_t)m0 * 64, smem_addr(stile),
+                                            64 * 64 * 4);
+                        bulk_commit();
+                    }
+                }
             };
             if constexpr (DQ0 == DQ1) {
                 float dq[DQ0 / 2];
-                wg_fence();  // dq's registers were last written by ordinary instructions
-                wide_dq_product<DQ0, BN, T>(dq, tdS, tK + wg * (DQ0 / 64) * BN * kPanelRowBytes);
-                wg_commit();
-                wg_wait<0>();
-                reg_fence(dq);
-                reg_fence(acc);
-                dq_atomics(dq, wg * DQ0);
+                dq_reduce(dq, wg * (DQ0 / 64));
             } else if (wg == 0) {
                 float dq[DQ0 / 2];
-                wg_fence();  // dq's registers were last written by ordinary instructions
-                wide_dq_product<DQ0, BN, T>(dq, tdS, tK);
-                wg_commit();
-                wg_wait<0>();
-                reg_fence(dq);
-                reg_fence(acc);
-                dq_atomics(dq, 0);
+                dq_reduce(dq, 0);
             } else {
                 float dq[DQ1 / 2];
-                wg_fence();
-                wide_dq_product<DQ1, BN, T>(dq, tdS, tK + (DQ0 / 64) * BN * kPanelRowBytes);
-                wg_commit();
-                wg_wait<0>();
-                reg_fence(dq);
-                reg_fence(acc);
-                dq_atomics(dq, DQ0);
+                dq_reduce(dq, DQ0 / 64);
             }
         } else {
             wg_wait<0>();
             reg_fence(acc);
         }
     }
+
+    if (ws.dq_accum != nullptr && wt == 0) bulk_wait<0>();  // the last reduction is done with shared memory
 
     // ---- write dK (scaled; warpgroup 1) and dV (warpgroup 0).
     //      Element 4j+e: key key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1).

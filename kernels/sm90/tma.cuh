@@ -115,6 +115,43 @@ __device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* m
     for (int pnl = 0; pnl < D / 64; ++pnl)
         tma_load_4d(dst + pnl * ROWS * kPanelRowBytes, map, bar, 64 * pnl, (int)row0, head, batch);
 }
+
+// ---- bulk reductions (the backward's dQ): cp.reduce.async.bulk adds a contiguous shared-memory
+// range into global memory element by element (f32 add, atomic per element against other
+// reductions), tracked by the issuing thread's bulk groups.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, uint32_t ssrc, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gdst), "r"(ssrc),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// The source ranges of all but the newest N groups have been read (shared memory reusable).
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// All but the newest N groups have completed (their global writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// One [64][64] f32 tile of dQ (the tiled dq_accum layout of common/bwd_work.cuh) from an m64
+// accumulator slice: n8 tiles j0 .. j0 + 7 of `dq` (element 4j + 2r (+1): row r0 + 8r, column
+// 8 (j - j0) + 2 q4 (+1)), r0 = 16 * warp + lane / 4 within the tile. Chunk c of row r sits at
+// c ^ (r & 7): a warp's 8-byte stores then cover 8 distinct chunks, 2 wavefronts, no conflicts
+// (plain row-major would put all 8 rows in the same banks: 8-way).
+template <int NJ>
+__device__ __forceinline__ void stage_dq_tile(const float (&dq)[4 * NJ], int j0, float* tile, int r0, int q4) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = r0 + 8 * r;
+            *reinterpret_cast<float2*>(tile + row * 64 + ((j ^ (row & 7)) << 3) + 2 * q4) =
+                make_float2(dq[4 * (j0 + j) + 2 * r], dq[4 * (j0 + j) + 2 * r + 1]);
+        }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace cf
