@@ -197,9 +197,9 @@ struct BwdDqTraits {
 // head (64 keys each), looping over kBlockM query rows per step. Per step each warpgroup computes
 // S^T = K Q^T and dP^T = V dO^T for its keys (m64 x n kBlockM), then dV += P^T dO and dK += dS^T Q
 // with P^T / dS^T straight from registers; atomic mode: dS^T -> shared, dQ = dS K (m64 x n64 per
-// warpgroup). Shared (panel layout, wgmma.cuh): K, V [kBlockN][D]; Q, dO [2][kBlockM][D];
-// dS^T [kBlockN][kBlockM]; lse, dsum [2][kBlockM] (f32); dQ staging [2][64][64] (f32, for the
-// bulk reductions). dK/dV staged through Q/dO at the end.
+// warpgroup). Shared (panel layout, wgmma.cuh): K, V [kBlockN][D]; Q, dO [2][kBlockM][D] (the
+// TMA ring); dS^T [2][kBlockN][kBlockM]; lse, dsum [2][kBlockM] (f32); dQ staging [2][64][64]
+// (f32, for the bulk reductions); the ring's 4 mbarriers. dK/dV staged through Q/dO at the end.
 template <typename T_, int kHeadDim_>
 struct BwdSm90Traits {
     using Elem = T_;
@@ -208,7 +208,7 @@ struct BwdSm90Traits {
     static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
     static constexpr int kNThreads = 256;
     static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 4 * kBlockM * kHeadDim * 2 +
-                                      kBlockN * kBlockM * 2 + 4 * kBlockM * 4 + 2 * 64 * 64 * 4;
+                                      2 * kBlockN * kBlockM * 2 + 4 * kBlockM * 4 + 2 * 64 * 64 * 4 + 4 * 8;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma backward: head-dim tiles 64 and 128");
     static_assert(kBlockN == 2 * 64, "one m64 slice of keys per warpgroup");

@@ -444,7 +444,14 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
     bool done = false;
     if constexpr (D == 64 || D == 128) {
         if (wgmma) {
-            if ((e = launch_dkdv(bwd_dkdv_sm90_kernel<BwdSm90Traits<T, D>>, BwdSm90Traits<T, D>{})) != cudaSuccess) return e;
+            using Kt = BwdSm90Traits<T, D>;
+            auto kern = bwd_dkdv_sm90_kernel<Kt>;
+            if ((e = set_smem(kern, Kt::kSmemBytes)) != cudaSuccess) return e;
+            const dim3 grid((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
+            if (grid.x > 0) {
+                kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws, make_bwd_tma_maps(p, Kt::kBlockM));
+                if ((e = cudaGetLastError()) != cudaSuccess) return e;
+            }
             done = true;
         }
     } else if constexpr (D == 192 || D == 256) {

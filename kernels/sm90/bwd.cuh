@@ -11,16 +11,25 @@
 // Computing the transposed scores keeps P^T and dS^T in the accumulator layout that the dV / dK
 // products take as register A operands: no shared-memory round trip for P at all, and dS goes
 // through shared memory only for dQ.
+// Loads (v5): Q / dO of step it + 1 go by TMA (tma.cuh; cp.async where TMA cannot: a varlen query
+// block crossing the sequence end, or no tensor map) into a 2-stage ring guarded by mbarriers
+// (pipeline.cuh), issued by warp 0 alone, which also copies lse / dsum with cp.async:
+//   full[s]:  warp 0's 32 cp.async-tracking arrivals + the TMA bytes (expect_tx);
+//   empty[s]: one arrival per consumer warp (8) once its dV / dK products have read the stage.
+// There is no CTA-wide barrier per step: the warpgroups meet only at the named barrier that
+// publishes dS^T for dQ (double-buffered, so a warpgroup that runs ahead writes the other one).
 #pragma once
 #include "../config.cuh"
 #include "../common/bwd_work.cuh"
+#include "pipeline.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace cf {
 
 template <typename Kt>
-__global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const CfBwdParams p, const BwdWs ws) {
+__global__ void __launch_bounds__(Kt::kNThreads, 1)
+    bwd_dkdv_sm90_kernel(const CfBwdParams p, const BwdWs ws, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
@@ -38,10 +47,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
     T* sV = sK + BN * D;
     T* sQ = sV + BN * D;          // [2][BM*D]
     T* sdO = sQ + 2 * BM * D;     // [2][BM*D]
-    T* sdS = sdO + 2 * BM * D;    // [BN][BM] (dS^T)
-    float* sL = reinterpret_cast<float*>(sdS + BN * BM);  // [2][BM]
-    float* sD = sL + 2 * BM;                              // [2][BM]
-    float* sDq = sD + 2 * BM;                             // [2 warpgroups][64][64] dQ staging (f32)
+    T* sdS = sdO + 2 * BM * D;    // [2][BN][BM] (dS^T, double-buffered)
+    float* sL = reinterpret_cast<float*>(sdS + 2 * BN * BM);  // [2][BM]
+    float* sD = sL + 2 * BM;                                  // [2][BM]
+    float* sDq = sD + 2 * BM;                                 // [2 warpgroups][64][64] dQ staging (f32)
+    uint64_t* bars = reinterpret_cast<uint64_t*>(sDq + 2 * 64 * 64);  // Pipeline<2>: full[2], empty[2]
 
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -52,10 +62,51 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
     const int b = w.b, hkv_i = w.hkv_i, split = w.split, n0 = w.n0, dch = w.dch, total_it = w.total_it;
-    using Loader = PanelLoader<C, NTH>;
-    w.template prologue<Loader, D>(p, ws, sK, sV, sQ, sdO, sL, sD, tid);
-    auto issue_q = [&](int it, int stage) { w.template issue_stage<Loader, D>(p, ws, it, stage, sQ, sdO, sL, sD, tid); };
+    constexpr int kBarDs = 3;  // named barrier: dS^T published (1 + wg: one warpgroup's dQ staging)
+    const Pipeline<2> pipe(smem_addr(bars));
+    if (tid == 0) pipe.init(32, 8);
+    __syncthreads();  // barrier initialisation published
+    // K / V once, by every thread (cp.async, zero-filled past the sequence)
+    w.template load_kv<PanelLoader<C, NTH>>(f, sK, sV, tid);
+    cp_async_commit();
 
+    // Step it's Q / dO / lse / dsum into its stage, by warp 0 (see the header).
+    auto load_step = [&](int it) {
+        const int st = pipe.stage(it), hq = w.head(it), m0 = w.row0(it);
+        T* q_dst = sQ + st * BM * D;
+        T* do_dst = sdO + st * BM * D;
+        pipe.producer_acquire(it);
+        if (maps.ok && (!si.q_varlen || m0 + BM <= si.sq)) {
+            if (lane == 0) {
+                const int64_t row0 = (si.q_varlen ? si.q_row0 : 0) + m0;
+                const int batch = si.q_varlen ? 0 : si.b;
+                mbar_expect_tx(pipe.full_bar(it), 2 * BM * D * 2);
+#pragma unroll
+                for (int pnl = 0; pnl < D / 64; ++pnl) {
+                    tma_load_4d(smem_addr(q_dst) + pnl * BM * kPanelRowBytes, &maps.q, pipe.full_bar(it), 64 * pnl, (int)row0, hq, batch);
+                    tma_load_4d(smem_addr(do_dst) + pnl * BM * kPanelRowBytes, &maps.dout, pipe.full_bar(it), 64 * pnl, (int)row0, hq,
+                                batch);
+                }
+            }
+        } else {
+            load_panels_warp<BM, C>(q_dst, si.q<T>(f, hq) + (int64_t)m0 * f.q_row_stride, f.q_row_stride, si.sq - m0, dch, lane, f.q);
+            load_panels_warp<BM, C>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride, si.sq - m0, dch,
+                                    lane, p.dout);
+        }
+        const float* lp = si.lse(f, hq) + m0;
+        const float* dp = ws.dsum_rows(si, hq) + m0;
+#pragma unroll
+        for (int r = lane; r < BM; r += 32) {
+            const bool ok = m0 + r < si.sq;
+            cp_async_4(smem_addr(sL + st * BM + r), ok ? (const void*)(lp + r) : (const void*)f.lse, ok);
+            cp_async_4(smem_addr(sD + st * BM + r), ok ? (const void*)(dp + r) : (const void*)ws.dsum, ok);
+        }
+        pipe.producer_commit_cp_async(it);
+    };
+    if (warp == 0 && total_it > 0) load_step(0);
+    cp_async_wait<0>();
+    fence_async_smem();  // K / V (cp.async, generic proxy) -> wgmma (async proxy)
+    __syncthreads();     // every thread's K / V rows landed
     float dk[ND], dv[ND];
 #pragma unroll
     for (int i = 0; i < ND; ++i) dk[i] = dv[i] = 0.f;
@@ -68,14 +119,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
 
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
-        const int st = it & 1;
-        cp_async_wait<0>();
-        fence_async_smem();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
-        __syncthreads();     // this step's tiles landed; the previous step is done everywhere
-        if (it + 1 < total_it) {
-            issue_q(it + 1, st ^ 1);
-            cp_async_commit();
-        }
+        const int st = pipe.stage(it);
+        if (warp == 0 && it + 1 < total_it) load_step(it + 1);  // waits until step it - 1 released its stage
+        pipe.consumer_wait(it);  // this step's tiles landed (and the fence for the cp.async part)
         const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
         const LogitInfo li(f, b, hq);
 
@@ -156,14 +202,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {   // key row +8r
                         const int kl = key_l0 + 8 * r, ql = 16 * kq + 8 * h2 + 2 * q4;
-                        *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sdS) + panel_offset(BN, kl, ql)) =
-                            dsa[kq][2 * h2 + r];
+                        *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sdS + (it & 1) * BN * BM) +
+                                                     panel_offset(BN, kl, ql)) = dsa[kq][2 * h2 + r];
                     }
             fence_async_smem();
-            __syncthreads();  // both warpgroups' dS^T rows are in place
+            named_bar_sync(kBarDs, 256);  // both warpgroups' dS^T rows are in place
             // d = 64: warpgroup w takes query rows 64w.. (panel w of dS^T), all 64 columns;
             // d = 128: all 64 query rows, columns 64w.. (panel w of K)
-            const uint32_t tA = D == 64 ? tdS + wg * BN * kPanelRowBytes : tdS;
+            const uint32_t tdSi = tdS + (it & 1) * BN * BM * 2;
+            const uint32_t tA = D == 64 ? tdSi + wg * BN * kPanelRowBytes : tdSi;
             const uint32_t tB = D == 64 ? tK : tK + wg * BN * kPanelRowBytes;
             float dq[NQ];
             wg_fence();
@@ -177,6 +224,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
             reg_fence(dk);
             reg_fence(pa);
             reg_fence(dsa);
+            pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
             // ---- dQ tile -> shared -> one bulk reduction into the tiled dq_accum (d = 64: this
             //      warpgroup's 64 query rows of panel 0; d = 128: all 64 rows of panel wg)
             float* stile = sDq + wg * 64 * 64;
@@ -196,6 +244,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_kernel(const C
             reg_fence(dk);
             reg_fence(pa);
             reg_fence(dsa);
+            pipe.consumer_release(it, lane);
         }
     }
 

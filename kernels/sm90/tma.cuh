@@ -26,6 +26,12 @@ struct FwdTmaMaps {  // CUtensorMap is 64-byte aligned itself
     int q_ok, kv_ok;
 };
 
+// The maps of one backward call (sm90/bwd.cuh): Q and dO by query blocks. ok = 0: cp.async.
+struct BwdTmaMaps {
+    CUtensorMap q, dout;
+    int ok;
+};
+
 // ---------------------------------------------------------------- host
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -83,6 +89,19 @@ inline FwdTmaMaps make_fwd_tma_maps(const CfFwdParams& p, int block_m, int block
                               p.k_row_stride, p.k_head_stride, p.k_batch_stride, block_n) &&
               encode_rows_map(m.v, p.v, p.dtype, p.d, vk ? p.total_k : p.seqlen_k, p.hkv, vk ? 1 : p.b,
                               p.v_row_stride, p.v_head_stride, p.v_batch_stride, block_n);
+    return m;
+}
+
+// The maps of a backward call with BM-row query blocks (f16 / bf16).
+inline BwdTmaMaps make_bwd_tma_maps(const CfBwdParams& p, int block_m) {
+    BwdTmaMaps m{};
+    const CfFwdParams& f = p.fwd;
+    const bool vq = f.cu_seqlens_q != nullptr;
+    const int64_t rows = vq ? f.total_q : f.seqlen_q, batches = vq ? 1 : f.b;
+    m.ok = encode_rows_map(m.q, f.q, f.dtype, f.d, rows, f.h, batches, f.q_row_stride, f.q_head_stride, f.q_batch_stride,
+                           block_m) &&
+           encode_rows_map(m.dout, p.dout, f.dtype, f.d, rows, f.h, batches, p.do_row_stride, p.do_head_stride,
+                           p.do_batch_stride, block_m);
     return m;
 }
 

@@ -162,6 +162,22 @@ __device__ __forceinline__ void load_panels(T* s, const T* g, int64_t row_stride
     }
 }
 
+// load_panels by one warp (a producer warp's fallback when TMA cannot load a tile): chunk c of
+// row r at lane-strided positions; the same zero fill.
+template <int ROWS, int C, typename T>
+__device__ __forceinline__ void load_panels_warp(T* s, const T* g, int64_t row_stride, int valid_rows, int valid_chunks,
+                                                 int lane, const void* fallback) {
+    static_assert(C % 8 == 0 && (ROWS * C) % 32 == 0, "panel tiles hold whole 64-element panels");
+    const uint32_t base = smem_addr(s);
+#pragma unroll 4
+    for (int idx = lane; idx < ROWS * C; idx += 32) {
+        const int r = idx / C, c = idx % C;
+        const bool ok = r < valid_rows && c < valid_chunks;
+        cp_async_16(base + (c >> 3) * ROWS * kPanelRowBytes + r * kPanelRowBytes + (((c & 7) ^ (r & 7)) << 4),
+                    ok ? static_cast<const void*>(g + (int64_t)r * row_stride + c * 8) : fallback, ok);
+    }
+}
+
 // load_panels with rows gathered (paged K/V): row r at row_ptr(r), called only for r <
 // valid_rows; one row pass at a time (see load_tile_rows: the producer runs at 40 / 56 registers).
 template <int ROWS, int C, int NTHREADS, typename T, typename RowPtr>
