@@ -221,8 +221,9 @@ struct BwdSm90Traits {
 // sm_90a dK/dV kernel for the wide head-dim tiles 192 and 256 (sm90/bwd_wide.cuh): CTA = 2
 // warpgroups over 64 keys, both covering all of them; warpgroup 0 holds dV (and computes P^T,
 // dS^T), warpgroup 1 holds dK (and computes dP^T); dQ columns [0, kDq0) / [kDq0, D) per
-// warpgroup. Shared (panel layout): K, V [64][D]; Q, dO [2][64][D]; dS^T, P^T [64][64]; the dP^T
-// exchange (f32, 64 x 64); lse, dsum [2][64]. dK/dV staged through Q/dO at the end.
+// warpgroup. Shared (panel layout): K, V [64][D]; Q, dO [2][64][D] (the TMA ring); dS^T, P^T
+// [64][64]; the dP^T exchange (f32, 64 x 64); lse, dsum [2][64]; the ring's 4 mbarriers. dK/dV
+// staged through Q/dO at the end; dQ staged through dS^T, P^T and the exchange.
 template <typename T_, int kHeadDim_>
 struct BwdSm90WideTraits {
     using Elem = T_;
@@ -234,7 +235,7 @@ struct BwdSm90WideTraits {
     // panel), so d = 192 splits 128 + 64
     static constexpr int kDq0 = kHeadDim == 192 ? 128 : kHeadDim / 2;
     static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 4 * kBlockM * kHeadDim * 2 +
-                                      2 * kBlockN * kBlockM * 2 + 128 * (kBlockM / 2) * 4 + 4 * kBlockM * 4;
+                                      2 * kBlockN * kBlockM * 2 + 128 * (kBlockM / 2) * 4 + 4 * kBlockM * 4 + 4 * 8;
 
     static_assert(kHeadDim == 192 || kHeadDim == 256, "wide wgmma backward: head-dim tiles 192 and 256");
     static_assert(kBlockN == 64 && kBlockM == 64, "one m64 key slice, one panel of queries");

@@ -441,23 +441,27 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
         kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws);
         return cudaGetLastError();
     };
+    // the sm_90a kernels also take the TMA maps of Q and dO (query blocks of kBlockM rows)
+    auto launch_sm90 = [&](auto kern, auto traits) -> cudaError_t {
+        using Kt = decltype(traits);
+        cudaError_t err = set_smem(kern, Kt::kSmemBytes);
+        if (err != cudaSuccess) return err;
+        const dim3 grid((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
+        if (grid.x == 0) return cudaSuccess;
+        kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws, make_bwd_tma_maps(p, Kt::kBlockM));
+        return cudaGetLastError();
+    };
     bool done = false;
     if constexpr (D == 64 || D == 128) {
         if (wgmma) {
             using Kt = BwdSm90Traits<T, D>;
-            auto kern = bwd_dkdv_sm90_kernel<Kt>;
-            if ((e = set_smem(kern, Kt::kSmemBytes)) != cudaSuccess) return e;
-            const dim3 grid((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
-            if (grid.x > 0) {
-                kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws, make_bwd_tma_maps(p, Kt::kBlockM));
-                if ((e = cudaGetLastError()) != cudaSuccess) return e;
-            }
+            if ((e = launch_sm90(bwd_dkdv_sm90_kernel<Kt>, Kt{})) != cudaSuccess) return e;
             done = true;
         }
     } else if constexpr (D == 192 || D == 256) {
         if (wgmma) {
             using Kt = BwdSm90WideTraits<T, D>;
-            if ((e = launch_dkdv(bwd_dkdv_sm90_wide_kernel<Kt>, Kt{})) != cudaSuccess) return e;
+            if ((e = launch_sm90(bwd_dkdv_sm90_wide_kernel<Kt>, Kt{})) != cudaSuccess) return e;
             done = true;
         }
     }

@@ -27,6 +27,52 @@
 
 namespace cf {
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Step it's Q / dO (TMA, or cp.async for a varlen block crossing the sequence end / without maps)
+// and lse / dsum (cp.async, zero past the sequence) into stage it % 2 of the ring, by one warp;
+// every lane then commits one cp.async-tracking arrival on the stage's full barrier. Waits until
+// the stage's previous step released it (pipe.producer_acquire).
+template <int BM, int D, typename T, typename Work>
+__device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs& ws, const BwdTmaMaps& maps,
+                                              const Work& w, const Pipeline<2>& pipe, int it, T* sQ, T* sdO, float* sL,
+                                              float* sD, int lane) {
+    constexpr int C = D / 8;
+    const CfFwdParams& f = p.fwd;
+    const SeqInfo& si = w.si;
+    const int st = pipe.stage(it), hq = w.head(it), m0 = w.row0(it);
+    T* q_dst = sQ + st * BM * D;
+    T* do_dst = sdO + st * BM * D;
+    pipe.producer_acquire(it);
+    if (maps.ok && (!si.q_varlen || m0 + BM <= si.sq)) {
+        if (lane == 0) {
+            const int64_t row0 = (si.q_varlen ? si.q_row0 : 0) + m0;
+            const int batch = si.q_varlen ? 0 : si.b;
+            const uint32_t bar = pipe.full_bar(it);
+            mbar_expect_tx(bar, 2 * BM * D * 2);
+#pragma unroll
+            for (int pnl = 0; pnl < D / 64; ++pnl) {
+                tma_load_4d(smem_addr(q_dst) + pnl * BM * kPanelRowBytes, &maps.q, bar, 64 * pnl, (int)row0, hq, batch);
+                tma_load_4d(smem_addr(do_dst) + pnl * BM * kPanelRowBytes, &maps.dout, bar, 64 * pnl, (int)row0, hq, batch);
+            }
+        }
+    } else {
+        load_panels_warp<BM, C>(q_dst, si.q<T>(f, hq) + (int64_t)m0 * f.q_row_stride, f.q_row_stride, si.sq - m0, w.dch,
+                                lane, f.q);
+        load_panels_warp<BM, C>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride, si.sq - m0,
+                                w.dch, lane, p.dout);
+    }
+    const float* lp = si.lse(f, hq) + m0;
+    const float* dp = ws.dsum_rows(si, hq) + m0;
+#pragma unroll
+    for (int r = lane; r < BM; r += 32) {
+        const bool ok = m0 + r < si.sq;
+        cp_async_4(smem_addr(sL + st * BM + r), ok ? (const void*)(lp + r) : (const void*)f.lse, ok);
+        cp_async_4(smem_addr(sD + st * BM + r), ok ? (const void*)(dp + r) : (const void*)ws.dsum, ok);
+    }
+    pipe.producer_commit_cp_async(it);
+}
+#endif
+
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     bwd_dkdv_sm90_kernel(const CfBwdParams p, const BwdWs ws, const __grid_constant__ BwdTmaMaps maps) {
@@ -70,39 +116,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     w.template load_kv<PanelLoader<C, NTH>>(f, sK, sV, tid);
     cp_async_commit();
 
-    // Step it's Q / dO / lse / dsum into its stage, by warp 0 (see the header).
-    auto load_step = [&](int it) {
-        const int st = pipe.stage(it), hq = w.head(it), m0 = w.row0(it);
-        T* q_dst = sQ + st * BM * D;
-        T* do_dst = sdO + st * BM * D;
-        pipe.producer_acquire(it);
-        if (maps.ok && (!si.q_varlen || m0 + BM <= si.sq)) {
-            if (lane == 0) {
-                const int64_t row0 = (si.q_varlen ? si.q_row0 : 0) + m0;
-                const int batch = si.q_varlen ? 0 : si.b;
-                mbar_expect_tx(pipe.full_bar(it), 2 * BM * D * 2);
-#pragma unroll
-                for (int pnl = 0; pnl < D / 64; ++pnl) {
-                    tma_load_4d(smem_addr(q_dst) + pnl * BM * kPanelRowBytes, &maps.q, pipe.full_bar(it), 64 * pnl, (int)row0, hq, batch);
-                    tma_load_4d(smem_addr(do_dst) + pnl * BM * kPanelRowBytes, &maps.dout, pipe.full_bar(it), 64 * pnl, (int)row0, hq,
-                                batch);
-                }
-            }
-        } else {
-            load_panels_warp<BM, C>(q_dst, si.q<T>(f, hq) + (int64_t)m0 * f.q_row_stride, f.q_row_stride, si.sq - m0, dch, lane, f.q);
-            load_panels_warp<BM, C>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride, si.sq - m0, dch,
-                                    lane, p.dout);
-        }
-        const float* lp = si.lse(f, hq) + m0;
-        const float* dp = ws.dsum_rows(si, hq) + m0;
-#pragma unroll
-        for (int r = lane; r < BM; r += 32) {
-            const bool ok = m0 + r < si.sq;
-            cp_async_4(smem_addr(sL + st * BM + r), ok ? (const void*)(lp + r) : (const void*)f.lse, ok);
-            cp_async_4(smem_addr(sD + st * BM + r), ok ? (const void*)(dp + r) : (const void*)ws.dsum, ok);
-        }
-        pipe.producer_commit_cp_async(it);
-    };
+    auto load_step = [&](int it) { bwd_load_step<BM, D>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane); };
     if (warp == 0 && total_it > 0) load_step(0);
     cp_async_wait<0>();
     fence_async_smem();  // K / V (cp.async, generic proxy) -> wgmma (async proxy)

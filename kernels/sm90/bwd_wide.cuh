@@ -15,13 +15,17 @@
 //                        shared memory into bulk reductions (the tiled dq_accum).
 // S^T and dP^T run on the tensor cores at the same time; the work after the exchange is one
 // D-wide product per warpgroup plus half of dQ, so both warpgroups issue the same MMA volume.
-// Step protocol: cp.async double-buffered Q / dO / lse / dsum as in bwd.cuh, one CTA-wide barrier
-// per step (the tiles landed; the previous step's shared reads are done everywhere), two named
-// barriers (both warpgroups) inside it. The dP^T exchange buffer and dS^T are rewritten only after
-// the next step's CTA-wide barrier, when every read of them has completed.
+// Step protocol: the TMA / mbarrier ring of bwd.cuh for Q / dO / lse / dsum (warp 0 issues step
+// it + 1 at the top of step it), no CTA-wide barrier per step; named barriers (both warpgroups):
+// dP^T exchanged, P^T / dS^T stored, (atomic mode) every product of the step done reading shared
+// memory. A warpgroup overwrites the dP^T exchange / dS^T / P^T only after the other one passed
+// the barrier that follows its last read of them (program order), and its own dQ staging tile
+// only after the bulk reduction that read it (bulk_wait_read + a warpgroup barrier).
 #pragma once
 #include "../config.cuh"
 #include "../common/bwd_work.cuh"
+#include "bwd.cuh"
+#include "pipeline.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -38,7 +42,8 @@ __device__ __forceinline__ void wide_dq_product(float (&dq)[N / 2], uint32_t tdS
 #endif
 
 template <typename Kt>
-__global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_wide_kernel(const CfBwdParams p, const BwdWs ws) {
+__global__ void __launch_bounds__(Kt::kNThreads, 1)
+    bwd_dkdv_sm90_wide_kernel(const CfBwdParams p, const BwdWs ws, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
@@ -63,6 +68,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_wide_kernel(co
     float4* sX = reinterpret_cast<float4*>(sP + BN * BM);  // dP^T exchange: [NA/4][128] per thread
     float* sL = reinterpret_cast<float*>(sX + (NA / 4) * 128);  // [2][BM]
     float* sD = sL + 2 * BM;                                     // [2][BM]
+    uint64_t* bars = reinterpret_cast<uint64_t*>(sD + 2 * BM);   // the Q / dO ring (Pipeline<2>)
 
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -72,9 +78,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_wide_kernel(co
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
-    const int hkv_i = w.hkv_i, split = w.split, n0 = w.n0, dch = w.dch, total_it = w.total_it;
-    using Loader = PanelLoader<C, NTH>;
-    w.template prologue<Loader, D>(p, ws, sK, sV, sQ, sdO, sL, sD, tid);
+    const int hkv_i = w.hkv_i, split = w.split, n0 = w.n0, total_it = w.total_it;
+    const Pipeline<2> pipe(smem_addr(bars));
+    if (tid == 0) pipe.init(32, 8);
+    __syncthreads();  // barrier initialisation published
+    w.template load_kv<PanelLoader<C, NTH>>(f, sK, sV, tid);  // K / V once, by every thread
+    cp_async_commit();
+    auto load_step = [&](int it) { bwd_load_step<BM, D>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane); };
+    if (warp == 0 && total_it > 0) load_step(0);
+    cp_async_wait<0>();
+    fence_async_smem();  // K / V (cp.async, generic proxy) -> wgmma (async proxy)
+    __syncthreads();     // every thread's K / V rows landed
 
     float acc[ND];  // dV on warpgroup 0, dK on warpgroup 1
 #pragma unroll
@@ -85,14 +99,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_wide_kernel(co
 
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
-        const int st = it & 1;
-        cp_async_wait<0>();
-        fence_async_smem();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
-        if (ws.dq_accum != nullptr && wt == 0) bulk_wait_read<0>();  // dQ staging (dS^T, P^T, dP^T) is free
-        __syncthreads();     // this step's tiles landed; the previous step is done everywhere
-        if (it + 1 < total_it) {
-            w.template issue_stage<Loader, D>(p, ws, it + 1, st ^ 1, sQ, sdO, sL, sD, tid);
-            cp_async_commit();
+        const int st = pipe.stage(it);
+        if (warp == 0 && it + 1 < total_it) load_step(it + 1);  // waits until step it - 1 released its stage
+        pipe.consumer_wait(it);  // this step's tiles landed (and the fence for the cp.async part)
+        // this warpgroup's dQ staging tile (sdS + sP on warpgroup 0, sX on 1) has been read by the
+        // previous step's bulk reduction before the stores below overwrite it
+        if (ws.dq_accum != nullptr) {
+            if (wt == 0) bulk_wait_read<0>();
+            named_bar_sync(kBarWg + wg, 128);
         }
         const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
 
@@ -196,6 +210,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_wide_kernel(co
                 wg_wait<0>();
                 reg_fence(dq);
                 reg_fence(acc);
+                pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
                 named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
 #pragma unroll
                 for (int pp = 0; pp < NJ / 8; ++pp) {
@@ -226,6 +241,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_wide_kernel(co
         } else {
             wg_wait<0>();
             reg_fence(acc);
+            pipe.consumer_release(it, lane);
         }
     }
 
@@ -238,29 +254,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_sm90_wide_kernel(co
 #pragma unroll
         for (int i = 0; i < ND; ++i) acc[i] *= scale;
     }
-    cp_async_wait<0>();
+    // Straight from registers (4-byte pairs, 32 contiguous bytes per row and warp): each warpgroup
+    // writes one whole tensor, so there is nothing to gather through shared memory (a staged
+    // version, as in bwd.cuh, also drew racecheck reports between its two barriers).
     if (ws.nsplit == 1) {
-        __syncthreads();  // all shared reads done: stage dK / dV in the Q / dO buffers
-        unsigned char* sOk = reinterpret_cast<unsigned char*>(sQ);
-        unsigned char* sOv = reinterpret_cast<unsigned char*>(sdO);
-        unsigned char* sO = wg == 0 ? sOv : sOk;
+        T* dst = wg == 0 ? si.dv<T>(p, hkv_i) : si.dk<T>(p, hkv_i);
+        const int64_t rs = wg == 0 ? p.dv_row_stride : p.dk_row_stride;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
-                *reinterpret_cast<uint32_t*>(sO + panel_offset(BN, key_l0 + 8 * r, 8 * j + 2 * q4)) =
-                    pack2<T>(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
-        __syncthreads();
-        T* dkg = si.dk<T>(p, hkv_i);
-        T* dvg = si.dv<T>(p, hkv_i);
-        for (int idx = tid; idx < BN * C; idx += NTH) {
-            const int r = idx / C, c = idx % C;
-            if (n0 + r < si.sk && c < dch) {
-                const uint32_t off = panel_offset(BN, r, 8 * c);
-                *reinterpret_cast<uint4*>(dkg + (int64_t)(n0 + r) * p.dk_row_stride + c * 8) = *reinterpret_cast<const uint4*>(sOk + off);
-                *reinterpret_cast<uint4*>(dvg + (int64_t)(n0 + r) * p.dv_row_stride + c * 8) = *reinterpret_cast<const uint4*>(sOv + off);
+            for (int r = 0; r < 2; ++r) {
+                const int rl = key_l0 + 8 * r, col = 8 * j + 2 * q4;
+                if (n0 + rl < si.sk && col < f.d)
+                    *reinterpret_cast<uint32_t*>(dst + (int64_t)(n0 + rl) * rs + col) = pack2<T>(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
             }
-        }
     } else {
         const int64_t rs = (int64_t)f.hkv * f.d;
         float* wk = ws.dk_part_rows(f, si, split, hkv_i) + n0 * rs;

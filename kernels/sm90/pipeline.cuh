@@ -50,6 +50,7 @@ struct Pipeline {
         fence_async_smem();
     }
     __device__ __forceinline__ void consumer_release(uint32_t n, int lane) const {
+        __syncwarp();  // every lane's reads of the stage happen before lane 0's arrival (racecheck)
         if (lane == 0) mbar_arrive(full + kEmpty + 8 * stage(n));
     }
 };
