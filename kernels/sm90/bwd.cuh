@@ -258,6 +258,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             reg_fence(dk);
             reg_fence(pa);
             reg_fence(dsa);
+            // The ring's empty barrier alone orders these reads of lse / dsum before warp 0's next
+            // cp.async into the stage, but racecheck does not follow mbarriers; the atomic mode
+            // has the dS^T barrier here, and this keeps the deterministic mode provably clean.
+            named_bar_sync(kBarDs, 256);
             pipe.consumer_release(it, lane);
         }
     }
