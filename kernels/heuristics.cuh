@@ -113,7 +113,7 @@ inline BwdPlan plan_bwd(const CfBwdParams& p) {
 inline bool fwd_sm90_takes(int rounded_d) { return rounded_d >= 64; }
 // Which head-dim tile the Hopper backward runs for a rounded head dim (0: the mma.sync kernel).
 // d = 96 runs on the 128 tile with zero-filled columns, as in the forward (measured faster than
-// the mma.sync 96 tile: bench/NOTES.md "Backward v4"); d <= 32 stays on mma.sync.
+// the mma.sync 96 tile: bench/NOTES.md "Backward v4–v5"); d <= 32 stays on mma.sync.
 inline int bwd_sm90_tile(int rounded_d) { return rounded_d == 96 ? 128 : rounded_d >= 64 ? rounded_d : 0; }
 enum class FwdSm90Config { kD64Short, kD64, kD128, kD192, kD256 };
 constexpr int kFwdSm90D64ShortMaxSeq = 2048;

@@ -40,9 +40,10 @@ cudaError_t run_fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* works
 // Writes dsum (D = rowsum(dO*O)) into ws.dsum (simt/bwd_f32.cu, every dtype).
 cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
 // Tensor-core backward after dsum (sm80/bwd.cuh, instantiated in sm80/bwd_{f16,bf16}.cu): dK/dV
-// (+ atomic dQ when ws.dq_accum) with the sm_90a wgmma kernel (sm90/bwd.cuh) when `wgmma`, else
-// the mma.sync one; then the dQ pass (deterministic) or the dQ conversion, then the split
-// reduction (ws.nsplit > 1).
+// (+ dQ accumulation when ws.dq_accum) with the sm_90a wgmma kernels (sm90/bwd.cuh for D = 64 /
+// 128, sm90/bwd_wide.cuh for 192 / 256; bulk reductions into the tiled dq_accum) when `wgmma`,
+// else the mma.sync one (f32 atomics into the row layout); then the dQ pass (deterministic) or
+// the dQ conversion, then the split reduction (ws.nsplit > 1).
 template <typename T, int D>
 cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaStream_t stream);
 cudaError_t run_bwd_f32(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);

@@ -7,7 +7,8 @@
 //     atomic mode: dS^T -> shared; dQ = dS K (wgmma, both MN-major) -> a 64 x 64 f32 tile in
 //                  shared memory -> one bulk reduction (cp.reduce.async.bulk) into the tiled
 //                  dq_accum per warpgroup and step. Per-element f32 atomics here were the
-//                  kernel's bound: without them it ran 1.5x faster (bench/NOTES.md "Backward v4").
+//                  kernel's bound: without them it ran 1.5x faster (bench/NOTES.md
+//                  "Backward v4–v5").
 // Computing the transposed scores keeps P^T and dS^T in the accumulator layout that the dV / dK
 // products take as register A operands: no shared-memory round trip for P at all, and dS goes
 // through shared memory only for dQ.
