@@ -6,9 +6,9 @@
 //     dV  += P^T dO, dK += dS^T Q          wgmma, A = P^T / dS^T from registers, B MN-major
 //     atomic mode: dS^T -> shared; dQ = dS K (wgmma, both MN-major) -> a 64 x 64 f32 tile in
 //                  shared memory -> one bulk reduction (cp.reduce.async.bulk) into the tiled
-//                  dq_accum per warpgroup and step. Per-element f32 atomics here were the
-//                  kernel's bound: without them it ran 1.5x faster (bench/NOTES.md
-//                  "Backward v4–v5").
+//                  dq_accum per warpgroup and step (a timing build without any dQ reduction
+//                  ran 1.5x faster than per-element f32 atomics; the bulk reductions gained
+//                  5-8%, the load ring below the rest: bench/NOTES.md "Backward v4–v5").
 // Computing the transposed scores keeps P^T and dS^T in the accumulator layout that the dV / dK
 // products take as register A operands: no shared-memory round trip for P at all, and dS goes
 // through shared memory only for dQ.
