@@ -431,25 +431,19 @@ template <typename T, int D>
 cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaStream_t stream) {
     const CfFwdParams& f = p.fwd;
     cudaError_t e;
-    // dK/dV (+ atomic dQ): one CTA per kBlockN keys of a KV head (and GQA split)
-    auto launch_dkdv = [&](auto kern, auto traits) -> cudaError_t {
+    // dK/dV (+ atomic dQ): one CTA per kBlockN keys of a KV head (and GQA split); the sm_90a
+    // kernels also take the TMA maps of Q and dO (query blocks of kBlockM rows) as `extra`
+    auto launch_dkdv = [&](auto kern, auto traits, auto... extra) -> cudaError_t {
         using Kt = decltype(traits);
         cudaError_t err = set_smem(kern, Kt::kSmemBytes);
         if (err != cudaSuccess) return err;
         const dim3 grid((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
         if (grid.x == 0) return cudaSuccess;
-        kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws);
+        kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws, extra...);
         return cudaGetLastError();
     };
-    // the sm_90a kernels also take the TMA maps of Q and dO (query blocks of kBlockM rows)
-    auto launch_sm90 = [&](auto kern, auto traits) -> cudaError_t {
-        using Kt = decltype(traits);
-        cudaError_t err = set_smem(kern, Kt::kSmemBytes);
-        if (err != cudaSuccess) return err;
-        const dim3 grid((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
-        if (grid.x == 0) return cudaSuccess;
-        kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws, make_bwd_tma_maps(p, Kt::kBlockM));
-        return cudaGetLastError();
+    auto launch_sm90 = [&](auto kern, auto traits) {
+        return launch_dkdv(kern, traits, make_bwd_tma_maps(p, decltype(traits)::kBlockM));
     };
     bool done = false;
     if constexpr (D == 64 || D == 128) {

@@ -72,6 +72,57 @@ __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs&
     }
     pipe.producer_commit_cp_async(it);
 }
+
+// P^T and dS^T in place over the m64 x BM accumulators of S^T (s) and dP^T (dp): element 4j + e
+// is key key0 + 8 (e >> 1), query m0 + 8j + 2 q4 + (e & 1); cL / cD are the step's lse / dsum.
+// Twice: the fast loop (every element visible, plain scale: no index math; a full block has no
+// row without keys, so lse is finite) and the general one.
+template <int BM>
+__device__ __forceinline__ void bwd_p_ds(const LogitInfo& li, const MaskInfo& mk, float (&s)[BM / 2], float (&dp)[BM / 2],
+                                         const float* cL, const float* cD, bool full, int m0, int key0, int q4) {
+    if (full && !li.general) {
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) {
+            const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * q4);
+            const float2 ds2 = *reinterpret_cast<const float2*>(cD + 8 * j + 2 * q4);
+            const float lse2[2] = {Log2Units::lse(l2.x), Log2Units::lse(l2.y)}, dsv[2] = {ds2.x, ds2.y};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const PdS x = p_ds<Log2Units, true>(li, mk, s[4 * j + e], dp[4 * j + e], lse2[e & 1], dsv[e & 1], 0, 0, true);
+                s[4 * j + e] = x.p;
+                dp[4 * j + e] = x.ds;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int ql = 8 * j + 2 * q4 + (e & 1);
+                const PdS x = p_ds(li, mk, s[4 * j + e], dp[4 * j + e], Log2Units::lse(cL[ql]), cD[ql], m0 + ql,
+                                   key0 + 8 * (e >> 1), false);
+                s[4 * j + e] = x.p;
+                dp[4 * j + e] = x.ds;
+            }
+        }
+    }
+}
+
+// The start of both sm_90a backward kernels: the ring's barriers, K / V once by every thread
+// (cp.async, zero-filled past the sequence), step 0 by warp 0, then one CTA barrier after which
+// K / V are visible to wgmma.
+template <int NTH, int D, typename T, typename Work, typename LoadStep>
+__device__ __forceinline__ void bwd_start(const CfFwdParams& f, const Work& w, const Pipeline<2>& pipe, T* sK, T* sV,
+                                          LoadStep load_step, int tid) {
+    if (tid == 0) pipe.init(32, 8);
+    __syncthreads();  // barrier initialisation published
+    w.template load_kv<PanelLoader<D / 8, NTH>>(f, sK, sV, tid);
+    cp_async_commit();
+    if (tid < 32 && w.total_it > 0) load_step(0);
+    cp_async_wait<0>();
+    fence_async_smem();  // K / V (cp.async, generic proxy) -> wgmma (async proxy)
+    __syncthreads();     // every thread's K / V rows landed
+}
 #endif
 
 template <typename Kt>
@@ -111,17 +162,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int b = w.b, hkv_i = w.hkv_i, split = w.split, n0 = w.n0, dch = w.dch, total_it = w.total_it;
     constexpr int kBarDs = 3;  // named barrier: dS^T published (1 + wg: one warpgroup's dQ staging)
     const Pipeline<2> pipe(smem_addr(bars));
-    if (tid == 0) pipe.init(32, 8);
-    __syncthreads();  // barrier initialisation published
-    // K / V once, by every thread (cp.async, zero-filled past the sequence)
-    w.template load_kv<PanelLoader<C, NTH>>(f, sK, sV, tid);
-    cp_async_commit();
-
     auto load_step = [&](int it) { bwd_load_step<BM, D>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane); };
-    if (warp == 0 && total_it > 0) load_step(0);
-    cp_async_wait<0>();
-    fence_async_smem();  // K / V (cp.async, generic proxy) -> wgmma (async proxy)
-    __syncthreads();     // every thread's K / V rows landed
+    bwd_start<NTH, D>(f, w, pipe, sK, sV, load_step, tid);
     float dk[ND], dv[ND];
 #pragma unroll
     for (int i = 0; i < ND; ++i) dk[i] = dv[i] = 0.f;
@@ -154,38 +196,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         reg_fence(sT);
         reg_fence(dpT);
 
-        // ---- P^T, dS^T in registers. Element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1).
-        //      Twice: the fast loop (every element visible, plain scale: no index math; a full
-        //      block has no row without keys, so lse is finite) and the general one.
-        const float* cL = sL + st * BM;
-        const float* cD = sD + st * BM;
+        // ---- P^T, dS^T in registers (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1))
         const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
-        if (full && !li.general) {
-#pragma unroll
-            for (int j = 0; j < BM / 8; ++j) {
-                const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * q4);
-                const float2 ds2 = *reinterpret_cast<const float2*>(cD + 8 * j + 2 * q4);
-                const float lse2[2] = {Log2Units::lse(l2.x), Log2Units::lse(l2.y)}, dsv[2] = {ds2.x, ds2.y};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const PdS x = p_ds<Log2Units, true>(li, mk, sT[4 * j + e], dpT[4 * j + e], lse2[e & 1], dsv[e & 1], 0, 0, true);
-                    sT[4 * j + e] = x.p;
-                    dpT[4 * j + e] = x.ds;
-                }
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < BM / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int ql = 8 * j + 2 * q4 + (e & 1);
-                    const int i = m0 + ql, jk = n0 + key_l0 + 8 * (e >> 1);
-                    const PdS x = p_ds(li, mk, sT[4 * j + e], dpT[4 * j + e], Log2Units::lse(cL[ql]), cD[ql], i, jk, false);
-                    sT[4 * j + e] = x.p;
-                    dpT[4 * j + e] = x.ds;
-                }
-            }
-        }
+        bwd_p_ds<BM>(li, mk, sT, dpT, sL + st * BM, sD + st * BM, full, m0, n0 + key_l0, q4);
 
         // ---- dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
         uint32_t pa[MS][4], dsa[MS][4];

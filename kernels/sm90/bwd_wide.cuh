@@ -47,7 +47,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
-    constexpr int C = D / 8;      // chunks per Q/K/V/dO row
     constexpr int KS = D / 16;    // k16 steps of S^T and dP^T
     constexpr int MS = BM / 16;   // k16 steps of dV / dK (query rows)
     constexpr int NA = BM / 2;    // accumulators of an m64 x BM product
@@ -80,15 +79,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const MaskInfo& mk = w.mk;
     const int hkv_i = w.hkv_i, split = w.split, n0 = w.n0, total_it = w.total_it;
     const Pipeline<2> pipe(smem_addr(bars));
-    if (tid == 0) pipe.init(32, 8);
-    __syncthreads();  // barrier initialisation published
-    w.template load_kv<PanelLoader<C, NTH>>(f, sK, sV, tid);  // K / V once, by every thread
-    cp_async_commit();
     auto load_step = [&](int it) { bwd_load_step<BM, D>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane); };
-    if (warp == 0 && total_it > 0) load_step(0);
-    cp_async_wait<0>();
-    fence_async_smem();  // K / V (cp.async, generic proxy) -> wgmma (async proxy)
-    __syncthreads();     // every thread's K / V rows landed
+    bwd_start<NTH, D>(f, w, pipe, sK, sV, load_step, tid);
 
     float acc[ND];  // dV on warpgroup 0, dK on warpgroup 1
 #pragma unroll
@@ -139,38 +131,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 dp[4 * c + 2] = x.z;
                 dp[4 * c + 3] = x.w;
             }
-            // ---- P^T, dS^T. Element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1).
-            //      The fast loop (every element visible, plain scale) and the general one, as in bwd.cuh.
+            // ---- P^T, dS^T (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1))
             const LogitInfo li(f, w.b, hq);
-            const float* cL = sL + st * BM;
-            const float* cD = sD + st * BM;
             const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
-            if (full && !li.general) {
-#pragma unroll
-                for (int j = 0; j < BM / 8; ++j) {
-                    const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * q4);
-                    const float2 ds2 = *reinterpret_cast<const float2*>(cD + 8 * j + 2 * q4);
-                    const float lse2[2] = {Log2Units::lse(l2.x), Log2Units::lse(l2.y)}, dsv[2] = {ds2.x, ds2.y};
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const PdS x = p_ds<Log2Units, true>(li, mk, sc[4 * j + e], dp[4 * j + e], lse2[e & 1], dsv[e & 1], 0, 0, true);
-                        sc[4 * j + e] = x.p;
-                        dp[4 * j + e] = x.ds;
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < BM / 8; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int ql = 8 * j + 2 * q4 + (e & 1);
-                        const int i = m0 + ql, jk = n0 + key_l0 + 8 * (e >> 1);
-                        const PdS x = p_ds(li, mk, sc[4 * j + e], dp[4 * j + e], Log2Units::lse(cL[ql]), cD[ql], i, jk, false);
-                        sc[4 * j + e] = x.p;
-                        dp[4 * j + e] = x.ds;
-                    }
-                }
-            }
+            bwd_p_ds<BM>(li, mk, sc, dp, sL + st * BM, sD + st * BM, full, m0, n0 + key_l0, q4);
             // ---- P^T and dS^T -> shared (bf16 panels [keys][queries]): n8 tile j of the
             //      accumulators holds queries 8j + 2 q4 (+1) of keys key_l0 (+8)
             unsigned char* pP = reinterpret_cast<unsigned char*>(sP);
@@ -257,29 +221,22 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // Straight from registers (4-byte pairs, 32 contiguous bytes per row and warp): each warpgroup
     // writes one whole tensor, so there is nothing to gather through shared memory (a staged
     // version, as in bwd.cuh, also drew racecheck reports between its two barriers).
+    auto store = [&](auto* dst, int64_t rs, auto put) {
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int rl = key_l0 + 8 * r, col = 8 * j + 2 * q4;
+                if (n0 + rl < si.sk && col < f.d) put(dst + (int64_t)(n0 + rl) * rs + col, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+            }
+    };
     if (ws.nsplit == 1) {
-        T* dst = wg == 0 ? si.dv<T>(p, hkv_i) : si.dk<T>(p, hkv_i);
-        const int64_t rs = wg == 0 ? p.dv_row_stride : p.dk_row_stride;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int rl = key_l0 + 8 * r, col = 8 * j + 2 * q4;
-                if (n0 + rl < si.sk && col < f.d)
-                    *reinterpret_cast<uint32_t*>(dst + (int64_t)(n0 + rl) * rs + col) = pack2<T>(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
-            }
-    } else {
-        const int64_t rs = (int64_t)f.hkv * f.d;
-        float* wk = ws.dk_part_rows(f, si, split, hkv_i) + n0 * rs;
-        float* dst = wg == 0 ? wk + ws.dkv_v_offset(f) : wk;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int rl = key_l0 + 8 * r, col = 8 * j + 2 * q4;
-                if (n0 + rl < si.sk && col < f.d)
-                    *reinterpret_cast<float2*>(dst + rl * rs + col) = make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
-            }
+        store(wg == 0 ? si.dv<T>(p, hkv_i) : si.dk<T>(p, hkv_i), wg == 0 ? p.dv_row_stride : p.dk_row_stride,
+              [](T* d, float a, float b) { *reinterpret_cast<uint32_t*>(d) = pack2<T>(a, b); });
+    } else {  // f32 partials of this split, summed by bwd_reduce_dkv_kernel
+        float* wk = ws.dk_part_rows(f, si, split, hkv_i);
+        store(wg == 0 ? wk + ws.dkv_v_offset(f) : wk, (int64_t)f.hkv * f.d,
+              [](float* d, float a, float b) { *reinterpret_cast<float2*>(d) = make_float2(a, b); });
     }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
