@@ -32,6 +32,8 @@ if [ "$what" = check ] || [ "$what" = all ]; then
   grep -E "SPILL|ptxas:" "$OUT/check.log" | head -5
   CANDLE_FLASH_DISABLE_SM90A=1 python3 bench/kernel_check.py --no-build > "$OUT/check_sm80.log" 2>&1
   summary+=("check (sm_80 path): rc=$? $(tail -n 1 "$OUT/check_sm80.log")")
+  CANDLE_FLASH_DISABLE_TMA=1 python3 bench/kernel_check.py --no-build > "$OUT/check_no_tma.log" 2>&1
+  summary+=("check (no TMA):     rc=$? $(tail -n 1 "$OUT/check_no_tma.log")")
   compute-sanitizer --tool memcheck --error-exitcode 1 python3 bench/kernel_check.py --no-build --bad-seqlens \
     > "$OUT/sanitizer_bad_seqlens.log" 2>&1
   summary+=("memcheck bad seqlens: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_bad_seqlens.log" | tail -n 1) $(grep -E 'passed' "$OUT/sanitizer_bad_seqlens.log" | tail -n 1)")

@@ -51,6 +51,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   plog="$OUT/parity_sm80.log"
   CANDLE_FLASH_DISABLE_SM90A=1 gpu-bin/tests/parity --test-threads=1 > "$plog" 2>&1
   record parity-sm80 $? "$(last_result "$plog")"
+  # the sm_90a kernels' cp.async fallback for every tile (forward K/V/Q, backward Q/dO)
+  tlog="$OUT/parity_no_tma.log"
+  CANDLE_FLASH_DISABLE_TMA=1 gpu-bin/tests/parity --test-threads=1 > "$tlog" 2>&1
+  record parity-no-tma $? "$(last_result "$tlog")"
 fi
 
 if [ "$what" = big ] || [ "$what" = all ]; then
