@@ -156,12 +156,18 @@ cudaError_t fwd_tc(const CfFwdParams& p, void* ws, cudaStream_t s) {
     }
 }
 
-// Tensor-core backward: the wgmma dK/dV kernels on Hopper (bwd_sm90_tile says which tile),
+// The head-dim tile of the wgmma backward for this call, 0 when the mma.sync / SIMT kernels run
+// (f32, no sm_90a, or a tile bwd_sm90_tile leaves to mma.sync). cf_bwd's dq_accum layout follows it.
+int bwd_sm90_tile_for(const CfFwdParams& f) {
+    return f.dtype != CF_F32 && sm90a_available() ? bwd_sm90_tile(round_head_dim(f.d)) : 0;
+}
+
+// Tensor-core backward: the wgmma dK/dV kernels on Hopper (bwd_sm90_tile_for says which tile),
 // else the mma.sync kernels of the rounded head dim.
 template <typename T>
 cudaError_t bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
     const int rd = round_head_dim(p.fwd.d);
-    const int tile90 = sm90a_available() ? bwd_sm90_tile(rd) : 0;
+    const int tile90 = bwd_sm90_tile_for(p.fwd);
     const bool wgmma = tile90 != 0;
     switch (wgmma ? tile90 : rd) {
         case 32: return run_bwd_tc<T, 32>(p, ws, wgmma, s);
@@ -238,7 +244,7 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
     ws.dq_accum = pl.atomic_dq ? reinterpret_cast<float*>(base + pl.dq_off) : nullptr;
     ws.dkv = pl.nsplit > 1 ? reinterpret_cast<float*>(base + pl.dkv_off) : nullptr;
     ws.nsplit = pl.nsplit;
-    ws.dq_tiled = pl.atomic_dq && f.dtype != CF_F32 && sm90a_available() && bwd_sm90_tile(round_head_dim(f.d)) != 0;
+    ws.dq_tiled = pl.atomic_dq && bwd_sm90_tile_for(f) != 0;
     ws.hps = pl.hps;
     ws.total_q = pl.total_q;
     ws.total_k = pl.total_k;

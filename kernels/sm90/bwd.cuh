@@ -255,17 +255,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
             // ---- dQ tile -> shared -> one bulk reduction into the tiled dq_accum (d = 64: this
             //      warpgroup's 64 query rows of panel 0; d = 128: all 64 rows of panel wg)
-            float* stile = sDq + wg * 64 * 64;
             if (wt == 0) bulk_wait_read<0>();  // the previous step's reduction has read the tile
             named_bar_sync(1 + wg, 128);
-            stage_dq_tile<NQ / 4>(dq, 0, stile, 16 * wq + g, q4);
-            fence_async_smem();  // st.shared (generic proxy) -> bulk copy (async proxy)
-            named_bar_sync(1 + wg, 128);
-            if (wt == 0) {
-                const int pnl = D == 64 ? 0 : wg, r0 = m0 + (D == 64 ? 64 * wg : 0);
-                bulk_reduce_add_f32(ws.dq_tile_rows(f, si, hq, pnl) + (int64_t)r0 * 64, smem_addr(stile), 64 * 64 * 4);
-                bulk_commit();
-            }
+            const int pnl = D == 64 ? 0 : wg, r0 = m0 + (D == 64 ? 64 * wg : 0);
+            reduce_dq_tile<NQ / 4>(dq, 0, sDq + wg * 64 * 64, ws.dq_tile_rows(f, si, hq, pnl) + (int64_t)r0 * 64, 1 + wg, wt,
+                                   16 * wq + g, q4);
         } else {
             wg_wait<0>();
             reg_fence(dv);

@@ -182,14 +182,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                         if (wt == 0) bulk_wait_read<0>();
                         named_bar_sync(kBarWg + wg, 128);
                     }
-                    stage_dq_tile<NJ>(dq, 8 * pp, stile, 16 * wq + g, q4);
-                    fence_async_smem();  // st.shared (generic proxy) -> bulk copy (async proxy)
-                    named_bar_sync(kBarWg + wg, 128);
-                    if (wt == 0) {
-                        bulk_reduce_add_f32(ws.dq_tile_rows(f, si, hq, pnl0 + pp) + (int64_t)m0 * 64, smem_addr(stile),
-                                            64 * 64 * 4);
-                        bulk_commit();
-                    }
+                    reduce_dq_tile<NJ>(dq, 8 * pp, stile, ws.dq_tile_rows(f, si, hq, pnl0 + pp) + (int64_t)m0 * 64,
+                                       kBarWg + wg, wt, 16 * wq + g, q4);
                 }
             };
             if constexpr (DQ0 == DQ1) {

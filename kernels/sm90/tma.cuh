@@ -171,6 +171,23 @@ __device__ __forceinline__ void stage_dq_tile(const float (&dq)[4 * NJ], int j0,
                 make_float2(dq[4 * (j0 + j) + 2 * r], dq[4 * (j0 + j) + 2 * r + 1]);
         }
 }
+
+// One warpgroup's dQ tile out: stage n8 tiles j0 .. j0 + 7 of `dq` into `tile` (stage_dq_tile),
+// publish the stores to the async proxy and to the warpgroup (named barrier `wg_bar`, 128
+// threads), then thread wt == 0 issues the 16 KB bulk reduction into `gdst` and commits it. The
+// caller has made sure, before this, that the previous reduction from `tile` has read it
+// (bulk_wait_read by thread 0, then the same barrier).
+template <int NJ>
+__device__ __forceinline__ void reduce_dq_tile(const float (&dq)[4 * NJ], int j0, float* tile, float* gdst, int wg_bar,
+                                               int wt, int r0, int q4) {
+    stage_dq_tile<NJ>(dq, j0, tile, r0, q4);
+    fence_async_smem();  // st.shared (generic proxy) -> bulk copy (async proxy)
+    named_bar_sync(wg_bar, 128);
+    if (wt == 0) {
+        bulk_reduce_add_f32(gdst, smem_addr(tile), 64 * 64 * 4);
+        bulk_commit();
+    }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace cf
