@@ -42,7 +42,7 @@ BUILD = os.environ.get("CF_BUILD_DIR", os.path.join(ROOT, "bench", "out"))
 LIB = os.environ.get("CF_LIB", os.path.join(BUILD, "libcandle_flash_check.so"))
 OUT = os.environ.get("OUT")  # device-machine result folder, if any
 
-CF_F32, CF_F16, CF_BF16 = 0, 1, 2
+CF_F32, CF_F16, CF_BF16, CF_E4M3 = 0, 1, 2, 3
 DT = ({"f32": (torch.float32, CF_F32), "f16": (torch.float16, CF_F16), "bf16": (torch.bfloat16, CF_BF16)}
       if torch is not None else {})
 
@@ -155,6 +155,10 @@ def sass_report():
 i64, i32, f32, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
 
+class CfDescale(ctypes.Structure):
+    _fields_ = [("ptr", vp), ("batch_stride", i64), ("head_div", i32)]
+
+
 class CfFwdParams(ctypes.Structure):
     _fields_ = [("q", vp), ("k", vp), ("v", vp), ("o", vp), ("lse", vp), ("alibi_slopes", vp),
                 ("cu_seqlens_q", vp), ("cu_seqlens_k", vp)] + \
@@ -164,7 +168,8 @@ class CfFwdParams(ctypes.Structure):
                                    "window_left", "window_right")] + \
                [("softmax_scale", f32), ("softcap", f32), ("dtype", i32), ("total_q", i64), ("total_k", i64)] + \
                [("block_table", vp), ("block_table_batch_stride", i64)] + \
-               [(n, i32) for n in ("page_block_size", "num_blocks", "max_blocks")]
+               [(n, i32) for n in ("page_block_size", "num_blocks", "max_blocks")] + \
+               [("o_dtype", i32), ("q_descale", CfDescale), ("k_descale", CfDescale), ("v_descale", CfDescale)]
 
 
 class CfBwdParams(ctypes.Structure):
@@ -184,6 +189,8 @@ def load_lib():
     lib.cf_fwd_workspace_size.argtypes = [ctypes.POINTER(CfFwdParams)]
     lib.cf_fwd_workspace_size.restype = ctypes.c_size_t
     lib.cf_fwd.argtypes = [ctypes.POINTER(CfFwdParams), vp, vp]
+    lib.cf_fwd_check.argtypes = [ctypes.POINTER(CfFwdParams)]
+    lib.cf_fwd_check.restype = ctypes.c_int
     lib.cf_fwd.restype = ctypes.c_int
     lib.cf_bwd_workspace_size.argtypes = [ctypes.POINTER(CfBwdParams)]
     lib.cf_bwd_workspace_size.restype = ctypes.c_size_t
@@ -270,9 +277,11 @@ def seqs(c, q, k, v, do):
             yield q[i], k[i], v[i], do[i]
 
 
-def attention(c, q, k, v, slopes_bh, ctype):
+def attention(c, q, k, v, slopes_bh, ctype, p_quant=None):
     """Reference math on one sequence, computed in ctype. q [sq,h,d], k/v [sk,hkv,d].
-    Returns o [sq,h,d] and lse [h,sq] (lse never differentiated)."""
+    Returns o [sq,h,d] and lse [h,sq] (lse never differentiated). p_quant (FP8 kernels' naive
+    counterpart): the unnormalised P = exp(s - rowmax) goes through it (a rounding) before P V,
+    the row sum is taken before it."""
     sq, sk = q.shape[0], k.shape[0]
     g = c.h // c.hkv
     qh = q.to(ctype).transpose(0, 1)  # h, sq, d
@@ -294,7 +303,11 @@ def attention(c, q, k, v, slopes_bh, ctype):
     has = mask.any(-1)  # rows that see at least one key
     s = s.masked_fill(~mask[None], float("-inf"))
     s = torch.where(has[None, :, None], s, torch.zeros((), dtype=s.dtype, device=s.device))
-    p = torch.softmax(s, -1) * has[None, :, None].to(s.dtype)
+    if p_quant is None:
+        p = torch.softmax(s, -1) * has[None, :, None].to(s.dtype)
+    else:
+        e = torch.exp(s - s.amax(-1, keepdim=True))
+        p = p_quant(e) / e.sum(-1, keepdim=True) * has[None, :, None].to(s.dtype)
     o = torch.matmul(p, vh).transpose(0, 1)
     with torch.no_grad():
         lse = torch.logsumexp(s.float() if ctype != torch.float64 else s, -1)
@@ -302,7 +315,7 @@ def attention(c, q, k, v, slopes_bh, ctype):
     return o, lse
 
 
-def reference(c, q, k, v, do, slopes, ctype, grads):
+def reference(c, q, k, v, do, slopes, ctype, grads, p_quant=None):
     """o, lse (and dq, dk, dv) over the whole batch in ctype, concatenated like the inputs."""
     os_, lses, dqs, dks, dvs = [], [], [], [], []
     for bi, (qs, ks, vs, dos) in enumerate(seqs(c, q, k, v, do)):
@@ -312,7 +325,7 @@ def reference(c, q, k, v, do, slopes, ctype, grads):
         qs = qs.detach().to(ctype).requires_grad_(grads)
         ks = ks.detach().to(ctype).requires_grad_(grads)
         vs = vs.detach().to(ctype).requires_grad_(grads)
-        o, lse = attention(c, qs, ks, vs, sl, ctype)
+        o, lse = attention(c, qs, ks, vs, sl, ctype, p_quant)
         if grads:
             dq_, dk_, dv_ = torch.autograd.grad(o, (qs, ks, vs), dos.to(ctype), allow_unused=True)
             dqs.append(dq_ if dq_ is not None else torch.zeros_like(qs))
@@ -352,7 +365,7 @@ def fwd_params(c, q, k, v, o, lse, slopes, cu_q, cu_k, table=None):
     p.alibi_batch_stride = slopes.stride(0) if (slopes is not None and slopes.dim() == 2) else 0
     p.window_left, p.window_right = c.wl, c.wr
     p.softmax_scale, p.softcap = c.scale, c.softcap
-    p.dtype = DT[c.dtype][1]
+    p.dtype = p.o_dtype = DT[c.dtype][1]
     p.total_q = q.shape[0] if varlen else c.b * c.sq
     p.total_k = k.shape[0] if varlen else c.b * c.sk
     if table is not None:

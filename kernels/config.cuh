@@ -76,10 +76,17 @@ struct SplitTraits {
 // aligned tiles): Q [kBlockM][D] (+ O [kBlockM][D]) + K, V [kStages][kBlockN][D] + the pipeline
 // mbarriers; the launch asks for its sizeof and asserts it fits. Head-dim tiles that are whole
 // 64-column panels: 64, 128, 192, 256 (d = 96 runs on the 128 tile, see dispatch.cu).
+// Out_: the output's element type (T_ but for e4m3 inputs, whose output is f16 or bf16).
+// kFp8 (e4m3 inputs): both products run on 8-bit wgmma (k32), which reads both operands K-major,
+// so V arrives transposed (sm90/fwd.cu: Fp8VtLayout) and the K / V^T tiles are whole 128-byte
+// panels: kBlockN = 128 keys, head-dim tiles 128 and 256 (one or two panels of Q / K rows).
 template <typename T_, int kHeadDim_, int kBlockN_, int kNWarpGroups_, int kStages_, bool kPingPong_,
-          bool kPersistent_, bool kSeparateO_>
+          bool kPersistent_, bool kSeparateO_, typename Out_ = T_>
 struct FwdSm90Traits {
     using Elem = T_;
+    using Out = Out_;
+    static constexpr int kElemBytes = (int)sizeof(T_);
+    static constexpr bool kFp8 = kElemBytes == 1;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kNWarpGroups = kNWarpGroups_;  // consumers
     static constexpr int kNConsumerThreads = 128 * kNWarpGroups;
@@ -97,13 +104,17 @@ struct FwdSm90Traits {
     // (page lookups, SeqInfo::load_keys) spilled at 40 (ptxas -v: 52 / 136 bytes); the
     // 3-warpgroup consumers keep their 152 registers, the 2-warpgroup ones get 224 instead of 232
     // (48 would leave them the same).
-    static constexpr int kProducerRegs = kHeadDim == 64 ? 56 : 40;
+    // e4m3: TMA only, no cp.async paths: the producer runs at the minimum (24), and the
+    // consumers take 240 (d = 256: O 128 + S 64 + P 16 registers).
+    static constexpr int kProducerRegs = kFp8 ? 24 : kHeadDim == 64 ? 56 : 40;
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
     static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
-    static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-    static constexpr int kKVStageBytes = kBlockN * kHeadDim * 2;
+    static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
+    static constexpr int kKVStageBytes = kBlockN * kHeadDim * kElemBytes;
 
-    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "wgmma forward: head-dim tiles of whole panels");
+    static_assert((kHeadDim * kElemBytes) % 128 == 0 && kHeadDim <= 256, "wgmma forward: head-dim tiles of whole panels");
+    static_assert(!kFp8 || (kBlockN == 128 && kSeparateO), "e4m3: V^T tiles are one 128-byte panel; O (16-bit) has its own buffer");
+    static_assert(kFp8 || std::is_same<Out_, T_>::value, "16-bit inputs: output of the same type");
     static_assert(kStages >= 2, "K/V ring");
     static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N (S = Q K^T)");
     static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "load_panels row passes (128 producer threads)");
@@ -126,6 +137,11 @@ template <typename T> using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, 3,
 //            which our 32-key granularity of the mask code rules out). O 128 + S 32 + P 16.
 template <typename T> using FwdSm90TraitsD192 = FwdSm90Traits<T, 192, 64, 2, 3, true, true, false>;
 template <typename T> using FwdSm90TraitsD256 = FwdSm90Traits<T, 256, 64, 2, 2, true, true, false>;
+// e4m3 inputs (Out = f16 / bf16 output), 128 x 128 tiles, persistent, ping-pong:
+//   D = 128 (d <= 128): Q 16 KB + K, V^T 4 x 2 x 16 KB + O 32 KB. O 64 + S 64 + P 16 registers.
+//   D = 256: Q 32 KB + K, V^T 2 x 2 x 32 KB + O 64 KB = 224 KB. O 128 + S 64 + P 16.
+template <typename O> using FwdSm90Fp8TraitsD128 = FwdSm90Traits<__nv_fp8_e4m3, 128, 128, 2, 4, true, true, true, O>;
+template <typename O> using FwdSm90Fp8TraitsD256 = FwdSm90Traits<__nv_fp8_e4m3, 256, 128, 2, 2, true, true, true, O>;
 
 // ------------------------------------------------------------------ backward (tensor cores)
 // dK/dV kernel: CTA = 8 warps over kBlockN keys of one KV head, looping over kBlockM query rows

@@ -4,8 +4,13 @@
 // configuration) and the workspace plans (heuristics.cuh). Launchers (launch.cuh) only launch.
 #include "flash_api.h"
 #include "heuristics.cuh"
+#include "sm90/tma.cuh"
 #include <atomic>
 #include <cstdlib>
+
+// The sizes src/cuda/ffi.rs asserts for its mirrors (LP64): a field added on one side only fails
+// to compile on both.
+static_assert(sizeof(CfFwdParams) == 344 && sizeof(CfBwdParams) == 480, "change src/cuda/ffi.rs with flash_api.h");
 
 namespace cf {
 
@@ -74,9 +79,37 @@ bool tensor_aligned(const void* ptr, int64_t batch_stride, int64_t row_stride, i
            (varlen || stride_ok(batch_stride));
 }
 
+// e4m3 inputs: what the sm_90a FP8 kernel needs (the caller dequantizes when this fails with
+// CF_ERR_UNSUPPORTED_DTYPE): f16 / bf16 output, d a multiple of 16 (TMA rows of 16-byte
+// multiples), rows 16-byte aligned, contiguous K/V, valid descale divisors, and tensor maps the
+// driver accepts (V^T's is checked with q standing in for the workspace: only its alignment
+// matters, and both are 16-byte aligned).
+int check_fwd_e4m3(const CfFwdParams* p) {
+    if (p->o_dtype != CF_F16 && p->o_dtype != CF_BF16) return CF_ERR_UNSUPPORTED_DTYPE;
+    for (const CfDescale* ds : {&p->q_descale, &p->k_descale, &p->v_descale})
+        if (ds->ptr != nullptr && (ds->head_div < 1 || ds->batch_stride < 0)) return CF_ERR_BAD_ARGUMENT;
+    if (p->d % 16 != 0 || p->block_table != nullptr || !sm90a_available()) return CF_ERR_UNSUPPORTED_DTYPE;
+    const bool vq = p->cu_seqlens_q != nullptr, vk = p->cu_seqlens_k != nullptr;
+    auto rows16 = [](const void* ptr, int64_t bs, int64_t rs, int64_t hs, bool varlen) {
+        return aligned16(ptr) && rs % 16 == 0 && hs % 16 == 0 && (varlen || bs % 16 == 0);
+    };
+    if (!rows16(p->q, p->q_batch_stride, p->q_row_stride, p->q_head_stride, vq) ||
+        !rows16(p->k, p->k_batch_stride, p->k_row_stride, p->k_head_stride, vk) ||
+        !rows16(p->v, p->v_batch_stride, p->v_row_stride, p->v_head_stride, vk) ||
+        !tensor_aligned(p->o, p->o_batch_stride, p->o_row_stride, p->o_head_stride, vq))
+        return CF_ERR_UNSUPPORTED_DTYPE;
+    if (p->b > 0 && p->seqlen_q > 0) {
+        const FwdTmaMaps m = make_fwd_tma_maps(*p, 128, 128, p->q, fp8_vt_layout(*p).cols, fwd_fp8_tile(p->d));
+        if (!m.q_ok || !m.kv_ok) return CF_ERR_UNSUPPORTED_DTYPE;
+    }
+    return CF_OK;
+}
+
 int check_fwd(const CfFwdParams* p) {
     if (p == nullptr) return CF_ERR_BAD_ARGUMENT;
-    if (p->dtype != CF_F32 && p->dtype != CF_F16 && p->dtype != CF_BF16) return CF_ERR_UNSUPPORTED_DTYPE;
+    if (p->dtype != CF_F32 && p->dtype != CF_F16 && p->dtype != CF_BF16 && p->dtype != CF_E4M3)
+        return CF_ERR_UNSUPPORTED_DTYPE;
+    if (p->dtype != CF_E4M3 && p->o_dtype != p->dtype) return CF_ERR_BAD_ARGUMENT;
     if (p->d < 8 || p->d > 256 || p->d % 8 != 0) return CF_ERR_UNSUPPORTED_HEAD_DIM;
     if (p->b < 0 || p->h <= 0 || p->hkv <= 0 || p->h % p->hkv != 0 || p->seqlen_q < 0 || p->seqlen_k < 0)
         return CF_ERR_BAD_ARGUMENT;
@@ -103,6 +136,7 @@ int check_fwd(const CfFwdParams* p) {
             p->total_k != (int64_t)p->num_blocks * p->page_block_size)
             return CF_ERR_BAD_ARGUMENT;
     }
+    if (p->dtype == CF_E4M3) return check_fwd_e4m3(p);
     if (p->dtype != CF_F32) {
         // paged k / v: the batch stride is the page stride, used for every page
         const bool vq = p->cu_seqlens_q != nullptr, vk = p->cu_seqlens_k != nullptr && !paged;
@@ -124,12 +158,19 @@ cudaError_t fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* ws, cudaS
 template <typename T>
 cudaError_t fwd_sm90(const CfFwdParams& p, cudaStream_t s) {
     switch (fwd_sm90_config(p)) {
-        case FwdSm90Config::kD64Short: return launch_fwd_sm90<FwdSm90TraitsD64Short<T>>(p, s);
-        case FwdSm90Config::kD64: return launch_fwd_sm90<FwdSm90TraitsD64<T>>(p, s);
-        case FwdSm90Config::kD128: return launch_fwd_sm90<FwdSm90TraitsD128<T>>(p, s);
-        case FwdSm90Config::kD192: return launch_fwd_sm90<FwdSm90TraitsD192<T>>(p, s);
-        default: return launch_fwd_sm90<FwdSm90TraitsD256<T>>(p, s);
+        case FwdSm90Config::kD64Short: return launch_fwd_sm90<FwdSm90TraitsD64Short<T>>(p, nullptr, s);
+        case FwdSm90Config::kD64: return launch_fwd_sm90<FwdSm90TraitsD64<T>>(p, nullptr, s);
+        case FwdSm90Config::kD128: return launch_fwd_sm90<FwdSm90TraitsD128<T>>(p, nullptr, s);
+        case FwdSm90Config::kD192: return launch_fwd_sm90<FwdSm90TraitsD192<T>>(p, nullptr, s);
+        default: return launch_fwd_sm90<FwdSm90TraitsD256<T>>(p, nullptr, s);
     }
+}
+
+// e4m3 inputs (check_fwd_e4m3 passed): the FP8 wgmma kernel, output type O.
+template <typename O>
+cudaError_t fwd_fp8(const CfFwdParams& p, void* ws, cudaStream_t s) {
+    return fwd_fp8_tile(p.d) == 128 ? launch_fwd_sm90<FwdSm90Fp8TraitsD128<O>>(p, ws, s)
+                                    : launch_fwd_sm90<FwdSm90Fp8TraitsD256<O>>(p, ws, s);
 }
 
 // mma.sync forward: paged K/V has its own instantiation (sm80/fwd.cu says why).
@@ -182,6 +223,7 @@ cudaError_t bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
 
 int check_bwd(const CfBwdParams* p) {
     if (p == nullptr) return CF_ERR_BAD_ARGUMENT;
+    if (p->fwd.dtype == CF_E4M3) return CF_ERR_UNSUPPORTED_DTYPE;  // FP8 attention is forward only
     int st = check_fwd(&p->fwd);
     if (st != CF_OK) return st;
     const CfFwdParams& f = p->fwd;
@@ -207,8 +249,11 @@ extern "C" {
 size_t cf_fwd_workspace_size(const CfFwdParams* p) {
     using namespace cf;
     if (check_fwd(p) != CF_OK || p->b == 0 || p->seqlen_q == 0) return 0;
+    if (p->dtype == CF_E4M3) return fp8_vt_layout(*p).bytes;
     return plan_split(*p).bytes;
 }
+
+int cf_fwd_check(const CfFwdParams* p) { return cf::check_fwd(p); }
 
 int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream) {
     using namespace cf;
@@ -219,7 +264,11 @@ int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream) {
     switch (p->dtype) {
         case CF_F32: e = run_fwd_f32(*p, stream); break;
         case CF_F16: e = fwd_tc<__half>(*p, workspace, stream); break;
-        default: e = fwd_tc<__nv_bfloat16>(*p, workspace, stream); break;
+        case CF_BF16: e = fwd_tc<__nv_bfloat16>(*p, workspace, stream); break;
+        default:
+            if (workspace == nullptr) return CF_ERR_BAD_ARGUMENT;
+            e = p->o_dtype == CF_F16 ? fwd_fp8<__half>(*p, workspace, stream) : fwd_fp8<__nv_bfloat16>(*p, workspace, stream);
+            break;
     }
     return (int)e;
 }
@@ -266,7 +315,9 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
 const char* cf_error_string(int status) {
     switch (status) {
         case CF_OK: return "success";
-        case CF_ERR_UNSUPPORTED_DTYPE: return "candle-flash: unsupported dtype (f32, f16, bf16 only)";
+        case CF_ERR_UNSUPPORTED_DTYPE:
+            return "candle-flash: unsupported dtype (f32, f16, bf16; e4m3 only on sm_90a with d % 16 == 0, 16-byte "
+                   "aligned rows, no paged K/V, f16 / bf16 output)";
         case CF_ERR_UNSUPPORTED_HEAD_DIM: return "candle-flash: unsupported head dim (need d % 8 == 0, 8 <= d <= 256)";
         case CF_ERR_MISALIGNED:
             return "candle-flash: f16/bf16 tensors need 16-byte aligned pointers and strides that are multiples of 8 elements";

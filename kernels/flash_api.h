@@ -14,7 +14,8 @@
 extern "C" {
 #endif
 
-enum CfDType { CF_F32 = 0, CF_F16 = 1, CF_BF16 = 2 };
+// CF_E4M3: FP8 (OCP e4m3) q, k, v, forward only (cf_fwd; o is f16 or bf16, see o_dtype).
+enum CfDType { CF_F32 = 0, CF_F16 = 1, CF_BF16 = 2, CF_E4M3 = 3 };
 
 enum CfStatus {
     CF_OK = 0,
@@ -35,6 +36,12 @@ enum CfStatus {
 // lse (f32, natural log) of (b, h, i): lse[b*lse_batch_stride + h*lse_head_stride + row]
 //   with row = i (batched) or cu_seqlens_q[b] + i (varlen, lse_batch_stride == 0).
 // A row that sees no key gets o = 0 and lse = -inf.
+typedef struct {
+    const float* ptr;
+    int64_t batch_stride;
+    int32_t head_div;
+} CfDescale;
+
 typedef struct {
     const void* q;
     const void* k;
@@ -91,6 +98,13 @@ typedef struct {
     const int32_t* block_table;
     int64_t block_table_batch_stride;
     int32_t page_block_size, num_blocks, max_blocks;
+    // CfDType of o: equal to dtype, except for e4m3 inputs (then CF_F16 or CF_BF16).
+    int32_t o_dtype;
+    // e4m3 inputs only (ignored otherwise): the descales of q, k and v (value = e4m3 * descale).
+    // The descale of (sequence b, head x) is ptr[b*batch_stride + x / head_div], x the query head
+    // for q and the KV head for k and v (FlashAttention-3's (B, Hkv) descales: batch_stride =
+    // hkv, head_div = h / hkv for q and 1 for k, v); ptr NULL: 1.
+    CfDescale q_descale, k_descale, v_descale;
 } CfFwdParams;
 
 typedef struct {
@@ -114,6 +128,11 @@ typedef struct {
 // Forward: bytes of scratch memory cf_fwd needs for these parameters (0 for most shapes; the
 // split-KV decode path keeps its partial outputs there).
 size_t cf_fwd_workspace_size(const CfFwdParams* p);
+// Forward: CF_OK when cf_fwd runs these parameters on the current device, else the status it
+// would return without launching anything (e4m3 inputs need the sm_90a kernel: a Hopper GPU,
+// head dims 16 .. 256 in multiples of 16, 16-byte aligned rows, no paged K/V; a caller that
+// gets CF_ERR_UNSUPPORTED_DTYPE computes another way, e.g. on dequantized inputs).
+int cf_fwd_check(const CfFwdParams* p);
 // Forward: writes o and lse. `workspace` holds cf_fwd_workspace_size(p) bytes (NULL when 0),
 // contents undefined on entry.
 int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream);

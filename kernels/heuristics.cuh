@@ -19,7 +19,7 @@ inline SplitPlan plan_split(const CfFwdParams& p) {
     SplitPlan sp{};
     sp.nsplit = 1;
     const int rd = round_head_dim(p.d);
-    if (p.dtype == CF_F32 || (rd != 64 && rd != 128) || p.seqlen_q > 16 || p.seqlen_k < 256) return sp;
+    if (p.dtype == CF_F32 || p.dtype == CF_E4M3 || (rd != 64 && rd != 128) || p.seqlen_q > 16 || p.seqlen_k < 256) return sp;
     const int group = p.h / p.hkv;
     const int pack = p.alibi_slopes ? 1 : group;
     const int64_t mblocks = (int64_t)(pack * p.seqlen_q + kSplitBlockM - 1) / kSplitBlockM;
@@ -116,6 +116,33 @@ inline bool fwd_sm90_takes(int rounded_d) { return rounded_d >= 64; }
 // the mma.sync 96 tile: bench/NOTES.md "Backward v4–v5"); d <= 32 stays on mma.sync.
 inline int bwd_sm90_tile(int rounded_d) { return rounded_d == 96 ? 128 : rounded_d >= 64 ? rounded_d : 0; }
 enum class FwdSm90Config { kD64Short, kD64, kD128, kD192, kD256 };
+
+// e4m3 forward (sm_90a only): the 128 head-dim tile up to d = 128 (d = 64 with zero-filled
+// columns: 8-bit rows of 64 bytes would need a second swizzle mode), else the 256 tile.
+inline int fwd_fp8_tile(int d) { return d <= 128 ? 128 : 256; }
+
+// Where the e4m3 forward keeps V transposed (8-bit wgmma reads B K-major only, so P V needs V^T
+// with keys along the rows): e4m3 [batches][hkv][d][cols] in the forward's workspace, written by
+// a transpose pass before the attention kernel (sm90/fwd.cu). Key j of sequence b sits at column
+// col0(b) + the position of j in its 128-key block's fragment order (Fp8VtOrder):
+//   batched: batches = b, col0 = 0, cols = seqlen_k rounded up to 128;
+//   varlen:  batches = 1, col0 = (row 0 of b rounded up to 16) + 256 b, cols = total_k rounded
+//            up to 16 + 256 b: each sequence owns its rounded-up length, zeros past its end.
+// A pure function of the parameters (cf_fwd_workspace_size and cf_fwd agree).
+struct Fp8VtLayout {
+    int64_t batches, cols;
+    size_t bytes;
+};
+constexpr int kFp8VtSeqGap = 256;
+inline Fp8VtLayout fp8_vt_layout(const CfFwdParams& p) {
+    Fp8VtLayout l{};
+    const bool varlen = p.cu_seqlens_k != nullptr;
+    l.batches = varlen ? 1 : p.b;
+    l.cols = varlen ? ((p.total_k + 15) / 16) * 16 + (int64_t)kFp8VtSeqGap * p.b : ((int64_t)p.seqlen_k + 127) / 128 * 128;
+    if (l.cols < 128) l.cols = 128;  // a legal map even with no key
+    l.bytes = round256((size_t)l.batches * p.hkv * p.d * l.cols);
+    return l;
+}
 constexpr int kFwdSm90D64ShortMaxSeq = 2048;
 inline FwdSm90Config fwd_sm90_config(const CfFwdParams& p) {
     switch (round_head_dim(p.d)) {

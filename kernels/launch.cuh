@@ -19,9 +19,10 @@ cudaError_t current_sm_count(int& sms);
 template <typename T, int D, bool kPaged>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);
 // sm_90a wgmma forward (sm90/fwd.cu) with configuration Kt (one of the FwdSm90Traits* of
-// config.cuh); call only when sm90a_available().
+// config.cuh); call only when sm90a_available(). The workspace (cf_fwd's) holds V^T for e4m3
+// inputs (Fp8VtLayout, heuristics.cuh), unused otherwise.
 template <typename Kt>
-cudaError_t launch_fwd_sm90(const CfFwdParams& p, cudaStream_t stream);
+cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t stream);
 // f32 forward on CUDA cores (simt/fwd_f32.cu).
 cudaError_t run_fwd_f32(const CfFwdParams& p, cudaStream_t stream);
 // Split-KV plan (flash-decoding): the key range cut into nsplit chunks of bps key blocks, `pack`

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes kernels/sm90/wgmma_ops.cuh: the inline-PTX wrappers of Hopper's warpgroup MMA
-(wgmma.mma_async m64nNk16, f32 accumulators, f16/bf16 inputs) for the N the kernels use.
+(wgmma.mma_async m64nNk16, f32 accumulators, f16/bf16 inputs; m64nNk32 with e4m3 inputs) for
+the N the kernels use.
 
 One wrapper needs N/2 accumulator operands spelled out in the asm string, which neither the
 preprocessor nor templates can produce, so this script generates them. Rerun after editing:
@@ -10,6 +11,7 @@ import os
 
 NS = (32, 64, 96, 128, 192, 256)
 TYPES = (("f16", "__half"), ("bf16", "__nv_bfloat16"))
+NS_E4M3 = (64, 128, 256)  # FP8 forward: S = Q K^T (N = key block), O += P V^T (N = head-dim tile)
 
 
 def regs(n, start):
@@ -48,6 +50,32 @@ __device__ __forceinline__ void wgmma_rs_m64n{n}_{tname}(float (&d)[{na}], const
 """
 
 
+def body_ss_e4m3(n):
+    na = n // 2
+    return f"""__device__ __forceinline__ void wgmma_ss_m64n{n}_e4m3(float (&d)[{na}], uint64_t da, uint64_t db, int scale_d) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{na + 2}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
+        "{{{regs(na, 0)}}}, %{na}, %{na + 1}, p, 1, 1;\\n}}\\n"
+        : {outs(na)}
+        : "l"(da), "l"(db), "r"(scale_d));
+}}
+"""
+
+
+def body_rs_e4m3(n):
+    na = n // 2
+    return f"""__device__ __forceinline__ void wgmma_rs_m64n{n}_e4m3(float (&d)[{na}], const uint32_t (&a)[4], uint64_t db, int scale_d) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{na + 5}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
+        "{{{regs(na, 0)}}}, {{%{na}, %{na + 1}, %{na + 2}, %{na + 3}}}, %{na + 4}, p, 1, 1;\\n}}\\n"
+        : {outs(na)}
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}}
+"""
+
+
 def main():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parts = [
@@ -56,6 +84,8 @@ def main():
         "// _ss: A and B from shared memory (descriptors); _rs: A from registers (the m16k16 A\n"
         "// fragment of mma.sync for this warp's 16 rows), B from shared memory.\n"
         "// TA / TB: 1 = the operand is MN-major (transposed); scale_d = 0 -> d = A*B (d not read).\n"
+        "// _e4m3 (k32): both operands K-major (8-bit wgmma has no transpose); A from registers is\n"
+        "// 4 bytes of consecutive k per register: rows g / g + 8, k 4 q + {0..3} and 16 + 4 q + {0..3}.\n"
         "#pragma once\n#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <stdint.h>\n\n"
         "namespace cf {\n#if defined(__CUDA_ARCH_FEAT_SM90_ALL)\n"
     ]
@@ -63,6 +93,9 @@ def main():
         for tname, _ in TYPES:
             parts.append(body_ss(n, tname))
             parts.append(body_rs(n, tname))
+    for n in NS_E4M3:
+        parts.append(body_ss_e4m3(n))
+        parts.append(body_rs_e4m3(n))
     parts.append("#endif  // __CUDA_ARCH_FEAT_SM90_ALL\n}  // namespace cf\n")
     with open(os.path.join(root, "kernels", "sm90", "wgmma_ops.cuh"), "w") as f:
         f.write("".join(parts))

@@ -11,10 +11,16 @@
 //!   (FlashAttention-3's convention: e4m3 q, k, v and `(B, Hkv)` f32 descales) compute
 //!   attention with an f32 / f16 / bf16 output.
 //!
-//! Every device runs the same semantics today: the inputs are dequantized (data · descale,
-//! rounded to the output dtype) and the regular kernels of that dtype run. An FP8 tensor-core
-//! (QGMMA) forward for Hopper is future work (issue 16); it will compute the same function with
-//! e4m3 products. FP8 attention is forward only: a backward through it is an error.
+//! Every device computes the same function. On a Hopper GPU (sm_90a) the FP8 tensor-core kernel
+//! runs (`kernels/sm90/fwd.cu`, e4m3 wgmma for both products, f32 accumulation, f16 / bf16
+//! output) whenever the call fits it: descales of one value per (batch, head) or per tensor
+//! (FlashAttention-3's `(B, Hkv)`, [`Fp8Scaling::PerTensor`] / [`Fp8Scaling::PerHead`]), an f16
+//! or bf16 output, head dims that are multiples of 16, 16-byte aligned rows. Like
+//! FlashAttention-3 it rounds the unnormalised softmax P to e4m3 before P V (about 2-3% error per
+//! element, averaging out over the keys). Everywhere else, and for per-block descales or an f32
+//! output, the inputs are dequantized (data · descale, rounded to the output dtype) and the
+//! regular kernels of that dtype run. `CANDLE_FLASH_FP8_DEQUANTIZE=1` forces the dequantizing
+//! path (for comparisons). FP8 attention is forward only: a backward through it is an error.
 use crate::op::{FlashAttnOp, LseSlot};
 use crate::params::{self, AttnShape, FlashAttnOptions};
 use candle_core::{bail, DType, Device, Result, Tensor};
@@ -51,7 +57,7 @@ pub struct Fp8Tensor {
 /// only when its kernels were built for compute capability 8.9 or newer (otherwise "named
 /// symbol not found"); then the conversion goes through the host (a copy each way: this is the
 /// dequantizing path, not a kernel).
-fn cast_e4m3(x: &Tensor, dtype: DType) -> Result<Tensor> {
+pub(crate) fn cast_e4m3(x: &Tensor, dtype: DType) -> Result<Tensor> {
     match x.to_dtype(dtype) {
         Ok(y) => Ok(y),
         Err(e) if x.device().is_cuda() => {
@@ -187,6 +193,84 @@ pub fn hadamard_rotate(x: &Tensor) -> Result<Tensor> {
     x.to_dtype(DType::F32)?.reshape((rows, d))?.matmul(&r)?.to_dtype(x.dtype())?.reshape(x.dims())
 }
 
+/// How the FP8 kernel reads one input's descales (`flash_api.h`'s `CfDescale`):
+/// `tensor[b * batch_stride + head / head_div]` (f32, contiguous), the head being the query head
+/// for q and the KV head for k and v, b the sequence.
+#[derive(Clone, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct KernelDescale {
+    pub tensor: Tensor,
+    pub batch_stride: usize,
+    pub head_div: usize,
+}
+
+/// An FP8 call that the sm_90a kernel computes (`FlashAttnOp::fp8`): the descales of q, k, v
+/// (`None`: 1).
+#[derive(Clone, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct Fp8Kernel {
+    pub descales: [Option<KernelDescale>; 3],
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn dequantize_forced() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CANDLE_FLASH_FP8_DEQUANTIZE").is_ok_and(|v| !v.is_empty() && v != "0"))
+}
+
+/// Runs the call on the FP8 kernel when it can (module docs), else `Ok(None)`.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn attend_on_fp8_kernel(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    kernel: Fp8Kernel,
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda()
+        && matches!(shape.dtype, DType::F16 | DType::BF16)
+        && !dequantize_forced()
+        && crate::cuda::fp8_kernel_runs(shape, opts, &kernel, [q, k, v])?
+    {
+        let lse = LseSlot::default();
+        let op = FlashAttnOp {
+            opts: opts.clone(),
+            shape: shape.clone(),
+            lse,
+            forward_only: Some("FP8 attention"),
+            fp8: Some(kernel),
+        };
+        return q.apply_op3_arc(k, v, Arc::new(Box::new(op))).map(Some);
+    }
+    Ok(None)
+}
+
+/// Whether [`flash_attn_fp8_descaled`] on these inputs (with `(B, Hkv)` descales or none) runs
+/// the FP8 tensor-core kernel (true) or the dequantizing path (false); see the module docs.
+pub fn uses_fp8_kernel(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions, out_dtype: DType) -> Result<bool> {
+    let shape = params::validate_fp8(q, k, v, opts, out_dtype)?;
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && matches!(out_dtype, DType::F16 | DType::BF16) && !dequantize_forced() {
+        return crate::cuda::fp8_kernel_runs(&shape, opts, &Fp8Kernel { descales: [None, None, None] }, [q, k, v]);
+    }
+    let _ = shape;
+    Ok(false)
+}
+
+/// The kernel's view of an [`Fp8Tensor`]'s descales, when it has one per (batch, head group)
+/// (`NB = 1`: per tensor or per head); `None` for per-block descales. `heads`: the tensor's heads.
+fn kernel_descale(t: &Fp8Tensor, heads: usize) -> Result<Option<KernelDescale>> {
+    let (b, nb, hd) = t.descale.dims3()?;
+    if nb != 1 || hd == 0 || !heads.is_multiple_of(hd) {
+        return Ok(None);
+    }
+    // packed (varlen) data is one batch: every sequence reads the same descales
+    let batch_stride = if t.data.rank() == 3 || b == 1 { 0 } else { hd };
+    Ok(Some(KernelDescale { tensor: t.descale.flatten_all()?.contiguous()?, batch_stride, head_div: heads / hd }))
+}
+
 /// Attention on e4m3 inputs with any scaling (see [`Fp8Tensor`]), output in `out_dtype`
 /// (f32, f16 or bf16). Every option of [`FlashAttnOptions`] but paged K/V; forward only.
 pub fn flash_attn_fp8(
@@ -197,6 +281,13 @@ pub fn flash_attn_fp8(
     out_dtype: DType,
 ) -> Result<Tensor> {
     let shape = params::validate_fp8(&q.data, &k.data, &v.data, opts, out_dtype)?;
+    let (h, hkv) = (shape.num_heads, shape.num_kv_heads);
+    if let (Some(dq), Some(dk), Some(dv)) = (kernel_descale(q, h)?, kernel_descale(k, hkv)?, kernel_descale(v, hkv)?) {
+        let kernel = Fp8Kernel { descales: [Some(dq), Some(dk), Some(dv)] };
+        if let Some(out) = attend_on_fp8_kernel(&q.data, &k.data, &v.data, &shape, opts, kernel)? {
+            return Ok(out);
+        }
+    }
     let (q, k, v) = (dequantize(q, out_dtype)?, dequantize(k, out_dtype)?, dequantize(v, out_dtype)?);
     attend_forward_only(&q, &k, &v, shape, opts)
 }
@@ -235,6 +326,15 @@ pub fn flash_attn_fp8_descaled(
                 )
             }
         }
+    }
+    let as_kernel = |t: Option<&Tensor>, head_div: usize| -> Result<Option<KernelDescale>> {
+        t.map(|t| Ok(KernelDescale { tensor: t.contiguous()?, batch_stride: hkv, head_div })).transpose()
+    };
+    let kernel = Fp8Kernel {
+        descales: [as_kernel(q_descale, shape.num_heads / hkv)?, as_kernel(k_descale, 1)?, as_kernel(v_descale, 1)?],
+    };
+    if let Some(out) = attend_on_fp8_kernel(q, k, v, &shape, opts, kernel)? {
+        return Ok(out);
     }
     // As Fp8Tensor descales: batched (B, 1, Hkv); varlen: one per packed row (1, total, Hkv),
     // gathered by each row's sequence (found on the device from the cumulative seqlens).
@@ -294,6 +394,6 @@ fn attend_forward_only(
     opts: &FlashAttnOptions,
 ) -> Result<Tensor> {
     let lse = LseSlot::default();
-    let op = FlashAttnOp { opts: opts.clone(), shape, lse, forward_only: Some("FP8 attention") };
+    let op = FlashAttnOp { opts: opts.clone(), shape, lse, forward_only: Some("FP8 attention"), fp8: None };
     q.apply_op3_arc(k, v, Arc::new(Box::new(op)))
 }

@@ -78,7 +78,7 @@ pub fn flash_attn_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnO
     let shape = params::validate(q, k, v, opts)?;
     let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
     let lse = LseSlot::default();
-    let op = FlashAttnOp { opts: opts.clone(), shape, lse: lse.clone(), forward_only: None };
+    let op = FlashAttnOp { opts: opts.clone(), shape, lse: lse.clone(), forward_only: None, fp8: None };
     let out = q.apply_op3_arc(&k, &v, Arc::new(Box::new(op)))?;
     Ok((out, lse.get()?))
 }

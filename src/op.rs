@@ -39,6 +39,9 @@ pub(crate) struct FlashAttnOp {
     /// `Some(what)`: a forward-only use of the op (FP8 attention): a backward through it is an
     /// error naming `what`.
     pub forward_only: Option<&'static str>,
+    /// `Some`: q, k, v are e4m3 and the FP8 kernel computes the forward (CUDA, sm_90a only; the
+    /// caller checked that it runs: `crate::fp8`).
+    pub fp8: Option<crate::fp8::Fp8Kernel>,
 }
 
 impl CustomOp3 for FlashAttnOp {
@@ -55,6 +58,9 @@ impl CustomOp3 for FlashAttnOp {
         v: &CpuStorage,
         v_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        if self.fp8.is_some() {
+            bail!("candle-flash: the FP8 kernel runs on CUDA only")
+        }
         let (out, lse) = crate::cpu::forward(&self.shape, &self.opts, (q, q_l), (k, k_l), (v, v_l))?;
         self.lse.put(Tensor::from_vec(lse, self.shape.lse_dims(), &Device::Cpu)?)?;
         Ok((out, q_l.shape().clone()))
@@ -70,7 +76,10 @@ impl CustomOp3 for FlashAttnOp {
         v: &candle_core::CudaStorage,
         v_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (out, lse) = crate::cuda::forward(&self.shape, &self.opts, (q, q_l), (k, k_l), (v, v_l))?;
+        let (out, lse) = match &self.fp8 {
+            Some(fp8) => crate::cuda::forward_fp8(&self.shape, &self.opts, fp8, (q, q_l), (k, k_l), (v, v_l))?,
+            None => crate::cuda::forward(&self.shape, &self.opts, (q, q_l), (k, k_l), (v, v_l))?,
+        };
         let lse = Tensor::from_storage(Storage::Cuda(lse), self.shape.lse_dims(), BackpropOp::none(), false);
         self.lse.put(lse)?;
         Ok((out, q_l.shape().clone()))

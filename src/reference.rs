@@ -10,12 +10,19 @@ use candle_core::{DType, Result, Tensor, D};
 /// Naive attention with the layouts of [`crate::flash_attn`] (or the varlen layout when
 /// `opts.varlen` is set).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<Tensor> {
-    Ok(attention_impl(q, k, v, opts, false)?.0)
+    Ok(attention_impl(q, k, v, opts, false, false)?.0)
+}
+
+/// [`attention`] with FlashAttention-3's FP8 recipe for P V: the unnormalised P = exp(s - max)
+/// rounded to e4m3 before it multiplies V (the row sum from the unrounded values). The naive
+/// counterpart of the FP8 kernel (`crate::fp8`), whose error it bounds in the tests.
+pub fn attention_fp8_p(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<Tensor> {
+    Ok(attention_impl(q, k, v, opts, false, true)?.0)
 }
 
 /// Naive attention and its log-sum-exp (f32, `(B, H, Sq)`, or `(H, total_q)` for varlen).
 pub fn attention_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<(Tensor, Tensor)> {
-    let (out, lse) = attention_impl(q, k, v, opts, true)?;
+    let (out, lse) = attention_impl(q, k, v, opts, true, false)?;
     let lse = lse.ok_or_else(|| candle_core::Error::Msg("candle-flash: reference lse missing".into()))?;
     Ok((out, lse))
 }
@@ -60,10 +67,11 @@ fn attention_impl(
     v: &Tensor,
     opts: &FlashAttnOptions,
     want_lse: bool,
+    p_e4m3: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
     if opts.paged.is_some() {
         let (k, v, opts) = unpage(q, k, v, opts)?;
-        return attention_impl(q, &k, &v, &opts, want_lse);
+        return attention_impl(q, &k, &v, &opts, want_lse, p_e4m3);
     }
     let shape = validate_reference(q, k, v, opts)?;
     let host = shape.host()?;
@@ -83,7 +91,7 @@ fn attention_impl(
         let ks = kp.narrow(0, seq.k_start, seq.k_len)?;
         let vs = vp.narrow(0, seq.k_start, seq.k_len)?;
         let visible = Visible { opts, shape: &shape, seq, prefix_ranges: prefix_ranges.as_ref().map(|r| &r[b][..]) };
-        let (o, lse) = sequence_attention(&qs, &ks, &vs, opts, (&shape, host), &visible, b, want_lse)?;
+        let (o, lse) = sequence_attention(&qs, &ks, &vs, opts, (&shape, host), &visible, b, (want_lse, p_e4m3))?;
         outs.push(o);
         lses.extend(lse);
     }
@@ -160,7 +168,7 @@ fn sequence_attention(
     (shape, host): (&AttnShape, &HostData),
     visible: &Visible,
     b: usize,
-    want_lse: bool,
+    (want_lse, p_e4m3): (bool, bool),
 ) -> Result<(Tensor, Option<Tensor>)> {
     let seq = visible.seq;
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
@@ -190,7 +198,7 @@ fn sequence_attention(
     }
     let no_empty_row = (0..sq).all(|i| (0..sk).any(|j| visible.get(i, j)));
     let tracked = [q, k, v].iter().any(|t| t.track_op());
-    if !want_lse && !tracked && no_empty_row {
+    if !want_lse && !tracked && no_empty_row && !p_e4m3 {
         // Inference without empty rows: candle's fused softmax (no backward, no LSE needed).
         let p = candle_nn::ops::softmax_last_dim(&s)?;
         return Ok((p.matmul(&vh)?.transpose(0, 1)?, None));
@@ -203,8 +211,14 @@ fn sequence_attention(
     let e = s.broadcast_sub(&m)?.exp()?;
     let sum = e.sum_keepdim(D::Minus1)?;
     let denom = (&sum + sum.eq(0.0)?.to_dtype(dtype)?.detach())?;
-    let p = e.broadcast_div(&denom)?;
-    let out = p.matmul(&vh)?.transpose(0, 1)?; // (Sq, H, D)
+    let out = if p_e4m3 {
+        // through f32: candle's CPU e4m3 <-> f64 casts are not usable (tests/fp8.rs)
+        let e8 = crate::fp8::cast_e4m3(&e.to_dtype(DType::F32)?, DType::F8E4M3)?;
+        let e8 = crate::fp8::cast_e4m3(&e8, DType::F32)?.to_dtype(dtype)?;
+        e8.matmul(&vh)?.broadcast_div(&denom)?.transpose(0, 1)?
+    } else {
+        e.broadcast_div(&denom)?.matmul(&vh)?.transpose(0, 1)? // (Sq, H, D)
+    };
     let lse = (m.to_dtype(DType::F32)? + sum.to_dtype(DType::F32)?.log()?)?.squeeze(D::Minus1)?;
     Ok((out, Some(lse)))
 }

@@ -124,23 +124,135 @@ fn fp8_attention_matches_the_reference() {
                 assert_eq!(out.dims(), q.dims());
                 let deq = |t: &Fp8Tensor| fp8::dequantize(t, DType::F64).unwrap();
                 let exact = reference::attention(&deq(&q8), &deq(&k8), &deq(&v8), &opts).unwrap();
-                let naive = reference::attention(
-                    &deq(&q8).to_dtype(out_dtype).unwrap(),
-                    &deq(&k8).to_dtype(out_dtype).unwrap(),
-                    &deq(&v8).to_dtype(out_dtype).unwrap(),
-                    &opts,
-                )
-                .unwrap();
+                // the FP8 kernel (per-head descales on Hopper) rounds P to e4m3: its naive
+                // counterpart does too; the dequantizing path is the regular op of out_dtype
+                let on_kernel = scaling == Fp8Scaling::PerHead
+                    && fp8::uses_fp8_kernel(&q8.data, &k8.data, &v8.data, &opts, out_dtype).unwrap();
+                let naive = if on_kernel {
+                    let f32_ = |t: &Fp8Tensor| fp8::dequantize(t, DType::F32).unwrap();
+                    reference::attention_fp8_p(&f32_(&q8), &f32_(&k8), &f32_(&v8), &opts)
+                        .unwrap()
+                        .to_dtype(out_dtype)
+                        .unwrap()
+                } else {
+                    reference::attention(
+                        &deq(&q8).to_dtype(out_dtype).unwrap(),
+                        &deq(&k8).to_dtype(out_dtype).unwrap(),
+                        &deq(&v8).to_dtype(out_dtype).unwrap(),
+                        &opts,
+                    )
+                    .unwrap()
+                };
                 let (err, naive_err) = (max_abs_diff(&out, &exact), max_abs_diff(&naive, &exact));
                 let f64_ = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
                 let quant_err = rel_err(&out, &reference::attention(&f64_(&q), &f64_(&k), &f64_(&v), &opts).unwrap());
                 println!(
-                    "{:?} {name} {scaling:?} -> {out_dtype:?}: vs dequantized {err:.2e} (naive {naive_err:.2e}), vs unquantized ‖err‖/‖ref‖ {quant_err:.4}",
+                    "{:?} {name} {scaling:?} -> {out_dtype:?} (FP8 kernel: {on_kernel}): vs dequantized {err:.2e} (naive {naive_err:.2e}), vs unquantized ‖err‖/‖ref‖ {quant_err:.4}",
                     device.location()
                 );
                 assert!(err <= 2.0 * naive_err + 1e-3, "{name}: {err} vs naive {naive_err}");
                 assert!(quant_err < 0.08, "{name}: quantization error {quant_err}");
             }
+        }
+    }
+}
+
+/// The FP8 kernel (CUDA on Hopper; elsewhere the same calls take the dequantizing path) through
+/// every option, head dims 16 .. 256 and tile-breaking sizes (1, 17, 113, 1023), Sq != Sk and
+/// rows that see no key, batched and varlen, f16 and bf16 out: within 2x the error of the naive
+/// FP8 recipe (P rounded to e4m3, `reference::attention_fp8_p`) + 1e-3 against the f64
+/// reference on the dequantized inputs; NaN fails (outputs are poisoned on CUDA).
+#[test]
+fn fp8_kernel_every_option() {
+    let varlen = |lens: &[(u32, u32)], device: &Device| {
+        let cum = |f: fn(&(u32, u32)) -> u32| {
+            let mut v = vec![0u32];
+            for l in lens {
+                v.push(v.last().unwrap() + f(l));
+            }
+            Tensor::new(v, device).unwrap()
+        };
+        let (mq, mk) = (lens.iter().map(|l| l.0).max().unwrap(), lens.iter().map(|l| l.1).max().unwrap());
+        VarLen {
+            seqlens_q: cum(|l| l.0),
+            seqlens_k: cum(|l| l.1),
+            max_seqlen_q: mq as usize,
+            max_seqlen_k: mk as usize,
+        }
+    };
+    for device in common::devices() {
+        let alibi = Tensor::new(&[0.3f32, 0.1, 0.05, 0.02], &device).unwrap();
+        // (name, options, (batch, Sq, Sk, Hkv, D) when batched, varlen (Sq, Sk) per sequence)
+        type Case = (&'static str, FlashAttnOptions, (usize, usize, usize, usize, usize), Option<Vec<(u32, u32)>>);
+        let cases: Vec<Case> = vec![
+            ("d64", FlashAttnOptions::new(0.125), (2, 113, 113, 4, 64), None),
+            ("d128-causal-1023", FlashAttnOptions::new(0.09).causal(true), (1, 1023, 1023, 2, 128), None),
+            ("d256-sq17-sk1023", FlashAttnOptions::new(0.0625), (2, 17, 1023, 2, 256), None),
+            ("d96-one", FlashAttnOptions::new(0.1), (2, 1, 1, 4, 96), None),
+            ("d16-empty-rows", FlashAttnOptions::new(0.25).causal(true), (2, 113, 17, 4, 16), None),
+            ("d192-window", FlashAttnOptions::new(0.07).window(Some(30), Some(4)), (1, 300, 300, 4, 192), None),
+            ("softcap", FlashAttnOptions::new(0.3).softcap(Some(10.0)), (2, 113, 113, 4, 128), None),
+            ("alibi", FlashAttnOptions::new(0.1).alibi(Some(&alibi)).causal(true), (2, 113, 130, 4, 128), None),
+            (
+                "varlen-causal",
+                FlashAttnOptions::new(0.1).causal(true),
+                (0, 0, 0, 4, 128),
+                Some(vec![(1, 1), (17, 200), (113, 113), (0, 5), (300, 129)]),
+            ),
+            ("varlen-d256", FlashAttnOptions::new(0.06), (0, 0, 0, 2, 256), Some(vec![(200, 17), (129, 385), (33, 1)])),
+        ];
+        for (name, opts, (b, sq, sk, hkv, d), lens) in cases {
+            let h = 4;
+            let (opts, q, k, v) = match &lens {
+                None => (
+                    opts,
+                    randn((b, sq, h, d), &device),
+                    randn((b, sk, hkv, d), &device),
+                    randn((b, sk, hkv, d), &device),
+                ),
+                Some(lens) => {
+                    let (tq, tk) = (lens.iter().map(|l| l.0 as usize).sum(), lens.iter().map(|l| l.1 as usize).sum());
+                    let r = |t: usize, hh: usize| randn((1, t, hh, d), &device).squeeze(0).unwrap();
+                    (opts.varlen(Some(varlen(lens, &device))), r(tq, h), r(tk, hkv), r(tk, hkv))
+                }
+            };
+            for out_dtype in [DType::BF16, DType::F16] {
+                let (q8, k8, v8) = (
+                    fp8::quantize_e4m3(&q, Fp8Scaling::PerTensor).unwrap(),
+                    fp8::quantize_e4m3(&k, Fp8Scaling::PerTensor).unwrap(),
+                    fp8::quantize_e4m3(&v, Fp8Scaling::PerTensor).unwrap(),
+                );
+                let on_kernel = fp8::uses_fp8_kernel(&q8.data, &k8.data, &v8.data, &opts, out_dtype).unwrap();
+                if device.is_cuda() && !on_kernel {
+                    println!("{name}: the FP8 kernel does not run on this GPU (not sm_90a): dequantizing path checked");
+                }
+                let out = fp8::flash_attn_fp8(&q8, &k8, &v8, &opts, out_dtype).unwrap();
+                assert_eq!((out.dtype(), out.dims()), (out_dtype, q.dims()));
+                let f32_ = |t: &Fp8Tensor| fp8::dequantize(t, DType::F32).unwrap();
+                let f64_ = |t: &Fp8Tensor| fp8::dequantize(t, DType::F32).unwrap().to_dtype(DType::F64).unwrap();
+                let exact = reference::attention(&f64_(&q8), &f64_(&k8), &f64_(&v8), &opts).unwrap();
+                let naive = reference::attention_fp8_p(&f32_(&q8), &f32_(&k8), &f32_(&v8), &opts)
+                    .unwrap()
+                    .to_dtype(out_dtype)
+                    .unwrap();
+                let (err, naive_err) = (max_abs_diff(&out, &exact), max_abs_diff(&naive, &exact));
+                println!(
+                    "{:?} {name} -> {out_dtype:?} (FP8 kernel: {on_kernel}): {err:.2e} (naive FP8 {naive_err:.2e})",
+                    device.location()
+                );
+                assert!(err <= 2.0 * naive_err + 1e-3, "{name} {out_dtype:?}: {err} vs naive {naive_err}");
+            }
+        }
+        // forward only on the kernel path too
+        let x = Var::from_tensor(&randn((1, 64, 2, 64), &device)).unwrap();
+        let x8 = fp8::quantize_e4m3(x.as_tensor(), Fp8Scaling::PerHead).unwrap();
+        let y = fp8::flash_attn_fp8(&x8, &x8, &x8, &FlashAttnOptions::new(0.125), DType::BF16).unwrap();
+        match (y.to_dtype(DType::F32).unwrap().sum_all().unwrap() + x.as_tensor().sum_all().unwrap())
+            .unwrap()
+            .backward()
+        {
+            Err(e) => assert!(e.to_string().contains("forward only"), "{e}"),
+            Ok(_) => panic!("a backward through FP8 attention succeeded"),
         }
     }
 }

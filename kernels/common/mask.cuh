@@ -77,6 +77,12 @@ struct LogitInfo {
         general = softcap > 0.f || p.alibi_slopes != nullptr || !(scale > 0.f);
         c = scale * kLog2e;
     }
+    // Logits of q.k * f instead of q.k (FP8 inputs: f = q descale * k descale).
+    __device__ __forceinline__ void rescale(float f) {
+        scale *= f;
+        c = scale * kLog2e;
+        general = general || !(scale > 0.f);
+    }
     // Natural-log logit; *dfac = d logit / d (scale*qk) (the softcap's tanh derivative).
     __device__ __forceinline__ float logit(float qk, int i, int j, int off, float* dfac) const {
         float v = qk * scale;
@@ -94,6 +100,11 @@ struct LogitInfo {
         return v;
     }
 };
+
+// The descale of (sequence b, head x) of an e4m3 input (flash_api.h); 1 when there is none.
+__device__ __forceinline__ float descale_of(const CfDescale& d, int b, int x) {
+    return d.ptr ? d.ptr[(int64_t)b * d.batch_stride + x / d.head_div] : 1.f;
+}
 
 // Query block of this CTA in a grid of one CTA per query block (blockIdx.x): with causal-like
 // masks (right window bounded, left unbounded) the last query blocks see the most keys, so

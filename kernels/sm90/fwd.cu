@@ -31,10 +31,18 @@
 //   S(j) = Q K(j)^T (wgmma_ss) and O += P(j-1) V(j-1) (wgmma_rs, P from registers) are issued
 //   back to back; the softmax of block j runs while the tensor cores finish P V; O is rescaled
 //   by block j's correction only after P(j-1) V(j-1) has completed.
+// e4m3 inputs (Kt::kFp8; FlashAttention-3's FP8 forward): both products on 8-bit wgmma (k32),
+// which reads both operands K-major. So V is transposed first (fp8_transpose_v_kernel, into the
+// workspace: Fp8VtLayout in heuristics.cuh) and the producer loads V^T tiles [D][128 keys]; the
+// keys of each 32-key group are stored in the order in which a thread's S accumulators become
+// its 8-bit A fragment of P (Fp8VtOrder), so P goes from registers into O += P V^T with no
+// shuffle. S is scaled by q descale * k descale through the logit scale, O by the v descale in
+// the epilogue, and P (in [0, 1]) is rounded to e4m3 unscaled. Every load is TMA.
 // The kernel body exists only in sm_90a code (wgmma); the same file also builds for sm_80 / PTX.
 #include <cstddef>
 #include <cstdint>
 #include "../config.cuh"
+#include "../heuristics.cuh"
 #include "../launch.cuh"
 #include "../common/softmax.cuh"
 #include "pipeline.cuh"
@@ -54,22 +62,75 @@ struct OptionalTile<T, kElems, false> {};
 template <typename Kt>
 struct FwdSharedStorage {
     using T = typename Kt::Elem;
+    using To = typename Kt::Out;
     static constexpr int kQElems = Kt::kBlockM * Kt::kHeadDim, kKVElems = Kt::kBlockN * Kt::kHeadDim;
     alignas(1024) T q[kQElems];
     alignas(1024) T k[Kt::kStages][kKVElems];
-    alignas(1024) T v[Kt::kStages][kKVElems];
-    OptionalTile<T, kQElems, Kt::kSeparateO> o;  // own output staging buffer, else staged in q
+    alignas(1024) T v[Kt::kStages][kKVElems];  // e4m3: V^T tiles [D][kBlockN]
+    OptionalTile<To, kQElems, Kt::kSeparateO> o;  // own output staging buffer, else staged in q
     // Pipeline barriers (full, then empty, per pipeline), contiguous: all pipelines are
     // addressed from one base register.
     uint64_t q_bars[2][1];
     uint64_t k_bars[2][Kt::kStages];
     uint64_t v_bars[2][Kt::kStages];
 
-    __device__ __forceinline__ T* o_staging() {
+    __device__ __forceinline__ To* o_staging() {
         if constexpr (Kt::kSeparateO) return o.data;
-        else return q;
+        else return q;  // T == To (config.cuh)
     }
 };
+
+// ---------------------------------------------------------------- e4m3: V^T
+// Column order of the keys of a 32-key group in V^T (relative to its sequence's first key):
+// position s holds key fp8_vt_key(s). A thread's S accumulators hold, per 32 keys, columns
+// 2q + {0, 1} + 8i (i = 0..3) of rows g and g + 8; the 8-bit A fragment wants k = 4q + {0..3}
+// (register 0 / 1, rows g / g + 8) and 16 + 4q + {0..3} (registers 2 / 3). Storing key
+// 16h + 8(e >> 1) + 2q + (e & 1) at position 16h + 4q + e makes the two coincide.
+__host__ __device__ constexpr int fp8_vt_key(int s) {
+    return (s & 16) + 8 * ((s & 3) >> 1) + 2 * ((s & 15) >> 2) + (s & 1);
+}
+// Column of a sequence's key 0 in V^T (Fp8VtLayout).
+__device__ __forceinline__ int64_t fp8_vt_col0(const SeqInfo& si) {
+    return si.k_varlen ? (si.k_row0 + 15) / 16 * 16 + (int64_t)kFp8VtSeqGap * si.b : 0;
+}
+
+// V (e4m3, the contract's addressing) -> V^T (Fp8VtLayout): CTA = 64 keys x 64 columns of d of
+// one (sequence, KV head); zeros from the sequence's end to its length rounded up to 128 (the
+// attention kernel loads whole 128-key blocks; P is 0 there, V must not be NaN).
+constexpr int kVtTile = 64;
+__global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const CfFwdParams p, uint8_t* vt, int64_t cols) {
+    __shared__ __align__(16) uint8_t tile[kVtTile][kVtTile + 16];  // [key][d], +16: fewer bank conflicts
+    const int b = blockIdx.z, hk = blockIdx.y % p.hkv, d0 = (blockIdx.y / p.hkv) * kVtTile;
+    const int n0 = blockIdx.x * kVtTile, tid = threadIdx.x;
+    const SeqInfo si(p, b);
+    const int padded = (si.sk + 127) / 128 * 128;
+    if (n0 >= padded) return;
+    {  // load: key n0 + tid / 4, 16 bytes of d each
+        const int key = n0 + (tid >> 2), c = d0 + 16 * (tid & 3);
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (key < si.sk && c < p.d)
+            x = *reinterpret_cast<const uint4*>(si.v<uint8_t>(p, hk) + (int64_t)key * p.v_row_stride + c);
+        *reinterpret_cast<uint4*>(&tile[tid >> 2][16 * (tid & 3)]) = x;
+    }
+    __syncthreads();
+    // store: d row d0 + tid / 4, 16 consecutive positions (4 per thread, 64 per row)
+    const int r = tid >> 2, pos0 = 16 * (tid & 3);
+    if (d0 + r >= p.d) return;
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        uint32_t x = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int pos = pos0 + 4 * i + e;  // within the 64-key tile; groups of 32 stay aligned
+            x |= (uint32_t)tile[(pos & ~31) + fp8_vt_key(pos & 31)][r] << (8 * e);
+        }
+        w[i] = x;
+    }
+    const int64_t bb = si.k_varlen ? 0 : b;
+    uint8_t* row = vt + ((bb * p.hkv + hk) * p.d + d0 + r) * cols + fp8_vt_col0(si) + n0 + pos0;
+    *reinterpret_cast<uint4*>(row) = make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -120,7 +181,19 @@ struct FwdProducer {
                 const uint32_t n = kv + j;
                 const int n0 = (t.nb_hi - 1 - j) * BN;
                 pipe.producer_acquire(n);
-                if (maps.kv_ok && (!si.k_varlen || n0 + BN <= si.sk)) {
+                if constexpr (Kt::kFp8) {
+                    // TMA only (cf_fwd_check). Key rows past a varlen sequence's end are the next
+                    // sequence's: masked in S, and V^T is zero there (fp8_transpose_v_kernel).
+                    if (ptid == 0) {
+                        if (is_k) {
+                            tma_load_tile<BN, D, 1>(smem_addr(dst), &maps.k, pipe.full_bar(n), krow0 + n0, hk, kbatch);
+                        } else {
+                            mbar_expect_tx(pipe.full_bar(n), BN * D);
+                            tma_load_4d(smem_addr(dst), &maps.v, pipe.full_bar(n), (int)(fp8_vt_col0(si) + n0), 0, hk,
+                                        kbatch);
+                        }
+                    }
+                } else if (maps.kv_ok && (!si.k_varlen || n0 + BN <= si.sk)) {
                     if (ptid == 0)
                         tma_load_tile<BN, D>(smem_addr(dst), is_k ? &maps.k : &maps.v, pipe.full_bar(n), krow0 + n0, hk,
                                              kbatch);
@@ -138,9 +211,11 @@ struct FwdProducer {
             // K(0) first: its stage may be free before the consumers release Q.
             load_k(0);
             pl.q().producer_acquire(tcount);
-            if (maps.q_ok) {
-                if (ptid == 0) tma_load_tile<BM, D>(smem_addr(ss.q), &maps.q, pl.q().full_bar(tcount), qrow0 + t.m0, t.h, qbatch);
-            } else {
+            if (Kt::kFp8 || maps.q_ok) {
+                if (ptid == 0)
+                    tma_load_tile<BM, D, Kt::kElemBytes>(smem_addr(ss.q), &maps.q, pl.q().full_bar(tcount), qrow0 + t.m0,
+                                                         t.h, qbatch);
+            } else if constexpr (!Kt::kFp8) {
                 load_panels<BM, C, NPT, kRolled>(ss.q, si.q<T>(p, t.h) + (int64_t)t.m0 * p.q_row_stride, p.q_row_stride,
                                         si.sq - t.m0, dch, ptid, p.q);
             }
@@ -188,8 +263,9 @@ struct FwdMainloop {
     static constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, S = Kt::kStages;
     static constexpr int NT = BN / 8;   // n8 tiles of S
     static constexpr int DT = D / 8;    // n8 tiles of O
-    static constexpr int KS = D / 16;   // k16 steps of Q K^T
-    static constexpr int PS = BN / 16;  // k16 steps of P V
+    static constexpr int KK = Kt::kFp8 ? 32 : 16;  // k of one wgmma (32 bytes of k either way)
+    static constexpr int KS = D / KK;   // k steps of Q K^T
+    static constexpr int PS = BN / KK;  // k steps of P V
     static constexpr uint32_t kStageBytes = Kt::kKVStageBytes;
 
     float o[D / 2];
@@ -207,13 +283,21 @@ struct FwdMainloop {
 
         auto issue_s = [&](float (&s)[BN / 2], uint32_t st) {
 #pragma unroll
-            for (int ks = 0; ks < KS; ++ks)
-                wgmma_ss<BN, T, 0, 0>(s, desc_k_major(aQwg, BM, ks), desc_k_major(aK + st * kStageBytes, BN, ks), ks > 0);
+            for (int ks = 0; ks < KS; ++ks) {
+                const uint64_t da = desc_k_major(aQwg, BM, ks), db = desc_k_major(aK + st * kStageBytes, BN, ks);
+                if constexpr (Kt::kFp8) wgmma_ss_e4m3<BN>(s, da, db, ks > 0);
+                else wgmma_ss<BN, T, 0, 0>(s, da, db, ks > 0);
+            }
             wg_commit();
         };
         auto issue_pv = [&](uint32_t st) {
 #pragma unroll
-            for (int ks = 0; ks < PS; ++ks) wgmma_rs<D, T, 1>(o, pa[ks], desc_mn_major(aV + st * kStageBytes, BN, ks), 1);
+            for (int ks = 0; ks < PS; ++ks) {
+                if constexpr (Kt::kFp8)  // V^T: D rows of kBlockN keys, K-major
+                    wgmma_rs_e4m3<D>(o, pa[ks], desc_k_major(aV + st * kStageBytes, D, ks), 1);
+                else
+                    wgmma_rs<D, T, 1>(o, pa[ks], desc_mn_major(aV + st * kStageBytes, BN, ks), 1);
+            }
             wg_commit();
         };
         // Logit transform and mask (skipped for blocks this warp sees whole), then the online
@@ -224,12 +308,24 @@ struct FwdMainloop {
             softmax.template step<1, NT>(s, cmul, corr);
         };
         auto to_p = [&](const float (&s)[BN / 2]) {
+            if constexpr (Kt::kFp8) {
+                // n8 tiles 4ks .. 4ks + 3 of S: register 0 = row g, tiles 4ks and 4ks + 1; 1 = row
+                // g + 8; 2, 3 = the same of tiles 4ks + 2, 4ks + 3 (key order: fp8_vt_key)
+#pragma unroll
+                for (int ks = 0; ks < PS; ++ks)
+#pragma unroll
+                    for (int hr = 0; hr < 4; ++hr) {
+                        const float* a = s + 16 * ks + 8 * (hr >> 1) + 2 * (hr & 1);
+                        pa[ks][hr] = pack_e4m3x4(a[0], a[1], a[4], a[5]);
+                    }
+            } else {
 #pragma unroll
             for (int ks = 0; ks < PS; ++ks) {
                 pa[ks][0] = pack2<T>(s[8 * ks + 0], s[8 * ks + 1]);
                 pa[ks][1] = pack2<T>(s[8 * ks + 2], s[8 * ks + 3]);
                 pa[ks][2] = pack2<T>(s[8 * ks + 4], s[8 * ks + 5]);
                 pa[ks][3] = pack2<T>(s[8 * ks + 6], s[8 * ks + 7]);
+            }
             }
         };
 
@@ -283,20 +379,21 @@ struct FwdMainloop {
 // ---------------------------------------------------------------- epilogue
 template <typename Kt>
 struct FwdEpilogue {
-    using T = typename Kt::Elem;
+    using T = typename Kt::Out;
     static constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, C = D / 8, DT = D / 8;
 
     // Normalise, write lse, stage O (as T) in this warp's own 16 rows of sO (with sO = Q's rows:
     // only this warp's wgmma read those rows, and they have completed), store 16 bytes per lane.
+    // out_scale: what O is multiplied by besides 1 / l (the v descale of e4m3 inputs, else 1).
     static __device__ __forceinline__ void store(const CfFwdParams& p, const FwdTile& t, FwdMainloop<Kt>& ml, float cmul,
-                                                 T* sO, int rl0, int lane) {
+                                                 float out_scale, T* sO, int rl0, int lane) {
         const int g = lane >> 2, q4 = lane & 3, dch = p.d >> 3;
         const SeqInfo& si = t.si;
         float* lseg = si.lse(p, t.h);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float lse;
-            const float inv = ml.softmax.finish_row(r, cmul, lse);
+            const float inv = ml.softmax.finish_row(r, cmul, lse) * out_scale;
 #pragma unroll
             for (int j = 0; j < DT; ++j) {
                 ml.o[4 * j + 2 * r] *= inv;
@@ -379,13 +476,19 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
             FwdEpilogue<Kt>::store_empty(p, t, tid);
             continue;
         }
-        const LogitInfo li(p, t.si.b, t.h);
+        LogitInfo li(p, t.si.b, t.h);
+        float out_scale = 1.f;
+        if constexpr (Kt::kFp8) {
+            const int hk = kv_head(p, t.h);
+            li.rescale(descale_of(p.q_descale, t.si.b, t.h) * descale_of(p.k_descale, t.si.b, hk));
+            out_scale = descale_of(p.v_descale, t.si.b, hk);
+        }
         const float cmul = li.general ? kLog2e : li.c;  // general path: s holds natural logits
         turn.start_tile();
         pl.q().consumer_wait(tcount);
         ml.run(t, li, cmul, pl, aQwg, aK, aV, kv, t.m0 + rl0, lane, turn);
         if constexpr (Kt::kSeparateO) pl.q().consumer_release(tcount, lane);  // Q read for the last time
-        FwdEpilogue<Kt>::store(p, t, ml, cmul, ss.o_staging(), rl0, lane);
+        FwdEpilogue<Kt>::store(p, t, ml, cmul, out_scale, ss.o_staging(), rl0, lane);
         if constexpr (!Kt::kSeparateO) pl.q().consumer_release(tcount, lane);  // staging done: Q's rows are free
         kv += t.nblocks;
         ++tcount;
@@ -394,7 +497,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
 }
 
 template <typename Kt>
-cudaError_t launch_fwd_sm90(const CfFwdParams& p, cudaStream_t stream) {
+cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t stream) {
     using Sched = FwdTileScheduler<Kt::kBlockM, Kt::kBlockN>;
     auto kern = fwd_sm90_kernel<Kt>;
     constexpr int smem = (int)sizeof(FwdSharedStorage<Kt>);
@@ -407,18 +510,35 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, cudaStream_t stream) {
     int sms = 0;
     if (Kt::kPersistent && (e = current_sm_count(sms)) != cudaSuccess) return e;
     const int64_t grid = Sched::grid_size(p, Kt::kPersistent, sms * Kt::kMinBlocks);
-    const FwdTmaMaps maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN);
+    FwdTmaMaps maps;
+    if constexpr (Kt::kFp8) {
+        // V^T into the workspace first (same stream: the attention kernel sees it)
+        const Fp8VtLayout vl = fp8_vt_layout(p);
+        if (workspace == nullptr) return cudaErrorInvalidValue;
+        maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN, workspace, vl.cols, Kt::kHeadDim);
+        if (!maps.q_ok || !maps.kv_ok) return cudaErrorNotSupported;  // cf_fwd_check rules this out
+        const dim3 tgrid((unsigned)(((int64_t)p.seqlen_k + 127) / 128 * (128 / kVtTile)),
+                         (unsigned)(p.hkv * ((p.d + kVtTile - 1) / kVtTile)), (unsigned)p.b);
+        if (tgrid.x > 0) {
+            fp8_transpose_v_kernel<<<tgrid, 256, 0, stream>>>(p, static_cast<uint8_t*>(workspace), vl.cols);
+            if ((e = cudaGetLastError()) != cudaSuccess) return e;
+        }
+    } else {
+        maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN);
+    }
     kern<<<(unsigned)grid, Kt::kNThreads, smem, stream>>>(p, maps);
     return cudaGetLastError();
 }
 
 #define CF_INST_FWD_SM90(TRAITS)                                                   \
-    template cudaError_t launch_fwd_sm90<TRAITS<__half>>(const CfFwdParams&, cudaStream_t); \
-    template cudaError_t launch_fwd_sm90<TRAITS<__nv_bfloat16>>(const CfFwdParams&, cudaStream_t);
+    template cudaError_t launch_fwd_sm90<TRAITS<__half>>(const CfFwdParams&, void*, cudaStream_t); \
+    template cudaError_t launch_fwd_sm90<TRAITS<__nv_bfloat16>>(const CfFwdParams&, void*, cudaStream_t);
 CF_INST_FWD_SM90(FwdSm90TraitsD64Short)
 CF_INST_FWD_SM90(FwdSm90TraitsD64)
 CF_INST_FWD_SM90(FwdSm90TraitsD128)
 CF_INST_FWD_SM90(FwdSm90TraitsD192)
 CF_INST_FWD_SM90(FwdSm90TraitsD256)
+CF_INST_FWD_SM90(FwdSm90Fp8TraitsD128)  // e4m3 inputs; the output type is the parameter
+CF_INST_FWD_SM90(FwdSm90Fp8TraitsD256)
 
 }  // namespace cf

@@ -20,7 +20,8 @@
 
 namespace cf {
 
-// The maps of one forward call (kernel parameter). q_ok / kv_ok = 0: that side loads with cp.async.
+// The maps of one forward call (kernel parameter). q_ok / kv_ok = 0: that side loads with cp.async
+// (f16 / bf16; the e4m3 kernel runs only with both maps, cf_fwd_check).
 struct FwdTmaMaps {  // CUtensorMap is 64-byte aligned itself
     CUtensorMap q, k, v;
     int q_ok, kv_ok;
@@ -56,39 +57,69 @@ inline EncodeTiledFn tensor_map_encoder() {
     return fn;
 }
 
-// One tensor (element strides; f16 / bf16) as [batches][heads][rows][d] with [box_rows][64]
-// boxes. False when the driver refuses it (a stride the hardware cannot address, say).
+// Bytes per element of a CfDType the TMA maps handle (f16 / bf16 / e4m3).
+inline int tma_elem_bytes(int dtype) { return dtype == CF_E4M3 ? 1 : 2; }
+
+// One tensor (element strides; f16 / bf16 / e4m3) as [batches][heads][rows][d] with
+// [box_rows][128 bytes] boxes (one panel). False when the driver refuses it (a stride the
+// hardware cannot address, say).
 inline bool encode_rows_map(CUtensorMap& m, const void* base, int dtype, int d, int64_t rows, int heads,
                             int64_t batches, int64_t row_stride, int64_t head_stride, int64_t batch_stride,
                             int box_rows) {
     const EncodeTiledFn enc = tensor_map_encoder();
     if (enc == nullptr || base == nullptr || rows < 1 || heads < 1 || batches < 1) return false;
-    constexpr int64_t kB = 2;  // bytes per element
+    const int64_t kB = tma_elem_bytes(dtype);
     // A dimension of extent 1 is never stepped: any legal stride (a multiple of 16 bytes) will do.
-    if (heads == 1) head_stride = 8;
-    if (batches == 1) batch_stride = 8;
+    if (heads == 1) head_stride = 16 / kB;
+    if (batches == 1) batch_stride = 16 / kB;
     const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)rows, (cuuint64_t)heads, (cuuint64_t)batches};
     const cuuint64_t strides[3] = {(cuuint64_t)(row_stride * kB), (cuuint64_t)(head_stride * kB),
                                    (cuuint64_t)(batch_stride * kB)};
-    const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1};
+    const cuuint32_t box[4] = {(cuuint32_t)(kPanelRowBytes / kB), (cuuint32_t)box_rows, 1, 1};
     const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-    return enc(&m, dtype == CF_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-               const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+    const CUtensorMapDataType type = dtype == CF_E4M3  ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                     : dtype == CF_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return enc(&m, type, 4, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The maps of a forward call with BM-row query tiles and BN-row key tiles.
-inline FwdTmaMaps make_fwd_tma_maps(const CfFwdParams& p, int block_m, int block_n) {
+// The FP8 forward's transposed V (sm90/fwd.cu, Fp8VtLayout): e4m3 [batches][hkv][d][cols], keys
+// along the rows, viewed as [block_keys][head-dim tile] boxes (one panel of block_keys = 128
+// bytes per d row; rows past d are zero-filled, like the head-dim padding of Q and K).
+inline bool encode_vt_map(CUtensorMap& m, const void* base, int d, int64_t cols, int hkv, int64_t batches,
+                          int block_keys, int d_tile) {
+    const EncodeTiledFn enc = tensor_map_encoder();
+    if (enc == nullptr || base == nullptr || cols < 1 || hkv < 1 || batches < 1) return false;
+    const cuuint64_t dims[4] = {(cuuint64_t)cols, (cuuint64_t)d, (cuuint64_t)hkv, (cuuint64_t)batches};
+    const cuuint64_t strides[3] = {(cuuint64_t)cols, (cuuint64_t)(cols * d), (cuuint64_t)(cols * d * hkv)};
+    const cuuint32_t box[4] = {(cuuint32_t)block_keys, (cuuint32_t)d_tile, 1, 1};
+    const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+    return enc(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The maps of a forward call with BM-row query tiles and BN-row key tiles (f16 / bf16: q, k, v;
+// e4m3: q, k, and v = the transposed V in `vt` with `vt_cols` columns per (batch, KV head, d row),
+// `d_tile` rows per box).
+inline FwdTmaMaps make_fwd_tma_maps(const CfFwdParams& p, int block_m, int block_n, const void* vt = nullptr,
+                                    int64_t vt_cols = 0, int d_tile = 0) {
     FwdTmaMaps m{};
     const bool vq = p.cu_seqlens_q != nullptr, vk = p.cu_seqlens_k != nullptr;
     m.q_ok = encode_rows_map(m.q, p.q, p.dtype, p.d, vq ? p.total_q : p.seqlen_q, p.h, vq ? 1 : p.b, p.q_row_stride,
                              p.q_head_stride, p.q_batch_stride, block_m);
-    m.kv_ok = p.block_table == nullptr &&
-              encode_rows_map(m.k, p.k, p.dtype, p.d, vk ? p.total_k : p.seqlen_k, p.hkv, vk ? 1 : p.b,
-                              p.k_row_stride, p.k_head_stride, p.k_batch_stride, block_n) &&
-              encode_rows_map(m.v, p.v, p.dtype, p.d, vk ? p.total_k : p.seqlen_k, p.hkv, vk ? 1 : p.b,
-                              p.v_row_stride, p.v_head_stride, p.v_batch_stride, block_n);
+    const bool k_ok = p.block_table == nullptr &&
+                      encode_rows_map(m.k, p.k, p.dtype, p.d, vk ? p.total_k : p.seqlen_k, p.hkv, vk ? 1 : p.b,
+                                      p.k_row_stride, p.k_head_stride, p.k_batch_stride, block_n);
+    const bool v_ok = p.dtype == CF_E4M3
+                          ? encode_vt_map(m.v, vt, p.d, vt_cols, p.hkv, vk ? 1 : p.b, block_n, d_tile)
+                          : p.block_table == nullptr && encode_rows_map(m.v, p.v, p.dtype, p.d,
+                                                                        vk ? p.total_k : p.seqlen_k, p.hkv,
+                                                                        vk ? 1 : p.b, p.v_row_stride, p.v_head_stride,
+                                                                        p.v_batch_stride, block_n);
+    m.kv_ok = k_ok && v_ok;
     return m;
 }
 
@@ -123,16 +154,18 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
         : "memory");
 }
 
-// A [ROWS][D] panel tile from rows row0.. of (head, batch): one thread issues D / 64 boxes after
-// raising the barrier's expected bytes (before its own arrival, so the phase cannot complete
-// without them).
-template <int ROWS, int D>
+// A [ROWS][D] panel tile (kElemBytes per element) from rows row0.. of (head, batch): one thread
+// issues one box per 128-byte panel after raising the barrier's expected bytes (before its own
+// arrival, so the phase cannot complete without them).
+template <int ROWS, int D, int kElemBytes = 2>
 __device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* map, uint32_t bar, int64_t row0,
                                               int head, int batch) {
-    mbar_expect_tx(bar, ROWS * D * 2);
+    constexpr int kPanelElems = kPanelRowBytes / kElemBytes;
+    static_assert(D % kPanelElems == 0, "whole panels");
+    mbar_expect_tx(bar, ROWS * D * kElemBytes);
 #pragma unroll
-    for (int pnl = 0; pnl < D / 64; ++pnl)
-        tma_load_4d(dst + pnl * ROWS * kPanelRowBytes, map, bar, 64 * pnl, (int)row0, head, batch);
+    for (int pnl = 0; pnl < D / kPanelElems; ++pnl)
+        tma_load_4d(dst + pnl * ROWS * kPanelRowBytes, map, bar, kPanelElems * pnl, (int)row0, head, batch);
 }
 
 // ---- bulk reductions (the backward's dQ): cp.reduce.async.bulk adds a contiguous shared-memory

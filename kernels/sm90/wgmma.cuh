@@ -93,6 +93,29 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
     CF_WG_RS(32) CF_WG_RS(64) CF_WG_RS(96) CF_WG_RS(128) CF_WG_RS(192) CF_WG_RS(256)
 #undef CF_WG_RS
 }
+// e4m3 (k32 steps; both operands K-major): d (+)= A * B.
+template <int N>
+__device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
+    if constexpr (N == 64) wgmma_ss_m64n64_e4m3(d, da, db, scale_d);
+    else if constexpr (N == 128) wgmma_ss_m64n128_e4m3(d, da, db, scale_d);
+    else wgmma_ss_m64n256_e4m3(d, da, db, scale_d);
+}
+template <int N>
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    if constexpr (N == 64) wgmma_rs_m64n64_e4m3(d, a, db, scale_d);
+    else if constexpr (N == 128) wgmma_rs_m64n128_e4m3(d, a, db, scale_d);
+    else wgmma_rs_m64n256_e4m3(d, a, db, scale_d);
+}
+
+// Four f32 -> one register of e4m3 (x0 in the lowest byte: the lowest k of an 8-bit A
+// fragment), round to nearest, saturated to +-448.
+__device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
+    uint16_t lo, hi;
+    // cvt...e4m3x2 d, a, b puts a in the upper byte, b in the lower
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
+    return (uint32_t)lo | ((uint32_t)hi << 16);
+}
 
 // ---- warp specialisation: mbarriers (shared memory, 8 bytes each), register reallocation and
 // named barriers. A producer signals "stage full" with cp.async-tracking arrivals; consumers

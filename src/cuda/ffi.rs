@@ -6,6 +6,23 @@ use std::ffi::{c_char, c_int, c_void};
 pub const CF_F32: i32 = 0;
 pub const CF_F16: i32 = 1;
 pub const CF_BF16: i32 = 2;
+pub const CF_E4M3: i32 = 3;
+/// `CfStatus::CF_ERR_UNSUPPORTED_DTYPE`: what `cf_fwd_check` answers when the FP8 kernel cannot
+/// run a call (the caller then dequantizes).
+pub const CF_ERR_UNSUPPORTED_DTYPE: i32 = -1;
+
+/// `CfDescale`: the descales of one e4m3 input, `ptr[b * batch_stride + head / head_div]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CfDescale {
+    pub ptr: *const f32,
+    pub batch_stride: i64,
+    pub head_div: i32,
+}
+
+impl CfDescale {
+    pub const NONE: Self = Self { ptr: std::ptr::null(), batch_stride: 0, head_div: 1 };
+}
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -53,6 +70,10 @@ pub struct CfFwdParams {
     pub page_block_size: i32,
     pub num_blocks: i32,
     pub max_blocks: i32,
+    pub o_dtype: i32,
+    pub q_descale: CfDescale,
+    pub k_descale: CfDescale,
+    pub v_descale: CfDescale,
 }
 
 #[repr(C)]
@@ -80,8 +101,8 @@ pub struct CfBwdParams {
 
 // The sizes that flash_api.h's field order gives on LP64 (8-byte pointers and int64_t): a
 // field added or dropped on one side only shows up here at compile time.
-const _: () = assert!(std::mem::size_of::<CfFwdParams>() == 272);
-const _: () = assert!(std::mem::size_of::<CfBwdParams>() == 408);
+const _: () = assert!(std::mem::size_of::<CfFwdParams>() == 344);
+const _: () = assert!(std::mem::size_of::<CfBwdParams>() == 480);
 
 /// `CfRopeKvParams`: the fused rotary embedding and paged cache write.
 #[repr(C)]
@@ -140,6 +161,7 @@ extern "C" {
     pub fn cf_add_rms_norm(p: *const CfAddRmsNormParams, stream: *mut c_void) -> c_int;
     pub fn cf_silu_mul(p: *const CfSiluMulParams, stream: *mut c_void) -> c_int;
     pub fn cf_rope_kv_write(p: *const CfRopeKvParams, stream: *mut c_void) -> c_int;
+    pub fn cf_fwd_check(p: *const CfFwdParams) -> c_int;
     pub fn cf_fwd_workspace_size(p: *const CfFwdParams) -> usize;
     pub fn cf_fwd(p: *const CfFwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;
     pub fn cf_bwd_workspace_size(p: *const CfBwdParams) -> usize;

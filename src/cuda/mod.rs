@@ -10,6 +10,7 @@
 
 mod ffi;
 
+use crate::fp8::Fp8Kernel;
 use crate::op::{device_storage, BwdInputs, StorageGuard};
 use crate::params::{AttnShape, FlashAttnOptions};
 use candle_core::backend::BackendStorage;
@@ -89,6 +90,7 @@ impl<'a> TensorArg<'a> {
             DType::BF16 => base::<bf16>(s, stream)?,
             DType::U32 => base::<u32>(s, stream)?,
             DType::I32 => base::<i32>(s, stream)?,
+            DType::F8E4M3 => base::<float8::F8E4M3>(s, stream)?,
             dt => bail!("candle-flash: unexpected dtype {dt:?} on cuda"),
         };
         let offset = l.start_offset() * s.dtype().size_in_bytes();
@@ -231,7 +233,146 @@ fn fwd_params(shape: &AttnShape, opts: &FlashAttnOptions, a: &FwdArgs) -> Result
         page_block_size,
         num_blocks,
         max_blocks,
+        o_dtype: dtype_code(shape.dtype)?,
+        q_descale: ffi::CfDescale::NONE,
+        k_descale: ffi::CfDescale::NONE,
+        v_descale: ffi::CfDescale::NONE,
     })
+}
+
+/// [`fwd_params`] for the FP8 kernel: e4m3 q, k, v, the output in `shape.dtype` (what
+/// `params::validate_fp8` records), the descales of `fp8` at their device pointers.
+fn fp8_params(
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    fp8: &Fp8Kernel,
+    a: &FwdArgs,
+    descales: &[Option<TensorArg>; 3],
+) -> Result<ffi::CfFwdParams> {
+    let mut p = fwd_params(shape, opts, a)?;
+    p.dtype = ffi::CF_E4M3;
+    let arg = |i: usize| -> ffi::CfDescale {
+        match (&fp8.descales[i], &descales[i]) {
+            (Some(d), Some(t)) => ffi::CfDescale {
+                ptr: t.ptr as *const f32,
+                batch_stride: d.batch_stride as i64,
+                head_div: d.head_div as i32,
+            },
+            _ => ffi::CfDescale::NONE,
+        }
+    };
+    (p.q_descale, p.k_descale, p.v_descale) = (arg(0), arg(1), arg(2));
+    Ok(p)
+}
+
+/// The descale tensors of an FP8 call, read (contiguous f32 on q's device).
+fn descale_guards(fp8: &Fp8Kernel) -> [Option<StorageGuard<'_>>; 3] {
+    fp8.descales.each_ref().map(|d| d.as_ref().map(|d| d.tensor.storage_and_layout()))
+}
+
+fn descale_args<'a>(
+    guards: &'a [Option<StorageGuard<'_>>; 3],
+    stream: &'a CudaStream,
+) -> Result<[Option<TensorArg<'a>>; 3]> {
+    let arg = |g: &'a Option<StorageGuard<'_>>| -> Result<Option<TensorArg<'a>>> {
+        g.as_ref().map(|g| TensorArg::read(device_storage::<CudaStorage>("descale", g)?, stream)).transpose()
+    };
+    Ok([arg(&guards[0])?, arg(&guards[1])?, arg(&guards[2])?])
+}
+
+/// Whether the FP8 (e4m3) kernel runs this call on this device (`cf_fwd_check`): sm_90a, the
+/// alignment and head-dim rules of flash_api.h. False: the caller computes on dequantized inputs.
+pub(crate) fn fp8_kernel_runs(
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    fp8: &Fp8Kernel,
+    [q, k, v]: [&Tensor; 3],
+) -> Result<bool> {
+    let dev = match q.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => return Ok(false),
+    };
+    let stream = dev.cuda_stream();
+    let guards = [q, k, v].map(Tensor::storage_and_layout);
+    let [gq, gk, gv] = &guards;
+    let options = option_tensors(opts)?;
+    let option_g = option_guards(&options);
+    let dg = descale_guards(fp8);
+    let qa = TensorArg::read(device_storage::<CudaStorage>("q", gq)?, &stream)?;
+    // The output does not exist yet: it will be a fresh contiguous allocation (aligned), so q's
+    // pointer with contiguous strides stands in for it (and for the lse) in the check.
+    let stand_in = |dims: &[usize]| TensorArg {
+        ptr: qa.ptr,
+        stride: Layout::contiguous(dims).stride().to_vec(),
+        _sync: SyncOnDrop::Record(None),
+    };
+    let args = FwdArgs {
+        k: TensorArg::read(device_storage::<CudaStorage>("k", gk)?, &stream)?,
+        v: TensorArg::read(device_storage::<CudaStorage>("v", gv)?, &stream)?,
+        o: stand_in(gq.1.dims()),
+        lse: stand_in(&shape.lse_dims()),
+        options: option_args(&option_g, &stream)?,
+        q: qa,
+    };
+    let p = fp8_params(shape, opts, fp8, &args, &descale_args(&dg, &stream)?)?;
+    // SAFETY: reads only the params struct (and queries the device once).
+    match unsafe { ffi::cf_fwd_check(&p) } {
+        0 => Ok(true),
+        ffi::CF_ERR_UNSUPPORTED_DTYPE => Ok(false),
+        status => check(status, "cf_fwd_check").map(|_| false),
+    }
+}
+
+/// The FP8 forward on CUDA (after [`fp8_kernel_runs`]): the output in `shape.dtype` (f16 /
+/// bf16), q's dims, contiguous, and the LSE (f32).
+pub(crate) fn forward_fp8(
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    fp8: &Fp8Kernel,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, CudaStorage)> {
+    match shape.dtype {
+        DType::F16 => forward_fp8_t::<f16>(shape, opts, fp8, [q, k, v]),
+        DType::BF16 => forward_fp8_t::<bf16>(shape, opts, fp8, [q, k, v]),
+        dt => bail!("candle-flash fp8: the FP8 kernel writes f16 or bf16, not {dt:?}"),
+    }
+}
+
+fn forward_fp8_t<T: CudaDType + DeviceRepr>(
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    fp8: &Fp8Kernel,
+    [q, k, v]: [(&CudaStorage, &Layout); 3],
+) -> Result<(CudaStorage, CudaStorage)> {
+    let dev = q.0.device.clone();
+    let stream = dev.cuda_stream();
+    let (out_dims, lse_dims) = (q.1.dims().to_vec(), shape.lse_dims());
+    let mut out = alloc_output::<T>(&dev, &stream, out_dims.iter().product())?;
+    let mut lse = alloc_output::<f32>(&dev, &stream, lse_dims.iter().product())?;
+    if q.1.shape().elem_count() > 0 {
+        let options = option_tensors(opts)?;
+        let guards = option_guards(&options);
+        let dg = descale_guards(fp8);
+        let args = FwdArgs {
+            q: TensorArg::read(q, &stream)?,
+            k: TensorArg::read(k, &stream)?,
+            v: TensorArg::read(v, &stream)?,
+            o: TensorArg::write(&mut out, &out_dims, &stream),
+            lse: TensorArg::write(&mut lse, &lse_dims, &stream),
+            options: option_args(&guards, &stream)?,
+        };
+        let p = fp8_params(shape, opts, fp8, &args, &descale_args(&dg, &stream)?)?;
+        // SAFETY: reads only the params struct.
+        let mut ws = workspace(&dev, unsafe { ffi::cf_fwd_workspace_size(&p) })?;
+        let ws = workspace_arg(&mut ws, &stream);
+        // SAFETY: as in `forward_t`; the descales are live f32 buffers of at least
+        // (B - 1) * batch_stride + (heads - 1) / head_div + 1 elements (`fp8::kernel_descale`).
+        let status = unsafe { ffi::cf_fwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
+        check(status, "cf_fwd (e4m3)")?;
+    }
+    Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)))
 }
 
 /// Scratch memory of `bytes` bytes from candle's allocator (stream-ordered on candle's stream),

@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""The FP8 (e4m3) forward of the sm_90a kernels, checked and timed without Rust, through
+bench/kernel_check.py's library and harness.
+
+Check: e4m3 q, k, v with f32 descales (FlashAttention-3's (B, Hkv) descales, or one per query
+head for q), our cf_fwd (o in bf16 or f16, lse) against the f64 reference on the dequantized
+inputs. Tolerance: 2x the error of the naive FP8 computation (f32 math on the same inputs with
+the unnormalised P rounded to e4m3 before P V, FlashAttention-3's recipe) plus one output
+rounding (lse: plus 2^-11 of its size, the FP8 MMA's accumulation); NaN fails; outputs and the
+workspace are NaN-poisoned before every call.
+Bench: TFLOP/s of our e4m3 forward (its V transpose included) against our bf16 forward and
+cuDNN's bf16 SDPA on the same shapes (B*N = 16384, hidden 2048, CUDA events, median of 20).
+
+  python3 bench/fp8_check.py [--no-build] [--bench] [--filter S]
+"""
+import argparse
+import ctypes
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_check as kc  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+OUT_DT = {"bf16": (torch.bfloat16, kc.CF_BF16), "f16": (torch.float16, kc.CF_F16)}
+
+
+def quantize(c, x, groups, side):
+    """x [b, s, H, d] (or varlen [total, H, d]; side "q" or "k" picks the lengths) -> (e4m3 data,
+    descale (B, groups) f32, dequantized f32): one descale per (sequence, group of H / groups
+    consecutive heads)."""
+    H = x.shape[-2]
+    per = H // groups
+    lens = [a if side == "q" else b for a, b in c.varlen] if c.varlen else None
+    xs = [x[i] for i in range(c.b)] if not c.varlen else list(torch.split(x, lens, 0))
+    ds = torch.ones(c.b, groups, dtype=torch.float32, device=x.device)
+    for i, xi in enumerate(xs):  # xi [s, H, d]
+        if xi.numel():
+            amax = xi.float().abs().reshape(xi.shape[0], groups, per, -1).amax(dim=(0, 2, 3))
+            ds[i] = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    rows = []
+    for i, xi in enumerate(xs):
+        rows.append(ds[i].repeat_interleave(per)[None, :, None].expand(xi.shape[0], H, 1))
+    row = torch.stack(rows) if not c.varlen else torch.cat(rows)
+    q8 = (x.float() / row).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q8, ds, q8.float() * row
+
+
+def descale_arg(ds, heads):
+    """CfDescale for descales (B, G) of a tensor indexed by `heads` heads (query heads for q)."""
+    d = kc.CfDescale()
+    if ds is not None:
+        d.ptr, d.batch_stride, d.head_div = ds.data_ptr(), ds.stride(0), heads // ds.shape[1]
+    return d
+
+
+class Fp8Case(kc.Case):
+    def __init__(self, name, out="bf16", q_groups="kv", descales=True, **kw):
+        super().__init__(name, out, bwd=False, **kw)
+        self.q_groups, self.descales = q_groups, descales
+
+
+def cases():
+    C = Fp8Case
+    out = []
+    for d in (64, 128, 256):
+        out += [C(f"d{d}", d=d), C(f"d{d}-causal", d=d, wr=0),
+                C(f"d{d}-1023", b=1, h=2, sq=1023, d=d, wr=0)]
+    out += [
+        C("d96", d=96), C("d192-causal", d=192, wr=0), C("d16", d=16), C("d48", d=48, wr=0),
+        C("one", b=1, h=2, sq=1, d=128), C("s17", sq=17, d=128), C("s17-d256", sq=17, d=256, wr=0),
+        C("sq113-sk17-causal", sq=113, sk=17, d=128, wr=0),  # rows that see no key
+        C("sq17-sk1023", sq=17, sk=1023, d=128), C("sq17-sk1023-causal", sq=17, sk=1023, d=256, wr=0),
+        C("gqa-8-2", h=8, hkv=2, d=128, wr=0), C("mqa-4-1", h=4, hkv=1, d=256),
+        C("q-per-head", h=8, hkv=2, d=128, q_groups="h"),
+        C("window", sq=300, d=128, wl=32, wr=8), C("window-left", sq=300, d=256, wl=64, wr=-1),
+        C("softcap", d=128, softcap=30.0, qmul=4.0), C("alibi-bh", d=128, alibi="bh", wr=0),
+        C("alibi-h-d256", d=256, alibi="h"),
+        C("f16-out", out="f16", d=128, wr=0), C("f16-out-d256", out="f16", d=256),
+        C("no-descales", d=128, descales=False), C("bhsd", d=128, layout="bhsd", wr=0),
+        C("varlen", h=4, d=128, varlen=[(1, 1), (17, 200), (113, 113), (300, 129)]),
+        C("varlen-causal", h=8, hkv=2, d=128, wr=0, varlen=[(5, 300), (130, 130), (1, 0), (64, 257)]),
+        C("varlen-d256", h=4, d=256, varlen=[(200, 17), (129, 385), (33, 1)], wr=0),
+        C("big", b=1, h=4, sq=2048, d=128, wr=0),
+    ]
+    return out
+
+
+def run_fp8(c, q8, k8, v8, dq, dk, dv, slopes, cu_q, cu_k):
+    """Our e4m3 forward: (o, lse), poisoned before the call."""
+    dev = q8.device
+    dt = OUT_DT[c.dtype][0]
+    o = torch.full(q8.shape, float("nan"), dtype=dt, device=dev)
+    total_q = q8.shape[0] if c.varlen else c.b * c.sq
+    lse = (torch.full((c.h, total_q), float("nan"), device=dev) if c.varlen
+           else torch.full((c.b, c.h, c.sq), float("nan"), device=dev))
+    fp = kc.fwd_params(c, q8, k8, v8, o, lse, slopes, cu_q, cu_k)
+    fp.dtype, fp.o_dtype = kc.CF_E4M3, OUT_DT[c.dtype][1]
+    fp.q_descale, fp.k_descale, fp.v_descale = descale_arg(dq, c.h), descale_arg(dk, c.hkv), descale_arg(dv, c.hkv)
+    kc.check(kc.lib.cf_fwd_check(ctypes.byref(fp)), "cf_fwd_check")
+    ws = kc.fwd_workspace(fp, dev)
+    kc.check(kc.call_fwd(fp, ws, torch.cuda.current_stream().cuda_stream), "cf_fwd(e4m3)")
+    torch.cuda.synchronize()
+    return o, lse
+
+
+def cu_of(c, dev):
+    if not c.varlen:
+        return None, None
+    cq = torch.tensor([0] + list(torch.tensor([a for a, _ in c.varlen]).cumsum(0)), dtype=torch.int32, device=dev)
+    ck = torch.tensor([0] + list(torch.tensor([b for _, b in c.varlen]).cumsum(0)), dtype=torch.int32, device=dev)
+    return cq, ck
+
+
+def run_case(c, dev, gen):
+    q, k, v, _, slopes = kc.make_inputs(c, dev, gen)  # bf16 / f16 values, any layout
+    qg = c.hkv if c.q_groups == "kv" else c.h
+    q8, dq, qd = quantize(c, q, qg, "q")
+    k8, dk, kd = quantize(c, k, c.hkv, "k")
+    v8, dv, vd = quantize(c, v, c.hkv, "k")
+    if not c.descales:  # plain casts: randn values are far inside e4m3's range
+        q8, k8, v8 = (x.float().to(E4M3) for x in (q, k, v))
+        qd, kd, vd = (x.float() for x in (q8, k8, v8))
+        dq = dk = dv = None
+    if c.layout == "bhsd":  # keep the strided [b, h, s, d] storage
+        q8, k8, v8 = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q8, k8, v8))
+    cu_q, cu_k = cu_of(c, dev)
+    o, lse = run_fp8(c, q8, k8, v8, dq, dk, dv, slopes, cu_q, cu_k)
+    zero = torch.zeros_like(qd)
+    ref = kc.reference(c, qd, kd, vd, zero, slopes, torch.float64, False)
+    naive = kc.reference(c, qd, kd, vd, zero, slopes, torch.float32, False,
+                         p_quant=lambda e: e.to(E4M3).to(e.dtype))
+    e_o, n_o = kc.maxerr(kc.split_like(c, o, "q"), ref[0]), kc.maxerr(naive[0], ref[0])
+    e_l, n_l = kc.lse_err(kc.split_lse(c, lse), ref[1]), kc.lse_err(naive[1], ref[1])
+    tol_o = 2 * n_o + 2.0 ** -8 * max(kc.absmax(ref[0]), 1e-3)
+    # Hopper's FP8 MMA accumulates with fewer bits than f32 (about 2^-13 relative to the running
+    # sum: DeepSeek-V3 measured ~14 bits), so S, and with it lse, carries an error relative to the
+    # logits' size that the f32 naive computation does not have
+    lmax = max([r[torch.isfinite(r)].abs().max().item() for r in ref[1] if torch.isfinite(r).any()] + [0.0])
+    tol_l = 2 * n_l + 2.0 ** -11 * (1.0 + lmax)
+    ok = e_o == e_o and e_o <= tol_o and e_l == e_l and e_l <= tol_l
+    rel = (sum(((a.double() - r).norm() ** 2).item() for a, r in zip(kc.split_like(c, o, "q"), ref[0])) /
+           max(sum((r.norm() ** 2).item() for r in ref[0]), 1e-30)) ** 0.5
+    worst = max(e_o / tol_o if e_o == e_o else math.inf, e_l / tol_l if e_l == e_l else math.inf)
+    return ok, worst, f"o:{e_o:.2e}/{tol_o:.1e} lse:{e_l:.2e}/{tol_l:.1e} |err|/|ref|={rel:.2e}"
+
+
+def bench(dev):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    stream = torch.cuda.current_stream().cuda_stream
+    rows = []
+    for d in (128, 256):
+        for causal in (False, True):
+            for N in (512, 1024, 2048, 4096, 8192, 16384):
+                B, H = 16384 // N, 2048 // d
+                c = Fp8Case("bench", b=B, h=H, sq=N, d=d, wr=(0 if causal else -1))
+                g = torch.Generator(device=dev).manual_seed(0)
+                q, k, v, _, _ = kc.make_inputs(c, dev, g)
+                q8, dq, _ = quantize(c, q, H, "q")
+                k8, dk, _ = quantize(c, k, H, "k")
+                v8, dv, _ = quantize(c, v, H, "k")
+                o8 = torch.empty(q.shape, dtype=torch.bfloat16, device=dev)
+                lse = torch.empty(B, H, N, device=dev)
+                fp = kc.fwd_params(c, q8, k8, v8, o8, lse, None, None, None)
+                fp.dtype, fp.o_dtype = kc.CF_E4M3, kc.CF_BF16
+                fp.q_descale, fp.k_descale, fp.v_descale = descale_arg(dq, H), descale_arg(dk, H), descale_arg(dv, H)
+                ws = kc.fwd_workspace(fp, dev)
+                t8 = kc.median_cuda_time(lambda: kc.call_fwd(fp, ws, stream))
+                kc.check(kc.call_fwd(fp, ws, stream), "cf_fwd(e4m3)")
+                o = torch.empty_like(q)
+                fb = kc.fwd_params(c, q, k, v, o, lse, None, None, None)
+                wb = kc.fwd_workspace(fb, dev)
+                tb = kc.median_cuda_time(lambda: kc.call_fwd(fb, wb, stream))
+                qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    tc = kc.median_cuda_time(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                fl = 4 * B * H * N * N * d * (0.5 if causal else 1.0)
+                rows.append((d, int(causal), N, fl / t8 / 1e12, fl / tb / 1e12, fl / tc / 1e12))
+                print(f"D={d} causal={int(causal)} N={N:5d}: e4m3 {rows[-1][3]:6.0f}  bf16 {rows[-1][4]:6.0f}  "
+                      f"cudnn-bf16 {rows[-1][5]:6.0f} TF/s  e4m3/bf16 {tb / t8:.2f}  e4m3/cudnn {tc / t8:.2f}",
+                      flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-build", action="store_true")
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--filter", default="")
+    args = ap.parse_args()
+    if not args.no_build:
+        kc.build(["-gencode=arch=compute_90a,code=sm_90a"])
+    kc.load_lib()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(4321)
+    n_fail = 0
+    lines = []
+    for c in cases():
+        if args.filter not in c.name:
+            continue
+        try:
+            ok, worst, detail = run_case(c, dev, gen)
+        except Exception as e:  # noqa: BLE001
+            ok, worst, detail = False, math.inf, f"EXCEPTION {type(e).__name__}: {e}"
+        n_fail += not ok
+        lines.append(f"{'PASS' if ok else 'FAIL'} fp8 {c.name:22s} worst={worst:5.2f} {detail}")
+        print(lines[-1], flush=True)
+    print(f"fp8 check: {len(lines) - n_fail} passed, {n_fail} failed", flush=True)
+    if args.bench:
+        rows = bench(dev)
+        lines += [f"D={d} causal={cz} N={n} e4m3={a:.0f} bf16={b:.0f} cudnn={c_:.0f}" for d, cz, n, a, b, c_ in rows]
+    if kc.OUT:
+        with open(os.path.join(kc.OUT, "fp8_check.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    sys.exit(1 if n_fail else 0)
+
+
+if __name__ == "__main__":
+    main()
