@@ -149,29 +149,42 @@ def run_case(c, dev, gen):
     return ok, worst, f"o:{e_o:.2e}/{tol_o:.1e} lse:{e_l:.2e}/{tol_l:.1e} |err|/|ref|={rel:.2e}"
 
 
-def bench(dev):
+def bench_setup(dev, d, causal, N):
+    """(call, fl): one e4m3 forward of the bench grid point and its flop count."""
+    B, H = 16384 // N, 2048 // d
+    c = Fp8Case("bench", b=B, h=H, sq=N, d=d, wr=(0 if causal else -1))
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, _, _ = kc.make_inputs(c, dev, g)
+    q8, dq, _ = quantize(c, q, H, "q")
+    k8, dk, _ = quantize(c, k, H, "k")
+    v8, dv, _ = quantize(c, v, H, "k")
+    o8 = torch.empty(q.shape, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(B, H, N, device=dev)
+    fp = kc.fwd_params(c, q8, k8, v8, o8, lse, None, None, None)
+    fp.dtype, fp.o_dtype = kc.CF_E4M3, kc.CF_BF16
+    fp.q_descale, fp.k_descale, fp.v_descale = descale_arg(dq, H), descale_arg(dk, H), descale_arg(dv, H)
+    ws = kc.fwd_workspace(fp, dev)
+    stream = torch.cuda.current_stream().cuda_stream
+    keep = (q8, k8, v8, dq, dk, dv, o8, lse, ws)
+
+    def call():
+        _ = keep
+        return kc.call_fwd(fp, ws, stream)
+    return call, (q, k, v, lse), 4 * B * H * N * N * d * (0.5 if causal else 1.0)
+
+
+def bench(dev, dims):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
     stream = torch.cuda.current_stream().cuda_stream
     rows = []
-    for d in (128, 256):
+    for d in dims:
         for causal in (False, True):
             for N in (512, 1024, 2048, 4096, 8192, 16384):
-                B, H = 16384 // N, 2048 // d
-                c = Fp8Case("bench", b=B, h=H, sq=N, d=d, wr=(0 if causal else -1))
-                g = torch.Generator(device=dev).manual_seed(0)
-                q, k, v, _, _ = kc.make_inputs(c, dev, g)
-                q8, dq, _ = quantize(c, q, H, "q")
-                k8, dk, _ = quantize(c, k, H, "k")
-                v8, dv, _ = quantize(c, v, H, "k")
-                o8 = torch.empty(q.shape, dtype=torch.bfloat16, device=dev)
-                lse = torch.empty(B, H, N, device=dev)
-                fp = kc.fwd_params(c, q8, k8, v8, o8, lse, None, None, None)
-                fp.dtype, fp.o_dtype = kc.CF_E4M3, kc.CF_BF16
-                fp.q_descale, fp.k_descale, fp.v_descale = descale_arg(dq, H), descale_arg(dk, H), descale_arg(dv, H)
-                ws = kc.fwd_workspace(fp, dev)
-                t8 = kc.median_cuda_time(lambda: kc.call_fwd(fp, ws, stream))
-                kc.check(kc.call_fwd(fp, ws, stream), "cf_fwd(e4m3)")
+                call8, (q, k, v, lse), fl = bench_setup(dev, d, causal, N)
+                c = Fp8Case("bench", b=16384 // N, h=2048 // d, sq=N, d=d, wr=(0 if causal else -1))
+                t8 = kc.median_cuda_time(call8)
+                kc.check(call8(), "cf_fwd(e4m3)")
                 o = torch.empty_like(q)
                 fb = kc.fwd_params(c, q, k, v, o, lse, None, None, None)
                 wb = kc.fwd_workspace(fb, dev)
@@ -179,7 +192,6 @@ def bench(dev):
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     tc = kc.median_cuda_time(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-                fl = 4 * B * H * N * N * d * (0.5 if causal else 1.0)
                 rows.append((d, int(causal), N, fl / t8 / 1e12, fl / tb / 1e12, fl / tc / 1e12))
                 print(f"D={d} causal={int(causal)} N={N:5d}: e4m3 {rows[-1][3]:6.0f}  bf16 {rows[-1][4]:6.0f}  "
                       f"cudnn-bf16 {rows[-1][5]:6.0f} TF/s  e4m3/bf16 {tb / t8:.2f}  e4m3/cudnn {tc / t8:.2f}",
@@ -192,11 +204,19 @@ def main():
     ap.add_argument("--no-build", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--filter", default="")
+    ap.add_argument("--dims", default="128,256", help="head dims of --bench")
+    ap.add_argument("--one", default="", help="N,D,causal: one e4m3 forward (for ncu), then exit")
     args = ap.parse_args()
     if not args.no_build:
         kc.build(["-gencode=arch=compute_90a,code=sm_90a"])
     kc.load_lib()
     dev = torch.device("cuda")
+    if args.one:
+        n, d, causal = (int(x) for x in args.one.split(","))
+        call, _, _ = bench_setup(dev, d, bool(causal), n)
+        kc.check(call(), "cf_fwd(e4m3)")
+        torch.cuda.synchronize()
+        return
     gen = torch.Generator(device=dev).manual_seed(4321)
     n_fail = 0
     lines = []
@@ -212,7 +232,7 @@ def main():
         print(lines[-1], flush=True)
     print(f"fp8 check: {len(lines) - n_fail} passed, {n_fail} failed", flush=True)
     if args.bench:
-        rows = bench(dev)
+        rows = bench(dev, [int(x) for x in args.dims.split(",")])
         lines += [f"D={d} causal={cz} N={n} e4m3={a:.0f} bf16={b:.0f} cudnn={c_:.0f}" for d, cz, n, a, b, c_ in rows]
     if kc.OUT:
         with open(os.path.join(kc.OUT, "fp8_check.txt"), "w") as f:

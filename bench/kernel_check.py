@@ -303,7 +303,7 @@ def attention(c, q, k, v, slopes_bh, ctype, p_quant=None):
     has = mask.any(-1)  # rows that see at least one key
     s = s.masked_fill(~mask[None], float("-inf"))
     s = torch.where(has[None, :, None], s, torch.zeros((), dtype=s.dtype, device=s.device))
-    if p_quant is None:
+    if p_quant is None or s.shape[-1] == 0:
         p = torch.softmax(s, -1) * has[None, :, None].to(s.dtype)
     else:
         e = torch.exp(s - s.amax(-1, keepdim=True))

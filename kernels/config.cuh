@@ -109,6 +109,14 @@ struct FwdSm90Traits {
     static constexpr int kProducerRegs = kFp8 ? 24 : kHeadDim == 64 ? 56 : 40;
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
     static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
+    // Of every 4 n8 tiles of S, how many take their exponentials from the FMA pipe
+    // (softmax.cuh exp2_fma) instead of the MUFU unit. Measured at d = 128 (bench/NOTES.md "FP8
+    // forward"): 1 of 4 was 2-4% slower, 2 of 4 10-12% slower: the kernel is not MUFU-bound, so
+    // 0 (a build-time knob for further experiments).
+#ifndef CF_FP8_POLY_TILES
+#define CF_FP8_POLY_TILES 0
+#endif
+    static constexpr int kExpPolyTiles = kFp8 ? CF_FP8_POLY_TILES : 0;
     static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
     static constexpr int kKVStageBytes = kBlockN * kHeadDim * kElemBytes;
 

@@ -126,8 +126,10 @@ fn fp8_attention_matches_the_reference() {
                 let exact = reference::attention(&deq(&q8), &deq(&k8), &deq(&v8), &opts).unwrap();
                 // the FP8 kernel (per-head descales on Hopper) rounds P to e4m3: its naive
                 // counterpart does too; the dequantizing path is the regular op of out_dtype
-                let on_kernel = scaling == Fp8Scaling::PerHead
-                    && fp8::uses_fp8_kernel(&q8.data, &k8.data, &v8.data, &opts, out_dtype).unwrap();
+                // (per-block descales with one block per sequence are per-head descales)
+                let one_block = [&q8, &k8, &v8].iter().all(|t| t.descale.dim(1).unwrap() == 1);
+                let on_kernel =
+                    one_block && fp8::uses_fp8_kernel(&q8.data, &k8.data, &v8.data, &opts, out_dtype).unwrap();
                 let naive = if on_kernel {
                     let f32_ = |t: &Fp8Tensor| fp8::dequantize(t, DType::F32).unwrap();
                     reference::attention_fp8_p(&f32_(&q8), &f32_(&k8), &f32_(&v8), &opts)
@@ -180,11 +182,15 @@ fn fp8_kernel_every_option() {
             max_seqlen_k: mk as usize,
         }
     };
-    for device in common::devices() {
-        let alibi = Tensor::new(&[0.3f32, 0.1, 0.05, 0.02], &device).unwrap();
-        // (name, options, (batch, Sq, Sk, Hkv, D) when batched, varlen (Sq, Sk) per sequence)
-        type Case = (&'static str, FlashAttnOptions, (usize, usize, usize, usize, usize), Option<Vec<(u32, u32)>>);
-        let cases: Vec<Case> = vec![
+    // (name, options, (batch, Sq, Sk, Hkv, D) when batched, varlen (Sq, Sk) per sequence)
+    type Case = (&'static str, FlashAttnOptions, (usize, usize, usize, usize, usize), Option<Vec<(u32, u32)>>);
+    // the options' tensors (ALiBi slopes, seqlens) on `device`
+    let cases = |device: &Device| -> Vec<Case> {
+        let alibi = Tensor::new(&[0.3f32, 0.1, 0.05, 0.02], device).unwrap();
+        let vl = |lens: Vec<(u32, u32)>| (Some(varlen(&lens, device)), Some(lens));
+        let (vl1, lens1) = vl(vec![(1, 1), (17, 200), (113, 113), (0, 5), (300, 129)]);
+        let (vl2, lens2) = vl(vec![(200, 17), (129, 385), (33, 1)]);
+        vec![
             ("d64", FlashAttnOptions::new(0.125), (2, 113, 113, 4, 64), None),
             ("d128-causal-1023", FlashAttnOptions::new(0.09).causal(true), (1, 1023, 1023, 2, 128), None),
             ("d256-sq17-sk1023", FlashAttnOptions::new(0.0625), (2, 17, 1023, 2, 256), None),
@@ -193,27 +199,23 @@ fn fp8_kernel_every_option() {
             ("d192-window", FlashAttnOptions::new(0.07).window(Some(30), Some(4)), (1, 300, 300, 4, 192), None),
             ("softcap", FlashAttnOptions::new(0.3).softcap(Some(10.0)), (2, 113, 113, 4, 128), None),
             ("alibi", FlashAttnOptions::new(0.1).alibi(Some(&alibi)).causal(true), (2, 113, 130, 4, 128), None),
-            (
-                "varlen-causal",
-                FlashAttnOptions::new(0.1).causal(true),
-                (0, 0, 0, 4, 128),
-                Some(vec![(1, 1), (17, 200), (113, 113), (0, 5), (300, 129)]),
-            ),
-            ("varlen-d256", FlashAttnOptions::new(0.06), (0, 0, 0, 2, 256), Some(vec![(200, 17), (129, 385), (33, 1)])),
-        ];
-        for (name, opts, (b, sq, sk, hkv, d), lens) in cases {
+            ("varlen-causal", FlashAttnOptions::new(0.1).causal(true).varlen(vl1), (0, 0, 0, 4, 128), lens1),
+            ("varlen-d256", FlashAttnOptions::new(0.06).varlen(vl2), (0, 0, 0, 2, 256), lens2),
+        ]
+    };
+    // the references run on the CPU (the dequantized inputs copied there)
+    let on_cpu = cases(&Device::Cpu);
+    for device in common::devices() {
+        for (i, (name, opts, (b, sq, sk, hkv, d), lens)) in cases(&device).into_iter().enumerate() {
             let h = 4;
-            let (opts, q, k, v) = match &lens {
-                None => (
-                    opts,
-                    randn((b, sq, h, d), &device),
-                    randn((b, sk, hkv, d), &device),
-                    randn((b, sk, hkv, d), &device),
-                ),
+            let (q, k, v) = match &lens {
+                None => {
+                    (randn((b, sq, h, d), &device), randn((b, sk, hkv, d), &device), randn((b, sk, hkv, d), &device))
+                }
                 Some(lens) => {
                     let (tq, tk) = (lens.iter().map(|l| l.0 as usize).sum(), lens.iter().map(|l| l.1 as usize).sum());
                     let r = |t: usize, hh: usize| randn((1, t, hh, d), &device).squeeze(0).unwrap();
-                    (opts.varlen(Some(varlen(lens, &device))), r(tq, h), r(tk, hkv), r(tk, hkv))
+                    (r(tq, h), r(tk, hkv), r(tk, hkv))
                 }
             };
             for out_dtype in [DType::BF16, DType::F16] {
@@ -228,14 +230,16 @@ fn fp8_kernel_every_option() {
                 }
                 let out = fp8::flash_attn_fp8(&q8, &k8, &v8, &opts, out_dtype).unwrap();
                 assert_eq!((out.dtype(), out.dims()), (out_dtype, q.dims()));
-                let f32_ = |t: &Fp8Tensor| fp8::dequantize(t, DType::F32).unwrap();
-                let f64_ = |t: &Fp8Tensor| fp8::dequantize(t, DType::F32).unwrap().to_dtype(DType::F64).unwrap();
-                let exact = reference::attention(&f64_(&q8), &f64_(&k8), &f64_(&v8), &opts).unwrap();
-                let naive = reference::attention_fp8_p(&f32_(&q8), &f32_(&k8), &f32_(&v8), &opts)
+                let f32_ = |t: &Fp8Tensor| fp8::dequantize(t, DType::F32).unwrap().to_device(&Device::Cpu).unwrap();
+                let f64_ = |t: &Fp8Tensor| f32_(t).to_dtype(DType::F64).unwrap();
+                let cpu_opts = &on_cpu[i].1;
+                let exact = reference::attention(&f64_(&q8), &f64_(&k8), &f64_(&v8), cpu_opts).unwrap();
+                let naive = reference::attention_fp8_p(&f32_(&q8), &f32_(&k8), &f32_(&v8), cpu_opts)
                     .unwrap()
                     .to_dtype(out_dtype)
                     .unwrap();
-                let (err, naive_err) = (max_abs_diff(&out, &exact), max_abs_diff(&naive, &exact));
+                let out_cpu = out.to_device(&Device::Cpu).unwrap();
+                let (err, naive_err) = (max_abs_diff(&out_cpu, &exact), max_abs_diff(&naive, &exact));
                 println!(
                     "{:?} {name} -> {out_dtype:?} (FP8 kernel: {on_kernel}): {err:.2e} (naive FP8 {naive_err:.2e})",
                     device.location()

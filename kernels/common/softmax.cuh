@@ -16,6 +16,21 @@
 
 namespace cf {
 
+// 2^x on the FMA pipe instead of the MUFU unit (x <= 0, or -inf), for kernels whose exponentials
+// outrun the MUFU's 16 per clock and SM (the FP8 forward: its products take half the time of
+// bf16's). x = n + f with n = round(x) (the 1.5 * 2^23 trick: one add rounds x into the low
+// mantissa bits), 2^f for f in [-1/2, 1/2] by a degree-3 polynomial (relative error 7.5e-5 --
+// that kernel rounds P to e4m3, 2^-4, anyway), n added to the exponent bits. x below -126 is
+// clamped there: a tiny positive instead of 0 (OnlineSoftmax::finish_row treats a row whose max
+// stayed -inf as empty, so rows that see no key keep lse = -inf).
+__device__ __forceinline__ float exp2_fma(float x) {
+    x = fmaxf(x, -126.f);
+    const float t = x + 12582912.f;
+    const float f = x - (t - 12582912.f);
+    const float p = fmaf(fmaf(fmaf(0.05517167f, f, 0.24261115f), f, 0.69326097f), f, 0.99992806f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
 // kRows rows per thread; each row is spread over kLanes consecutive lanes (4 in the mma layouts,
 // 8 in the SIMT kernels), so maxima and sums are reduced over those lanes.
 template <int kRows, int kLanes = 4, typename Units = Log2Units>
@@ -52,7 +67,9 @@ struct OnlineSoftmax {
     // kChains independent max / sum chains per row: the reductions are latency bound otherwise
     // (4 in the wgmma kernel; 1 where registers are tighter than latency, e.g. the sm_80 d = 128
     // kernel, which spills with 4).
-    template <int MT, int NT, int kChains = 4, int DT = 0>
+    // kPolyTiles (Log2Units only): of every 4 n8 tiles, this many take their exponentials from
+    // exp2_fma (the FMA pipe), the rest from the MUFU unit.
+    template <int MT, int NT, int kChains = 4, int DT = 0, int kPolyTiles = 0>
     __device__ __forceinline__ void step(float* s, float c, float (&corr)[kRows], float* o = nullptr) {
         static_assert(kRows == 2 * MT, "two accumulator rows per m16 tile");
         static_assert(kChains == 1 || kChains == 2 || kChains == 4, "chains");
@@ -77,7 +94,8 @@ struct OnlineSoftmax {
                 for (int t = 0; t < NT; ++t) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float pv = Units::exp(fmaf(sr[4 * t + e], c, -base));
+                        const float x = fmaf(sr[4 * t + e], c, -base);
+                        const float pv = (t % 4) < kPolyTiles ? exp2_fma(x) : Units::exp(x);
                         sr[4 * t + e] = pv;
                         sum[t % kChains] += pv;
                     }
@@ -108,8 +126,9 @@ struct OnlineSoftmax {
     // is then 0) and the natural-log lse (-inf for such a row).
     __device__ __forceinline__ float finish_row(int r, float c, float& lse) const {
         const float l = group_sum<kLanes>(row_sum[r]);
-        lse = l > 0.f ? row_max[r] * c * (1.f / Units::kPerNat) + logf(l) : -INFINITY;
-        return l > 0.f ? 1.f / l : 0.f;
+        const bool seen = l > 0.f && row_max[r] != -INFINITY;  // (exp2_fma: l > 0 on masked keys)
+        lse = seen ? row_max[r] * c * (1.f / Units::kPerNat) + logf(l) : -INFINITY;
+        return seen ? 1.f / l : 0.f;
     }
 };
 

@@ -305,7 +305,7 @@ struct FwdMainloop {
         auto softmax_block = [&](float (&s)[BN / 2], int n0, float (&corr)[2]) {
             mask_scores<1, NT>(s, li, t.mk, [&](int, int r) { return wrow0 + g + 8 * r; }, n0, q4,
                                t.mk.block_full(wrow0, 16, n0, BN));
-            softmax.template step<1, NT>(s, cmul, corr);
+            softmax.template step<1, NT, 4, 0, Kt::kExpPolyTiles>(s, cmul, corr);
         };
         auto to_p = [&](const float (&s)[BN / 2]) {
             if constexpr (Kt::kFp8) {
