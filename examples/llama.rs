@@ -14,7 +14,7 @@
 //! the end.
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use candle_flash::llama::{
     apply_chat_template, load_with, AttnImpl, ChatMessage, GgufWeights, LoadedLlama, LogitsProcessor, Request,
     Sampling, Scheduler, SchedulerConfig,
@@ -62,7 +62,9 @@ struct Args {
     top_p: Option<f64>,
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
-    /// auto (f32 on cpu, bf16 on cuda), f32, f16 or bf16
+    /// auto (f32 on cpu, bf16 on cuda), f32, f16, bf16, or fp8: the attention in FP8 (e4m3,
+    /// per-head scales; the tensor-core kernel on Hopper), the rest of the model in auto's dtype;
+    /// then the prompt's next-token logits are compared with the --attn flash ones
     #[arg(long, default_value = "auto")]
     dtype: String,
     /// cpu or cuda
@@ -71,7 +73,7 @@ struct Args {
     /// GGUF weights: quantized (kept in their formats, CPU f32) or dequantized (to --dtype)
     #[arg(long, default_value = "quantized")]
     weights: String,
-    /// flash or naive
+    /// flash, naive or fp8
     #[arg(long, default_value = "flash")]
     attn: String,
 }
@@ -113,8 +115,8 @@ impl<'a> TextStream<'a> {
 fn dtype(name: &str, device: &Device) -> Result<DType> {
     match name {
         // candle's CPU matmuls are fastest in f32; GPUs want bf16.
-        "auto" if device.is_cpu() => Ok(DType::F32),
-        "auto" => Ok(DType::BF16),
+        "auto" | "fp8" if device.is_cpu() => Ok(DType::F32),
+        "auto" | "fp8" => Ok(DType::BF16),
         other => cli::dtype(other),
     }
 }
@@ -132,7 +134,7 @@ fn main() -> Result<()> {
         }
         std::process::exit(2);
     }
-    let attn: AttnImpl = args.attn.parse()?;
+    let attn: AttnImpl = if args.dtype == "fp8" { AttnImpl::Fp8 } else { args.attn.parse()? };
     let device = cli::device(&args.device)?;
     let dtype = dtype(&args.dtype, &device)?;
 
@@ -141,7 +143,7 @@ fn main() -> Result<()> {
     let tty = std::io::stderr().is_terminal();
     let mut shown = usize::MAX;
     let weights: GgufWeights = args.weights.parse()?;
-    let loaded = load_with(&args.model, dtype, &device, attn, weights, &mut |done, total| {
+    let mut loaded = load_with(&args.model, dtype, &device, attn, weights, &mut |done, total| {
         let tenth = done * 10 / total.max(1);
         if tenth != shown {
             shown = tenth;
@@ -191,6 +193,30 @@ fn main() -> Result<()> {
         out.prefill_secs,
         out.tokens.len(),
         out.decode_tokens_per_sec(),
+    );
+    if attn == AttnImpl::Fp8 {
+        compare_fp8_logits(&mut loaded, prompt)?;
+    }
+    Ok(())
+}
+
+/// The prompt's next-token logits with FP8 attention against --attn flash (same weights, same
+/// dtype elsewhere): the largest difference relative to the largest logit, and whether the
+/// greedy token agrees.
+fn compare_fp8_logits(loaded: &mut LoadedLlama, prompt: &[u32]) -> Result<()> {
+    let ids = Tensor::new(prompt, loaded.model.device())?.unsqueeze(0)?;
+    let fp8 = loaded.model.forward(&ids, None)?.flatten_all()?;
+    loaded.model.set_attn_impl(AttnImpl::Flash);
+    let flash = loaded.model.forward(&ids, None)?.flatten_all()?;
+    loaded.model.set_attn_impl(AttnImpl::Fp8);
+    let max_abs = |t: &Tensor| -> Result<f32> { Ok(t.abs()?.max(0)?.to_scalar::<f32>()?) };
+    let diff = max_abs(&(&fp8 - &flash)?)? / max_abs(&flash)?.max(f32::MIN_POSITIVE);
+    let (a, b) = (fp8.argmax(0)?.to_scalar::<u32>()?, flash.argmax(0)?.to_scalar::<u32>()?);
+    eprintln!(
+        "fp8 attention vs flash ({:?}): next-token logits differ by {:.2}% of the largest, greedy token {} ({a} vs {b})",
+        loaded.model.dtype(),
+        100.0 * diff,
+        if a == b { "agrees" } else { "differs" }
     );
     Ok(())
 }

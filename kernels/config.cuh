@@ -117,6 +117,14 @@ struct FwdSm90Traits {
 #define CF_FP8_POLY_TILES 0
 #endif
     static constexpr int kExpPolyTiles = kFp8 ? CF_FP8_POLY_TILES : 0;
+    // e4m3, > 0: the running max moves only when a block raises it by more than 2^k (k <= 8:
+    // P <= 256 < 448, e4m3's largest), so O is rarely rescaled (softmax.cuh new_block_row).
+    // Measured with k = 8 (bench/NOTES.md "FP8 forward"): d = 128 3-7% slower, d = 256 within
+    // noise; off (a build-time knob).
+#ifndef CF_FP8_LAZY_RESCALE
+#define CF_FP8_LAZY_RESCALE 0
+#endif
+    static constexpr int kLazyRescale = kFp8 ? CF_FP8_LAZY_RESCALE : 0;
     static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
     static constexpr int kKVStageBytes = kBlockN * kHeadDim * kElemBytes;
 
@@ -148,6 +156,7 @@ template <typename T> using FwdSm90TraitsD256 = FwdSm90Traits<T, 256, 64, 2, 2, 
 // e4m3 inputs (Out = f16 / bf16 output), 128 x 128 tiles, persistent, ping-pong:
 //   D = 128 (d <= 128): Q 16 KB + K, V^T 4 x 2 x 16 KB + O 32 KB. O 64 + S 64 + P 16 registers.
 //   D = 256: Q 32 KB + K, V^T 2 x 2 x 32 KB + O 64 KB = 224 KB. O 128 + S 64 + P 16.
+//   (3 consumer warpgroups at d = 128, 192 x 128: 160 registers each, spilled 144 bytes.)
 template <typename O> using FwdSm90Fp8TraitsD128 = FwdSm90Traits<__nv_fp8_e4m3, 128, 128, 2, 4, true, true, true, O>;
 template <typename O> using FwdSm90Fp8TraitsD256 = FwdSm90Traits<__nv_fp8_e4m3, 256, 128, 2, 2, true, true, true, O>;
 

@@ -49,8 +49,20 @@ struct OnlineSoftmax {
     // Row r meets a block whose largest x in this thread is `local_max`: updates the running max
     // and returns the exponent base m' c (0 while the row has seen nothing but masked keys) and,
     // in corr, the factor exp_u(m c - m' c) that rescales what was accumulated before.
+    // kLazy > 0 (Log2Units): the running max only moves when the block's max exceeds it by more
+    // than kLazy exponent units; below that the row keeps its max (corr = 1, nothing to rescale)
+    // and this block's P may reach 2^kLazy instead of 1 (FA4's conditional rescaling; the FP8
+    // kernel's P in e4m3 stays below 448 for kLazy <= 8).
+    template <int kLazy = 0>
     __device__ __forceinline__ float new_block_row(int r, float local_max, float c, float& corr) {
-        const float m_new = fmaxf(row_max[r], group_max<kLanes>(local_max));
+        const float m_blk = fmaxf(row_max[r], group_max<kLanes>(local_max));
+        if constexpr (kLazy > 0) {
+            if (m_blk * c - row_max[r] * c <= (float)kLazy) {  // false while row_max is -inf (NaN or +inf)
+                corr = 1.f;
+                return row_max[r] * c;
+            }
+        }
+        const float m_new = m_blk;
         const float base = (m_new == -INFINITY) ? 0.f : m_new * c;
         corr = Units::exp(row_max[r] * c - base);
         row_max[r] = m_new;
@@ -69,7 +81,8 @@ struct OnlineSoftmax {
     // kernel, which spills with 4).
     // kPolyTiles (Log2Units only): of every 4 n8 tiles, this many take their exponentials from
     // exp2_fma (the FMA pipe), the rest from the MUFU unit.
-    template <int MT, int NT, int kChains = 4, int DT = 0, int kPolyTiles = 0>
+    // kLazy: see new_block_row.
+    template <int MT, int NT, int kChains = 4, int DT = 0, int kPolyTiles = 0, int kLazy = 0>
     __device__ __forceinline__ void step(float* s, float c, float (&corr)[kRows], float* o = nullptr) {
         static_assert(kRows == 2 * MT, "two accumulator rows per m16 tile");
         static_assert(kChains == 1 || kChains == 2 || kChains == 4, "chains");
@@ -89,7 +102,7 @@ struct OnlineSoftmax {
                 for (int t = 0; t < NT; ++t) mx[t % kChains] = fmaxf(mx[t % kChains], fmaxf(sr[4 * t], sr[4 * t + 1]));
 #pragma unroll
                 for (int k = 1; k < kChains; ++k) mx[0] = fmaxf(mx[0], mx[k]);
-                const float base = new_block_row(r, mx[0], c, corr[r]);
+                const float base = new_block_row<kLazy>(r, mx[0], c, corr[r]);
 #pragma unroll
                 for (int t = 0; t < NT; ++t) {
 #pragma unroll

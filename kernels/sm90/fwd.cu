@@ -305,7 +305,7 @@ struct FwdMainloop {
         auto softmax_block = [&](float (&s)[BN / 2], int n0, float (&corr)[2]) {
             mask_scores<1, NT>(s, li, t.mk, [&](int, int r) { return wrow0 + g + 8 * r; }, n0, q4,
                                t.mk.block_full(wrow0, 16, n0, BN));
-            softmax.template step<1, NT, 4, 0, Kt::kExpPolyTiles>(s, cmul, corr);
+            softmax.template step<1, NT, 4, 0, Kt::kExpPolyTiles, Kt::kLazyRescale>(s, cmul, corr);
         };
         auto to_p = [&](const float (&s)[BN / 2]) {
             if constexpr (Kt::kFp8) {
@@ -363,7 +363,7 @@ struct FwdMainloop {
 #pragma unroll
             for (int ks = 0; ks < PS; ++ks) reg_fence(pa[ks]);
             pl.v().consumer_release(kv + j - 1, lane);
-            scale_rows<1, DT>(o, corr);
+            if (Kt::kLazyRescale == 0 || corr[0] != 1.f || corr[1] != 1.f) scale_rows<1, DT>(o, corr);
             to_p(s);
         }
         const uint32_t kv_last = kv + t.nblocks - 1;

@@ -1,6 +1,6 @@
 //! The Llama attention block: q/k/v/o projections, rotary embeddings ([`super::rotary`]), the
-//! KV cache ([`super::kv_cache`]), and the attention itself through [`crate::flash_attn`] or
-//! the naive [`crate::reference::attention`].
+//! KV cache ([`super::kv_cache`]), and the attention itself through [`crate::flash_attn`], the
+//! naive [`crate::reference::attention`], or FP8 ([`crate::fp8`]).
 
 use super::config::LlamaConfig;
 use super::kv_cache::KvCache;
@@ -22,6 +22,12 @@ pub enum AttnImpl {
     Flash,
     /// [`crate::reference::attention`]: the full score matrix, for comparison.
     Naive,
+    /// FP8 attention ([`crate::fp8::flash_attn_fp8`]): q, k and v quantized to e4m3 with one
+    /// scale per head at every call, output in the model's dtype (the FP8 tensor-core kernel on
+    /// Hopper for f16 / bf16 models). Over a paged cache (the batched mode) the cached keys are
+    /// first gathered into contiguous rows (FP8 has no paged kernel), and decode runs without
+    /// CUDA graphs.
+    Fp8,
 }
 
 impl FromStr for AttnImpl {
@@ -30,7 +36,8 @@ impl FromStr for AttnImpl {
         match s.to_ascii_lowercase().as_str() {
             "flash" => Ok(Self::Flash),
             "naive" | "reference" => Ok(Self::Naive),
-            other => bail!("unknown attention implementation {other:?} (expected flash or naive)"),
+            "fp8" => Ok(Self::Fp8),
+            other => bail!("unknown attention implementation {other:?} (expected flash, naive or fp8)"),
         }
     }
 }
@@ -143,9 +150,22 @@ impl LlamaAttention {
             AttnImpl::Naive => {
                 reference::attention(&q, &k, &v, &FlashAttnOptions::new(self.softmax_scale).causal(true))?
             }
+            AttnImpl::Fp8 => fp8_attention(&q, &k, &v, &FlashAttnOptions::new(self.softmax_scale).causal(true))?,
         };
         self.o_proj.forward(&y.reshape((b, s, h * d))?)
     }
+}
+
+/// [`AttnImpl::Fp8`]: q, k, v quantized to e4m3 per head, attention with the output in q's
+/// dtype (f32 models: f32, on the dequantizing path).
+fn fp8_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<Tensor> {
+    use crate::fp8::{flash_attn_fp8, quantize_e4m3, Fp8Scaling};
+    let (q8, k8, v8) = (
+        quantize_e4m3(q, Fp8Scaling::PerHead)?,
+        quantize_e4m3(k, Fp8Scaling::PerHead)?,
+        quantize_e4m3(v, Fp8Scaling::PerHead)?,
+    );
+    flash_attn_fp8(&q8, &k8, &v8, opts, q.dtype())
 }
 
 impl LlamaAttention {
@@ -185,6 +205,10 @@ impl LlamaAttention {
             AttnImpl::Flash if step.single > 0 => self.attend_split(&q, k_cache, v_cache, step, &opts)?,
             AttnImpl::Flash => crate::flash_attn_with_options(&q, k_cache, v_cache, &opts)?,
             AttnImpl::Naive => reference::attention(&q, k_cache, v_cache, &opts)?,
+            AttnImpl::Fp8 => {
+                let (k, v, opts) = reference::unpage(&q, k_cache, v_cache, &opts)?;
+                fp8_attention(&q, &k, &v, &opts)?
+            }
         };
         self.o_proj.forward_split(&y.reshape((t, h * d))?, few)
     }

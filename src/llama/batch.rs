@@ -31,6 +31,7 @@
 //! # Ok(()) }
 //! ```
 
+use super::attention::AttnImpl;
 use super::graph::{cuda_graphs_enabled, DecodeGraph};
 use super::model::Llama;
 use super::paged_cache::{PagedKvCache, SeqId};
@@ -367,7 +368,7 @@ impl<'m> Scheduler<'m> {
     /// fits. False (the step runs eagerly) off CUDA, with graphs disabled, or when the pool cannot
     /// be reserved within `max_pages`.
     fn decode_graph(&mut self) -> Result<bool> {
-        if !self.model.device().is_cuda() || !cuda_graphs_enabled() {
+        if !self.model.device().is_cuda() || !cuda_graphs_enabled() || self.model.attn_impl() == AttnImpl::Fp8 {
             return Ok(false);
         }
         let n = self.running.len();

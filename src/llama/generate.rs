@@ -1,6 +1,7 @@
 //! Text generation with a [`Llama`]: prefill, then one token at a time against the KV cache,
 //! with a [`LogitsProcessor`] choosing each token (feature `llama`).
 
+use super::attention::AttnImpl;
 use super::graph::{cuda_graphs_enabled, DecodeGraph};
 use super::model::{Cache, Llama};
 use super::sampling::LogitsProcessor;
@@ -46,7 +47,8 @@ impl Llama {
         if prompt.is_empty() {
             bail!("llama: the prompt has no tokens")
         }
-        if self.device().is_cuda() && cuda_graphs_enabled() {
+        // (FP8 attention over the paged cache gathers keys on the host side: not capturable)
+        if self.device().is_cuda() && cuda_graphs_enabled() && self.attn_impl() != AttnImpl::Fp8 {
             return self.generate_graph(prompt, max_new_tokens, sampler, stop_tokens, on_token);
         }
         let mut cache = Cache::new(self.config().num_hidden_layers, prompt.len() + max_new_tokens);

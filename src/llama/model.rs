@@ -273,6 +273,11 @@ impl Llama {
         self.layers.iter_mut().for_each(|l| l.self_attn.set_attn_impl(attn_impl));
     }
 
+    /// The attention the layers run (the first layer's; [`Self::set_attn_impl`] sets them all).
+    pub fn attn_impl(&self) -> AttnImpl {
+        self.layers.first().map_or(AttnImpl::Flash, |l| l.self_attn.attn_impl())
+    }
+
     /// An empty cache for this model.
     pub fn new_cache(&self) -> Cache {
         Cache::new(self.layers.len(), 256)
