@@ -11,7 +11,8 @@
 #   reassembles and checks the model, then: the first forward of a fresh process (cold JIT cache
 #   and warm), llama_bench single-sequence decode (eager vs CUDA graph, same run) in bf16 and
 #   f32, quantized and dequantized weights, and the batched mode; logs under $OUT, a summary last.
-#   LLAMA_RUNS="single batch first" selects parts (default: all).
+#   LLAMA_RUNS="single batch first fp8" selects parts (default: first single batch); fp8: the
+#   example with --dtype bf16 and --dtype fp8 on one prompt (tokens/s, logits compared).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-run}
@@ -93,6 +94,18 @@ if [[ " $runs " == *" batch "* ]]; then
     --decode-tokens 64 --repeats 3 > "$log" 2>&1
   record "batch bf16 1,8,32" $? "$(grep -E '^\| 32 ' "$log")"
   grep -E '^\|' "$log"
+fi
+
+if [[ " $runs " == *" fp8 "* ]]; then
+  # FP8 attention (--dtype fp8: e4m3 q/k/v per head, the rest bf16) against bf16 on one prompt:
+  # tokens/s of both, and the next-token logits of the prompt compared (printed by the example)
+  prompt="Explain in a few sentences why the sky is blue, and why sunsets are red instead."
+  for dt in bf16 fp8; do
+    log="$OUT/fp8_$dt.log"
+    bin/llama --device cuda --dtype "$dt" --model "$MODEL" --prompt "$prompt" --max-tokens 64 > "$log" 2>&1
+    record "llama --dtype $dt" $? "$(grep -E 'tokens/s' "$log" | tr '\n' ' ' | cut -c1-160)"
+    tail -n 4 "$log"
+  done
 fi
 
 echo
