@@ -203,6 +203,17 @@ typedef struct {
 
 int cf_silu_mul(const CfSiluMulParams* p, cudaStream_t stream);
 
+// Elementwise conversion of n contiguous values between e4m3 and f32 / f16 / bf16 (exactly one
+// of src_dtype, dst_dtype is CF_E4M3; to e4m3: round to nearest even, saturated to +-448).
+typedef struct {
+    const void* src;
+    void* dst;
+    int64_t n;
+    int32_t src_dtype, dst_dtype;
+} CfConvertParams;
+
+int cf_convert_e4m3(const CfConvertParams* p, cudaStream_t stream);
+
 // Text for any status returned above (static storage, never NULL).
 const char* cf_error_string(int status);
 

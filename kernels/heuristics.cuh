@@ -125,21 +125,23 @@ inline int fwd_fp8_tile(int d) { return d <= 128 ? 128 : 256; }
 // with keys along the rows): e4m3 [batches][hkv][d][cols] in the forward's workspace, written by
 // a transpose pass before the attention kernel (sm90/fwd.cu). Key j of sequence b sits at column
 // col0(b) + the position of j in its 128-key block's fragment order (Fp8VtOrder):
-//   batched: batches = b, col0 = 0, cols = seqlen_k rounded up to 128;
-//   varlen:  batches = 1, col0 = (row 0 of b rounded up to 16) + 256 b, cols = total_k rounded
-//            up to 16 + 256 b: each sequence owns its rounded-up length, zeros past its end.
+//   batched: batches = b, col0 = 0, cols = seqlen_k rounded up to kFp8KeyPad;
+//   varlen:  batches = 1, col0 = (row 0 of b rounded up to 16) + kFp8VtSeqGap b, cols = total_k
+//            rounded up to 16 + kFp8VtSeqGap b: each sequence owns its length rounded up to
+//            kFp8KeyPad (a multiple of every key block the FP8 kernels use), zeros past its end.
 // A pure function of the parameters (cf_fwd_workspace_size and cf_fwd agree).
 struct Fp8VtLayout {
     int64_t batches, cols;
     size_t bytes;
 };
-constexpr int kFp8VtSeqGap = 256;
+constexpr int kFp8KeyPad = 256;
+constexpr int kFp8VtSeqGap = 2 * kFp8KeyPad;  // >= kFp8KeyPad + 15: rounded-up sequences never overlap
 inline Fp8VtLayout fp8_vt_layout(const CfFwdParams& p) {
     Fp8VtLayout l{};
     const bool varlen = p.cu_seqlens_k != nullptr;
     l.batches = varlen ? 1 : p.b;
-    l.cols = varlen ? ((p.total_k + 15) / 16) * 16 + (int64_t)kFp8VtSeqGap * p.b : ((int64_t)p.seqlen_k + 127) / 128 * 128;
-    if (l.cols < 128) l.cols = 128;  // a legal map even with no key
+    l.cols = varlen ? ((p.total_k + 15) / 16) * 16 + (int64_t)kFp8VtSeqGap * p.b : ((int64_t)p.seqlen_k + kFp8KeyPad - 1) / kFp8KeyPad * kFp8KeyPad;
+    if (l.cols < kFp8KeyPad) l.cols = kFp8KeyPad;  // a legal map even with no key
     l.bytes = round256((size_t)l.batches * p.hkv * p.d * l.cols);
     return l;
 }

@@ -53,19 +53,23 @@ pub struct Fp8Tensor {
     pub block_rows: usize,
 }
 
-/// `x.to_dtype(dtype)` for conversions to and from e4m3. candle's CUDA casts for F8E4M3 exist
-/// only when its kernels were built for compute capability 8.9 or newer (otherwise "named
-/// symbol not found"); then the conversion goes through the host (a copy each way: this is the
-/// dequantizing path, not a kernel).
+/// `x.to_dtype(dtype)` for conversions to and from e4m3: on CUDA by our kernel
+/// (`cf_convert_e4m3`: candle's CUDA e4m3 casts exist only when its kernels were built with
+/// them, and ours are not), elsewhere candle's cast.
 pub(crate) fn cast_e4m3(x: &Tensor, dtype: DType) -> Result<Tensor> {
-    match x.to_dtype(dtype) {
-        Ok(y) => Ok(y),
-        Err(e) if x.device().is_cuda() => {
-            let host = x.to_device(&Device::Cpu)?.to_dtype(dtype).map_err(|_| e)?;
-            host.to_device(x.device())
-        }
-        Err(e) => Err(e),
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dtype() != dtype && (x.dtype() == DType::F8E4M3) != (dtype == DType::F8E4M3) {
+        // the kernel converts between e4m3 and f32 / f16 / bf16
+        let x = if matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3) {
+            x.clone()
+        } else {
+            x.to_dtype(DType::F32)?
+        };
+        let direct = matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3);
+        let y = crate::cuda::convert_e4m3(&x, if direct { dtype } else { DType::F32 })?;
+        return if direct { Ok(y) } else { y.to_dtype(dtype) };
     }
+    x.to_dtype(dtype)
 }
 
 /// (B, S, H, D) of a 4-d tensor, (1, total, H, D) of a packed 3-d one.

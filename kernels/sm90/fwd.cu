@@ -96,14 +96,14 @@ __device__ __forceinline__ int64_t fp8_vt_col0(const SeqInfo& si) {
 
 // V (e4m3, the contract's addressing) -> V^T (Fp8VtLayout): CTA = 64 keys x 64 columns of d of
 // one (sequence, KV head); zeros from the sequence's end to its length rounded up to 128 (the
-// attention kernel loads whole 128-key blocks; P is 0 there, V must not be NaN).
+// attention kernel loads whole key blocks; P is 0 there, V must not be NaN).
 constexpr int kVtTile = 64;
 __global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const CfFwdParams p, uint8_t* vt, int64_t cols) {
     __shared__ __align__(16) uint8_t tile[kVtTile][kVtTile + 16];  // [key][d], +16: fewer bank conflicts
     const int b = blockIdx.z, hk = blockIdx.y % p.hkv, d0 = (blockIdx.y / p.hkv) * kVtTile;
     const int n0 = blockIdx.x * kVtTile, tid = threadIdx.x;
     const SeqInfo si(p, b);
-    const int padded = (si.sk + 127) / 128 * 128;
+    const int padded = (si.sk + kFp8KeyPad - 1) / kFp8KeyPad * kFp8KeyPad;
     if (n0 >= padded) return;
     {  // load: key n0 + tid / 4, 16 bytes of d each
         const int key = n0 + (tid >> 2), c = d0 + 16 * (tid & 3);
@@ -188,9 +188,12 @@ struct FwdProducer {
                         if (is_k) {
                             tma_load_tile<BN, D, 1>(smem_addr(dst), &maps.k, pipe.full_bar(n), krow0 + n0, hk, kbatch);
                         } else {
+                            // one 128-key panel [D][128] per box
                             mbar_expect_tx(pipe.full_bar(n), BN * D);
-                            tma_load_4d(smem_addr(dst), &maps.v, pipe.full_bar(n), (int)(fp8_vt_col0(si) + n0), 0, hk,
-                                        kbatch);
+#pragma unroll
+                            for (int pnl = 0; pnl < BN / 128; ++pnl)
+                                tma_load_4d(smem_addr(dst) + pnl * D * kPanelRowBytes, &maps.v, pipe.full_bar(n),
+                                            (int)(fp8_vt_col0(si) + n0 + 128 * pnl), 0, hk, kbatch);
                         }
                     }
                 } else if (maps.kv_ok && (!si.k_varlen || n0 + BN <= si.sk)) {
@@ -517,7 +520,7 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t 
         if (workspace == nullptr) return cudaErrorInvalidValue;
         maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN, workspace, vl.cols, Kt::kHeadDim);
         if (!maps.q_ok || !maps.kv_ok) return cudaErrorNotSupported;  // cf_fwd_check rules this out
-        const dim3 tgrid((unsigned)(((int64_t)p.seqlen_k + 127) / 128 * (128 / kVtTile)),
+        const dim3 tgrid((unsigned)(((int64_t)p.seqlen_k + kFp8KeyPad - 1) / kFp8KeyPad * (kFp8KeyPad / kVtTile)),
                          (unsigned)(p.hkv * ((p.d + kVtTile - 1) / kVtTile)), (unsigned)p.b);
         if (tgrid.x > 0) {
             fp8_transpose_v_kernel<<<tgrid, 256, 0, stream>>>(p, static_cast<uint8_t*>(workspace), vl.cols);

@@ -86,8 +86,8 @@ inline bool encode_rows_map(CUtensorMap& m, const void* base, int dtype, int d, 
 }
 
 // The FP8 forward's transposed V (sm90/fwd.cu, Fp8VtLayout): e4m3 [batches][hkv][d][cols], keys
-// along the rows, viewed as [block_keys][head-dim tile] boxes (one panel of block_keys = 128
-// bytes per d row; rows past d are zero-filled, like the head-dim padding of Q and K).
+// along the rows, viewed as [block_keys][head-dim tile] boxes (block_keys = 128: one panel per
+// d row; rows past d are zero-filled, like the head-dim padding of Q and K).
 inline bool encode_vt_map(CUtensorMap& m, const void* base, int d, int64_t cols, int hkv, int64_t batches,
                           int block_keys, int d_tile) {
     const EncodeTiledFn enc = tensor_map_encoder();
@@ -114,7 +114,7 @@ inline FwdTmaMaps make_fwd_tma_maps(const CfFwdParams& p, int block_m, int block
                       encode_rows_map(m.k, p.k, p.dtype, p.d, vk ? p.total_k : p.seqlen_k, p.hkv, vk ? 1 : p.b,
                                       p.k_row_stride, p.k_head_stride, p.k_batch_stride, block_n);
     const bool v_ok = p.dtype == CF_E4M3
-                          ? encode_vt_map(m.v, vt, p.d, vt_cols, p.hkv, vk ? 1 : p.b, block_n, d_tile)
+                          ? encode_vt_map(m.v, vt, p.d, vt_cols, p.hkv, vk ? 1 : p.b, kPanelRowBytes, d_tile)
                           : p.block_table == nullptr && encode_rows_map(m.v, p.v, p.dtype, p.d,
                                                                         vk ? p.total_k : p.seqlen_k, p.hkv,
                                                                         vk ? 1 : p.b, p.v_row_stride, p.v_head_stride,

@@ -157,7 +157,19 @@ pub struct CfSiluMulParams {
     pub dtype: i32,
 }
 
+/// `CfConvertParams`: e4m3 <-> f32 / f16 / bf16, elementwise.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CfConvertParams {
+    pub src: *const c_void,
+    pub dst: *mut c_void,
+    pub n: i64,
+    pub src_dtype: i32,
+    pub dst_dtype: i32,
+}
+
 extern "C" {
+    pub fn cf_convert_e4m3(p: *const CfConvertParams, stream: *mut c_void) -> c_int;
     pub fn cf_add_rms_norm(p: *const CfAddRmsNormParams, stream: *mut c_void) -> c_int;
     pub fn cf_silu_mul(p: *const CfSiluMulParams, stream: *mut c_void) -> c_int;
     pub fn cf_rope_kv_write(p: *const CfRopeKvParams, stream: *mut c_void) -> c_int;

@@ -65,6 +65,7 @@ fn dtype_code(dtype: DType) -> Result<i32> {
         DType::F32 => ffi::CF_F32,
         DType::F16 => ffi::CF_F16,
         DType::BF16 => ffi::CF_BF16,
+        DType::F8E4M3 => ffi::CF_E4M3,
         dt => bail!("candle-flash: unsupported dtype {dt:?} on cuda"),
     })
 }
@@ -632,8 +633,33 @@ fn new_output<R>(
         DType::F32 => typed::<f32, R>(dev, n, run),
         DType::F16 => typed::<f16, R>(dev, n, run),
         DType::BF16 => typed::<bf16, R>(dev, n, run),
+        DType::F8E4M3 => typed::<float8::F8E4M3, R>(dev, n, run),
         dt => bail!("candle-flash: unsupported dtype {dt:?} on cuda"),
     }
+}
+
+/// `x.to_dtype(dtype)` where exactly one of the two is F8E4M3 (the other f32 / f16 / bf16), on
+/// the GPU (`cf_convert_e4m3`; to e4m3: round to nearest even, saturated to ±448).
+pub(crate) fn convert_e4m3(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let dev = x.device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    let n = x.elem_count();
+    let (out, ()) = with_args(&[("x", &x)], |a| {
+        new_output(&dev, dtype, n, |out| {
+            let p = ffi::CfConvertParams {
+                src: const_ptr(&a[0]),
+                dst: out as *mut c_void,
+                n: n as i64,
+                src_dtype: dtype_code(x.dtype())?,
+                dst_dtype: dtype_code(dtype)?,
+            };
+            // SAFETY: x is contiguous with n elements, out holds n of `dtype`; the call only
+            // enqueues work on candle's stream.
+            check(unsafe { ffi::cf_convert_e4m3(&p, stream.cu_stream() as *mut c_void) }, "cf_convert_e4m3")
+        })
+    })?;
+    Ok(tensor_of(out, x.dims()))
 }
 
 /// A tensor over a new output's storage (no autograd: these ops are inference paths).
