@@ -54,22 +54,57 @@ pub struct Fp8Tensor {
 }
 
 /// `x.to_dtype(dtype)` for conversions to and from e4m3: on CUDA by our kernel
-/// (`cf_convert_e4m3`: candle's CUDA e4m3 casts exist only when its kernels were built with
-/// them, and ours are not), elsewhere candle's cast.
+/// ([`CastE4m3`]: candle's CUDA e4m3 casts exist only when its kernels were built with them, and
+/// ours are not), elsewhere candle's cast. Either way the result stays in the autograd graph (as
+/// candle's casts do), so a backward that reaches FP8 attention meets its error.
 pub(crate) fn cast_e4m3(x: &Tensor, dtype: DType) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && x.dtype() != dtype && (x.dtype() == DType::F8E4M3) != (dtype == DType::F8E4M3) {
-        // the kernel converts between e4m3 and f32 / f16 / bf16
-        let x = if matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3) {
-            x.clone()
+    let floats = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
+    let one_side = (x.dtype() == DType::F8E4M3 && floats(dtype)) || (floats(x.dtype()) && dtype == DType::F8E4M3);
+    if x.device().is_cuda() && one_side && cfg!(feature = "cuda") {
+        return x.contiguous()?.apply_op1_arc(Arc::new(Box::new(CastE4m3(dtype))));
+    }
+    if x.device().is_cuda() && x.dtype() != dtype && (x.dtype() == DType::F8E4M3 || dtype == DType::F8E4M3) {
+        // e4m3 <-> another dtype (f64, integers): through f32
+        let via = if x.dtype() == DType::F8E4M3 {
+            cast_e4m3(x, DType::F32)?.to_dtype(dtype)?
         } else {
             x.to_dtype(DType::F32)?
         };
-        let direct = matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3);
-        let y = crate::cuda::convert_e4m3(&x, if direct { dtype } else { DType::F32 })?;
-        return if direct { Ok(y) } else { y.to_dtype(dtype) };
+        return if dtype == DType::F8E4M3 { cast_e4m3(&via, dtype) } else { Ok(via) };
     }
     x.to_dtype(dtype)
+}
+
+/// The GPU cast between e4m3 and f32 / f16 / bf16 as a candle op (`cf_convert_e4m3`); its
+/// gradient is the incoming one cast back, like `to_dtype`'s.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct CastE4m3(DType);
+
+impl candle_core::CustomOp1 for CastE4m3 {
+    fn name(&self) -> &'static str {
+        "candle-flash-cast-e4m3"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        bail!("candle-flash fp8: the e4m3 cast kernel runs on CUDA (the CPU uses candle's cast)")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        Ok((crate::cuda::convert_e4m3((s, l), self.0)?, l.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(cast_e4m3(grad, arg.dtype())?))
+    }
 }
 
 /// (B, S, H, D) of a 4-d tensor, (1, total, H, D) of a packed 3-d one.

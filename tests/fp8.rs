@@ -362,6 +362,46 @@ fn outliers_block_scales_and_hadamard() {
     }
 }
 
+/// The same outlier inputs through the FP8 tensor-core kernel (CUDA, bf16 out; it takes per-head
+/// descales): per-head + Hadamard at least 2x below per-head alone, and per-block(64) (the
+/// dequantizing path) for reference. Skipped without a GPU.
+#[test]
+fn outliers_on_the_fp8_kernel() {
+    let Some(device) = common::cuda_device() else { return };
+    let (b, s, h, d) = (2, 256, 4, 128);
+    let opts = FlashAttnOptions::new(1.0 / (d as f32).sqrt());
+    for trial in 0..3 {
+        let mut mask = vec![1f32; d];
+        for (i, c) in [3usize, 17, 64, 101].iter().enumerate() {
+            mask[(c + 7 * trial) % d] = [20.0, 50.0, 30.0, 40.0][i];
+        }
+        let scale = Tensor::from_vec(mask, d, &device).unwrap();
+        let q = randn((b, s, h, d), &device).broadcast_mul(&scale).unwrap();
+        let k = randn((b, s, h, d), &device).broadcast_mul(&scale).unwrap();
+        let v = randn((b, s, h, d), &device);
+        let f64_ = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F64).unwrap();
+        let exact = reference::attention(&f64_(&q), &f64_(&k), &f64_(&v), &opts).unwrap();
+        let run = |q: &Tensor, k: &Tensor, scaling| {
+            let (q8, k8, v8) = (
+                fp8::quantize_e4m3(q, scaling).unwrap(),
+                fp8::quantize_e4m3(k, scaling).unwrap(),
+                fp8::quantize_e4m3(&v, scaling).unwrap(),
+            );
+            let on_kernel = fp8::uses_fp8_kernel(&q8.data, &k8.data, &v8.data, &opts, DType::BF16).unwrap();
+            let out = fp8::flash_attn_fp8(&q8, &k8, &v8, &opts, DType::BF16).unwrap();
+            (rel_err(&out.to_device(&Device::Cpu).unwrap(), &exact), on_kernel)
+        };
+        let (per_head, on_kernel) = run(&q, &k, Fp8Scaling::PerHead);
+        let (qr, kr) = (fp8::hadamard_rotate(&q).unwrap(), fp8::hadamard_rotate(&k).unwrap());
+        let (head_hadamard, _) = run(&qr, &kr, Fp8Scaling::PerHead);
+        let (block_hadamard, _) = run(&qr, &kr, Fp8Scaling::PerBlock(64));
+        println!(
+            "trial {trial} (FP8 kernel: {on_kernel}): per-head {per_head:.4}, per-head + Hadamard {head_hadamard:.4}, per-block + Hadamard (dequantizing) {block_hadamard:.4}"
+        );
+        assert!(head_hadamard * 2.0 <= per_head, "per-head + Hadamard {head_hadamard} vs per-head {per_head}");
+    }
+}
+
 #[test]
 fn fp8_errors() {
     let device = Device::Cpu;

@@ -639,27 +639,28 @@ fn new_output<R>(
 }
 
 /// `x.to_dtype(dtype)` where exactly one of the two is F8E4M3 (the other f32 / f16 / bf16), on
-/// the GPU (`cf_convert_e4m3`; to e4m3: round to nearest even, saturated to ±448).
-pub(crate) fn convert_e4m3(x: &Tensor, dtype: DType) -> Result<Tensor> {
-    let x = x.contiguous()?;
-    let dev = x.device().as_cuda_device()?.clone();
+/// the GPU (`cf_convert_e4m3`; to e4m3: round to nearest even, saturated to ±448); x contiguous.
+pub(crate) fn convert_e4m3((x, l): (&CudaStorage, &Layout), dtype: DType) -> Result<CudaStorage> {
+    if !l.is_contiguous() {
+        bail!("candle-flash: cf_convert_e4m3 takes a contiguous tensor")
+    }
+    let dev = x.device.clone();
     let stream = dev.cuda_stream();
-    let n = x.elem_count();
-    let (out, ()) = with_args(&[("x", &x)], |a| {
-        new_output(&dev, dtype, n, |out| {
-            let p = ffi::CfConvertParams {
-                src: const_ptr(&a[0]),
-                dst: out as *mut c_void,
-                n: n as i64,
-                src_dtype: dtype_code(x.dtype())?,
-                dst_dtype: dtype_code(dtype)?,
-            };
-            // SAFETY: x is contiguous with n elements, out holds n of `dtype`; the call only
-            // enqueues work on candle's stream.
-            check(unsafe { ffi::cf_convert_e4m3(&p, stream.cu_stream() as *mut c_void) }, "cf_convert_e4m3")
-        })
+    let n = l.shape().elem_count();
+    let src = TensorArg::read((x, l), &stream)?;
+    let (out, ()) = new_output(&dev, dtype, n, |out| {
+        let p = ffi::CfConvertParams {
+            src: const_ptr(&src),
+            dst: out as *mut c_void,
+            n: n as i64,
+            src_dtype: dtype_code(x.dtype())?,
+            dst_dtype: dtype_code(dtype)?,
+        };
+        // SAFETY: x is contiguous with n elements from the layout's start, out holds n of
+        // `dtype`; the call only enqueues work on candle's stream.
+        check(unsafe { ffi::cf_convert_e4m3(&p, stream.cu_stream() as *mut c_void) }, "cf_convert_e4m3")
     })?;
-    Ok(tensor_of(out, x.dims()))
+    Ok(out)
 }
 
 /// A tensor over a new output's storage (no autograd: these ops are inference paths).
