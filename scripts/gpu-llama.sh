@@ -32,8 +32,8 @@ if [ "$what" = pack ]; then
   tar -C /tmp/gpu-llama-bin -cf - . | xz -9 -T0 > gpu-llama/a/bin.tar.xz
   (cd "$(dirname "$MODEL")" && sha256sum "$(basename "$MODEL")") > gpu-llama/b/model.sha256
   # Two parts: the first beside the binaries within 64 MiB, the rest alone.
-  head -c 44000000 "$MODEL" > gpu-llama/a/part.00
-  tail -c +44000001 "$MODEL" > gpu-llama/b/part.01
+  head -c 36000000 "$MODEL" > gpu-llama/a/part.00
+  tail -c +36000001 "$MODEL" > gpu-llama/b/part.01
   du -sh gpu-llama/a gpu-llama/b
   exit 0
 fi
