@@ -199,6 +199,33 @@ def bench(dev, dims):
     return rows
 
 
+def plot(rows, path):
+    """TFLOP/s against N per (D, causal): ours e4m3, ours bf16, cuDNN bf16 (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: plot skipped")
+        return
+    keys = sorted({(d, cz) for d, cz, *_ in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.6), squeeze=False)
+    for ax, (d, cz) in zip(axes[0], keys):
+        pts = [r for r in rows if (r[0], r[1]) == (d, cz)]
+        ns = [r[2] for r in pts]
+        for i, label in ((3, "ours e4m3"), (4, "ours bf16"), (5, "cuDNN bf16")):
+            ax.plot(ns, [r[i] for r in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"D={d} {'causal' if cz else 'non-causal'}")
+        ax.set_xlabel("N")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-build", action="store_true")
@@ -234,6 +261,8 @@ def main():
     if args.bench:
         rows = bench(dev, [int(x) for x in args.dims.split(",")])
         lines += [f"D={d} causal={cz} N={n} e4m3={a:.0f} bf16={b:.0f} cudnn={c_:.0f}" for d, cz, n, a, b, c_ in rows]
+    if args.bench and kc.OUT:
+        plot(rows, os.path.join(kc.OUT, "fp8_forward.png"))
     if kc.OUT:
         with open(os.path.join(kc.OUT, "fp8_check.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
