@@ -321,6 +321,20 @@ fn descaled_api_batched_and_varlen() {
     }
 }
 
+/// q, k, v of shape `dims` (N(0,1)) with four of q's and k's channels 20-50x larger (shifted
+/// by 7 per trial).
+fn outlier_inputs(trial: usize, dims: (usize, usize, usize, usize), device: &Device) -> (Tensor, Tensor, Tensor) {
+    let d = dims.3;
+    let mut mask = vec![1f32; d];
+    for (i, c) in [3usize, 17, 64, 101].iter().enumerate() {
+        mask[(c + 7 * trial) % d] = [20.0, 50.0, 30.0, 40.0][i];
+    }
+    let scale = Tensor::from_vec(mask, d, device).unwrap();
+    let q = randn(dims, device).broadcast_mul(&scale).unwrap();
+    let k = randn(dims, device).broadcast_mul(&scale).unwrap();
+    (q, k, randn(dims, device))
+}
+
 /// Outlier channels (a few of q's and k's channels 20-50x larger): ‖err‖/‖ref‖ of the output
 /// against the f64 reference on the unquantized inputs, per-tensor vs per-block vs per-block +
 /// Hadamard (q and k rotated by the same matrix before quantization).
@@ -331,14 +345,7 @@ fn outliers_block_scales_and_hadamard() {
     let opts = FlashAttnOptions::new(1.0 / (d as f32).sqrt());
     let mut results = vec![];
     for trial in 0..3 {
-        let mut mask = vec![1f32; d];
-        for (i, c) in [3usize, 17, 64, 101].iter().enumerate() {
-            mask[(c + 7 * trial) % d] = [20.0, 50.0, 30.0, 40.0][i];
-        }
-        let scale = Tensor::from_vec(mask, d, &device).unwrap();
-        let q = randn((b, s, h, d), &device).broadcast_mul(&scale).unwrap();
-        let k = randn((b, s, h, d), &device).broadcast_mul(&scale).unwrap();
-        let v = randn((b, s, h, d), &device);
+        let (q, k, v) = outlier_inputs(trial, (b, s, h, d), &device);
         let f64_ = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
         let exact = reference::attention(&f64_(&q), &f64_(&k), &f64_(&v), &opts).unwrap();
         let run = |q: &Tensor, k: &Tensor, scaling| {
@@ -371,14 +378,7 @@ fn outliers_on_the_fp8_kernel() {
     let (b, s, h, d) = (2, 256, 4, 128);
     let opts = FlashAttnOptions::new(1.0 / (d as f32).sqrt());
     for trial in 0..3 {
-        let mut mask = vec![1f32; d];
-        for (i, c) in [3usize, 17, 64, 101].iter().enumerate() {
-            mask[(c + 7 * trial) % d] = [20.0, 50.0, 30.0, 40.0][i];
-        }
-        let scale = Tensor::from_vec(mask, d, &device).unwrap();
-        let q = randn((b, s, h, d), &device).broadcast_mul(&scale).unwrap();
-        let k = randn((b, s, h, d), &device).broadcast_mul(&scale).unwrap();
-        let v = randn((b, s, h, d), &device);
+        let (q, k, v) = outlier_inputs(trial, (b, s, h, d), &device);
         let f64_ = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F64).unwrap();
         let exact = reference::attention(&f64_(&q), &f64_(&k), &f64_(&v), &opts).unwrap();
         let run = |q: &Tensor, k: &Tensor, scaling| {

@@ -2,33 +2,22 @@
 // src/fp8.rs quantizes and dequantizes on the GPU (candle's own e4m3 casts are missing from its
 // CUDA kernels in our builds, and went through the host: a copy each way per call).
 #include "../flash_api.h"
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
+#include "../common/tile.cuh"  // to_float / from_float
 
 namespace cf {
-
-template <typename T> __device__ __forceinline__ float to_f32(T x);
-template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_f32<__half>(__half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 // To e4m3: round to nearest even, saturated to +-448 (NaN stays NaN), like candle's CPU cast
 // after quantize_e4m3's clamp.
 template <typename T>
 __global__ void to_e4m3_kernel(const T* __restrict__ src, __nv_fp8_e4m3* __restrict__ dst, int64_t n) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        dst[i] = __nv_fp8_e4m3(to_f32(src[i]));  // __NV_SATFINITE, round to nearest even
+        dst[i] = __nv_fp8_e4m3(to_float(src[i]));  // __NV_SATFINITE, round to nearest even
 }
 
 template <typename T>
 __global__ void from_e4m3_kernel(const __nv_fp8_e4m3* __restrict__ src, T* __restrict__ dst, int64_t n) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        dst[i] = from_f32<T>(float(src[i]));
+        dst[i] = from_float<T>(float(src[i]));
 }
 
 template <typename T>

@@ -335,45 +335,10 @@ pub(crate) fn forward_fp8(
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, CudaStorage)> {
     match shape.dtype {
-        DType::F16 => forward_fp8_t::<f16>(shape, opts, fp8, [q, k, v]),
-        DType::BF16 => forward_fp8_t::<bf16>(shape, opts, fp8, [q, k, v]),
+        DType::F16 => forward_t::<f16>(shape, opts, Some(fp8), [q, k, v]),
+        DType::BF16 => forward_t::<bf16>(shape, opts, Some(fp8), [q, k, v]),
         dt => bail!("candle-flash fp8: the FP8 kernel writes f16 or bf16, not {dt:?}"),
     }
-}
-
-fn forward_fp8_t<T: CudaDType + DeviceRepr>(
-    shape: &AttnShape,
-    opts: &FlashAttnOptions,
-    fp8: &Fp8Kernel,
-    [q, k, v]: [(&CudaStorage, &Layout); 3],
-) -> Result<(CudaStorage, CudaStorage)> {
-    let dev = q.0.device.clone();
-    let stream = dev.cuda_stream();
-    let (out_dims, lse_dims) = (q.1.dims().to_vec(), shape.lse_dims());
-    let mut out = alloc_output::<T>(&dev, &stream, out_dims.iter().product())?;
-    let mut lse = alloc_output::<f32>(&dev, &stream, lse_dims.iter().product())?;
-    if q.1.shape().elem_count() > 0 {
-        let options = option_tensors(opts)?;
-        let guards = option_guards(&options);
-        let dg = descale_guards(fp8);
-        let args = FwdArgs {
-            q: TensorArg::read(q, &stream)?,
-            k: TensorArg::read(k, &stream)?,
-            v: TensorArg::read(v, &stream)?,
-            o: TensorArg::write(&mut out, &out_dims, &stream),
-            lse: TensorArg::write(&mut lse, &lse_dims, &stream),
-            options: option_args(&guards, &stream)?,
-        };
-        let p = fp8_params(shape, opts, fp8, &args, &descale_args(&dg, &stream)?)?;
-        // SAFETY: reads only the params struct.
-        let mut ws = workspace(&dev, unsafe { ffi::cf_fwd_workspace_size(&p) })?;
-        let ws = workspace_arg(&mut ws, &stream);
-        // SAFETY: as in `forward_t`; the descales are live f32 buffers of at least
-        // (B - 1) * batch_stride + (heads - 1) / head_div + 1 elements (`fp8::kernel_descale`).
-        let status = unsafe { ffi::cf_fwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
-        check(status, "cf_fwd (e4m3)")?;
-    }
-    Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)))
 }
 
 /// Scratch memory of `bytes` bytes from candle's allocator (stream-ordered on candle's stream),
@@ -407,16 +372,18 @@ pub(crate) fn forward(
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, CudaStorage)> {
     match shape.dtype {
-        DType::F32 => forward_t::<f32>(shape, opts, [q, k, v]),
-        DType::F16 => forward_t::<f16>(shape, opts, [q, k, v]),
-        DType::BF16 => forward_t::<bf16>(shape, opts, [q, k, v]),
+        DType::F32 => forward_t::<f32>(shape, opts, None, [q, k, v]),
+        DType::F16 => forward_t::<f16>(shape, opts, None, [q, k, v]),
+        DType::BF16 => forward_t::<bf16>(shape, opts, None, [q, k, v]),
         dt => bail!("candle-flash: unsupported dtype {dt:?} on cuda"),
     }
 }
 
+/// The forward of output type T; `fp8`: q, k, v are e4m3 and the FP8 kernel runs.
 fn forward_t<T: CudaDType + DeviceRepr>(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
+    fp8: Option<&Fp8Kernel>,
     [q, k, v]: [(&CudaStorage, &Layout); 3],
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dev = q.0.device.clone();
@@ -427,6 +394,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     if q.1.shape().elem_count() > 0 {
         let options = option_tensors(opts)?;
         let guards = option_guards(&options);
+        let descale_g = fp8.map(descale_guards);
         let args = FwdArgs {
             q: TensorArg::read(q, &stream)?,
             k: TensorArg::read(k, &stream)?,
@@ -435,14 +403,18 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             lse: TensorArg::write(&mut lse, &lse_dims, &stream),
             options: option_args(&guards, &stream)?,
         };
-        let p = fwd_params(shape, opts, &args)?;
+        let p = match (fp8, &descale_g) {
+            (Some(fp8), Some(g)) => fp8_params(shape, opts, fp8, &args, &descale_args(g, &stream)?)?,
+            _ => fwd_params(shape, opts, &args)?,
+        };
         // SAFETY: reads only the params struct.
         let mut ws = workspace(&dev, unsafe { ffi::cf_fwd_workspace_size(&p) })?;
         let ws = workspace_arg(&mut ws, &stream);
         // SAFETY: every pointer addresses a live device buffer of the extents described by
         // `p` (validated shapes, the tensors' own layouts; the kernels clamp what they read
-        // from cu_seqlens to the totals); the call only enqueues work on candle's stream,
-        // which also orders the buffers' later uses and frees.
+        // from cu_seqlens to the totals; FP8 descales: live f32 buffers covering every
+        // (sequence, head) index, `fp8::kernel_descale`); the call only enqueues work on
+        // candle's stream, which also orders the buffers' later uses and frees.
         let status = unsafe { ffi::cf_fwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
         check(status, "cf_fwd")?;
     }
