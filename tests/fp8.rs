@@ -321,6 +321,12 @@ fn descaled_api_batched_and_varlen() {
     }
 }
 
+/// q, k, v quantized with one scaling.
+fn quantize3([q, k, v]: [&Tensor; 3], scaling: Fp8Scaling) -> (Fp8Tensor, Fp8Tensor, Fp8Tensor) {
+    let qz = |t: &Tensor| fp8::quantize_e4m3(t, scaling).unwrap();
+    (qz(q), qz(k), qz(v))
+}
+
 /// q, k, v of shape `dims` (N(0,1)) with four of q's and k's channels 20-50x larger (shifted
 /// by 7 per trial).
 fn outlier_inputs(trial: usize, dims: (usize, usize, usize, usize), device: &Device) -> (Tensor, Tensor, Tensor) {
@@ -349,11 +355,7 @@ fn outliers_block_scales_and_hadamard() {
         let f64_ = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
         let exact = reference::attention(&f64_(&q), &f64_(&k), &f64_(&v), &opts).unwrap();
         let run = |q: &Tensor, k: &Tensor, scaling| {
-            let (q8, k8, v8) = (
-                fp8::quantize_e4m3(q, scaling).unwrap(),
-                fp8::quantize_e4m3(k, scaling).unwrap(),
-                fp8::quantize_e4m3(&v, scaling).unwrap(),
-            );
+            let (q8, k8, v8) = quantize3([q, k, &v], scaling);
             rel_err(&fp8::flash_attn_fp8(&q8, &k8, &v8, &opts, DType::F32).unwrap(), &exact)
         };
         let per_tensor = run(&q, &k, Fp8Scaling::PerTensor);
@@ -382,11 +384,7 @@ fn outliers_on_the_fp8_kernel() {
         let f64_ = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F64).unwrap();
         let exact = reference::attention(&f64_(&q), &f64_(&k), &f64_(&v), &opts).unwrap();
         let run = |q: &Tensor, k: &Tensor, scaling| {
-            let (q8, k8, v8) = (
-                fp8::quantize_e4m3(q, scaling).unwrap(),
-                fp8::quantize_e4m3(k, scaling).unwrap(),
-                fp8::quantize_e4m3(&v, scaling).unwrap(),
-            );
+            let (q8, k8, v8) = quantize3([q, k, &v], scaling);
             let on_kernel = fp8::uses_fp8_kernel(&q8.data, &k8.data, &v8.data, &opts, DType::BF16).unwrap();
             let out = fp8::flash_attn_fp8(&q8, &k8, &v8, &opts, DType::BF16).unwrap();
             (rel_err(&out.to_device(&Device::Cpu).unwrap(), &exact), on_kernel)
