@@ -117,6 +117,10 @@ struct FwdSm90Traits {
 #define CF_FP8_POLY_TILES 0
 #endif
     static constexpr int kExpPolyTiles = kFp8 ? CF_FP8_POLY_TILES : 0;
+    // e4m3 with more than 128 keys per block: P goes to O += P V^T through shared memory (SS)
+    // instead of registers (RS), which frees its 32 registers for the wider S (kBlockN = 256:
+    // S 128 + O 64, no P fragments).
+    static constexpr bool kPSmem = kFp8 && kBlockN > 128;
     // e4m3, > 0: the running max moves only when a block raises it by more than 2^k (k <= 8:
     // P <= 256 < 448, e4m3's largest), so O is rarely rescaled (softmax.cuh new_block_row).
     // Measured with k = 8 (bench/NOTES.md "FP8 forward"): d = 128 3-7% slower, d = 256 within
@@ -129,7 +133,8 @@ struct FwdSm90Traits {
     static constexpr int kKVStageBytes = kBlockN * kHeadDim * kElemBytes;
 
     static_assert((kHeadDim * kElemBytes) % 128 == 0 && kHeadDim <= 256, "wgmma forward: head-dim tiles of whole panels");
-    static_assert(!kFp8 || (kBlockN == 128 && kSeparateO), "e4m3: V^T tiles are one 128-byte panel; O (16-bit) has its own buffer");
+    static_assert(!kFp8 || (kBlockN % 128 == 0 && kBlockN <= 256 && kSeparateO),
+                  "e4m3: V^T tiles are whole 128-key panels; O (16-bit) has its own buffer");
     static_assert(kFp8 || std::is_same<Out_, T_>::value, "16-bit inputs: output of the same type");
     static_assert(kStages >= 2, "K/V ring");
     static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N (S = Q K^T)");
@@ -157,7 +162,15 @@ template <typename T> using FwdSm90TraitsD256 = FwdSm90Traits<T, 256, 64, 2, 2, 
 //   D = 128 (d <= 128): Q 16 KB + K, V^T 4 x 2 x 16 KB + O 32 KB. O 64 + S 64 + P 16 registers.
 //   D = 256: Q 32 KB + K, V^T 2 x 2 x 32 KB + O 64 KB = 224 KB. O 128 + S 64 + P 16.
 //   (3 consumer warpgroups at d = 128, 192 x 128: 160 registers each, spilled 144 bytes.)
-template <typename O> using FwdSm90Fp8TraitsD128 = FwdSm90Traits<__nv_fp8_e4m3, 128, 128, 2, 4, true, true, true, O>;
+//   CF_FP8_D128_BN=256 (build-time): 128 x 256 tiles at d = 128 with P through shared memory
+//   (kPSmem); correct on the device (fp8_check 35/35), 2-8% faster at 8k-16k, 10-20% slower at
+//   512, 44 bytes spilled: not the default (bench/NOTES.md "FP8 forward").
+#ifndef CF_FP8_D128_BN
+#define CF_FP8_D128_BN 128
+#endif
+template <typename O>
+using FwdSm90Fp8TraitsD128 =
+    FwdSm90Traits<__nv_fp8_e4m3, 128, CF_FP8_D128_BN, 2, CF_FP8_D128_BN == 128 ? 4 : 2, true, true, true, O>;
 template <typename O> using FwdSm90Fp8TraitsD256 = FwdSm90Traits<__nv_fp8_e4m3, 256, 128, 2, 2, true, true, true, O>;
 
 // ------------------------------------------------------------------ backward (tensor cores)

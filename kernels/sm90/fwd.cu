@@ -68,6 +68,7 @@ struct FwdSharedStorage {
     alignas(1024) T k[Kt::kStages][kKVElems];
     alignas(1024) T v[Kt::kStages][kKVElems];  // e4m3: V^T tiles [D][kBlockN]
     OptionalTile<To, kQElems, Kt::kSeparateO> o;  // own output staging buffer, else staged in q
+    OptionalTile<uint8_t, Kt::kNWarpGroups * 64 * Kt::kBlockN, Kt::kPSmem> p;  // e4m3 P per warpgroup [64][kBlockN]
     // Pipeline barriers (full, then empty, per pipeline), contiguous: all pipelines are
     // addressed from one base register.
     uint64_t q_bars[2][1];
@@ -273,13 +274,16 @@ struct FwdMainloop {
 
     float o[D / 2];
     OnlineSoftmax<2> softmax;  // rows g and g + 8 of this warp
-    uint32_t pa[PS][4];        // P of the previous block (A fragments)
+    uint32_t pa[Kt::kPSmem ? 1 : PS][4];  // P of the previous block (A fragments; unused with kPSmem)
+    uint32_t aPwg = 0;  // kPSmem: this warpgroup's P tile (panel layout, 64 rows) and the named
+    int pbar = 0;       // barrier that publishes its stores to the warpgroup
 
     // kv: pipeline counter of the tile's first key block. wrow0: this warp's first query row.
     __device__ __forceinline__ void run(const FwdTile& t, const LogitInfo& li, float cmul, const FwdPipelines<Kt>& pl,
                                         uint32_t aQwg, uint32_t aK, uint32_t aV, uint32_t kv, int wrow0, int lane,
                                         const PingPong<Kt>& turn) {
         const int q4 = lane & 3, g = lane >> 2;
+        [[maybe_unused]] const int wrow_wg = 16 * ((threadIdx.x >> 5) & 3);  // this warp's first row in its warpgroup
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
         softmax = OnlineSoftmax<2>();
@@ -296,7 +300,9 @@ struct FwdMainloop {
         auto issue_pv = [&](uint32_t st) {
 #pragma unroll
             for (int ks = 0; ks < PS; ++ks) {
-                if constexpr (Kt::kFp8)  // V^T: D rows of kBlockN keys, K-major
+                if constexpr (Kt::kPSmem)  // P from shared memory (K-major, 64 rows)
+                    wgmma_ss_e4m3<D>(o, desc_k_major(aPwg, 64, ks), desc_k_major(aV + st * kStageBytes, D, ks), 1);
+                else if constexpr (Kt::kFp8)  // V^T: D rows of kBlockN keys, K-major
                     wgmma_rs_e4m3<D>(o, pa[ks], desc_k_major(aV + st * kStageBytes, D, ks), 1);
                 else
                     wgmma_rs<D, T, 1>(o, pa[ks], desc_mn_major(aV + st * kStageBytes, BN, ks), 1);
@@ -319,8 +325,22 @@ struct FwdMainloop {
 #pragma unroll
                     for (int hr = 0; hr < 4; ++hr) {
                         const float* a = s + 16 * ks + 8 * (hr >> 1) + 2 * (hr & 1);
-                        pa[ks][hr] = pack_e4m3x4(a[0], a[1], a[4], a[5]);
+                        const uint32_t w = pack_e4m3x4(a[0], a[1], a[4], a[5]);
+                        if constexpr (Kt::kPSmem) {
+                            // the fragment's bytes at their (row, k) in the panel layout: row g (+8),
+                            // k = 32 ks + 16 (hr >> 1) + 4 q .. + 3 (conflict-free: 8 rows, 8 chunks)
+                            const int r = wrow_wg + g + 8 * (hr & 1), c = 32 * ks + 16 * (hr >> 1) + 4 * q4;
+                            const uint32_t addr = aPwg + (c >> 7) * 64 * kPanelRowBytes + r * kPanelRowBytes +
+                                                  ((((c & 127) >> 4) ^ (r & 7)) << 4) + (c & 15);
+                            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(w) : "memory");
+                        } else {
+                            pa[ks][hr] = w;
+                        }
                     }
+                if constexpr (Kt::kPSmem) {
+                    fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)
+                    named_bar_sync(pbar, 128);
+                }
             } else {
 #pragma unroll
             for (int ks = 0; ks < PS; ++ks) {
@@ -364,7 +384,7 @@ struct FwdMainloop {
             wg_wait<0>();  // P(j-1) V(j-1) done: o and pa are free
             reg_fence(o);
 #pragma unroll
-            for (int ks = 0; ks < PS; ++ks) reg_fence(pa[ks]);
+            for (int ks = 0; ks < (Kt::kPSmem ? 1 : PS); ++ks) reg_fence(pa[ks]);
             pl.v().consumer_release(kv + j - 1, lane);
             if (Kt::kLazyRescale == 0 || corr[0] != 1.f || corr[1] != 1.f) scale_rows<1, DT>(o, corr);
             to_p(s);
@@ -489,6 +509,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
         const float cmul = li.general ? kLog2e : li.c;  // general path: s holds natural logits
         turn.start_tile();
         pl.q().consumer_wait(tcount);
+        if constexpr (Kt::kPSmem) {
+            ml.aPwg = smem_addr(ss.p.data) + wg * 64 * Kt::kBlockN;
+            ml.pbar = 1 + NWG + wg;  // after the ping-pong barriers 1 .. NWG
+        }
         ml.run(t, li, cmul, pl, aQwg, aK, aV, kv, t.m0 + rl0, lane, turn);
         if constexpr (Kt::kSeparateO) pl.q().consumer_release(tcount, lane);  // Q read for the last time
         FwdEpilogue<Kt>::store(p, t, ml, cmul, out_scale, ss.o_staging(), rl0, lane);
