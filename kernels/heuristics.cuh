@@ -3,6 +3,7 @@
 //   plan_split  split-KV decode: how many key chunks, GQA heads packed per CTA, ring depth
 //   plan_bwd    backward workspace layout, atomic vs deterministic dQ, GQA head split
 //   sm90 forward configuration by head dim and sequence length (fwd_sm90_config)
+//   fwd_fp8_tile, fp8_vt_layout  the FP8 forward's head-dim tile and its V^T workspace
 // Measurements behind the constants: bench/NOTES.md.
 #pragma once
 #include <algorithm>
