@@ -109,26 +109,10 @@ struct FwdSm90Traits {
     static constexpr int kProducerRegs = kFp8 ? 24 : kHeadDim == 64 ? 56 : 40;
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
     static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
-    // Of every 4 n8 tiles of S, how many take their exponentials from the FMA pipe
-    // (softmax.cuh exp2_fma) instead of the MUFU unit. Measured at d = 128 (bench/NOTES.md "FP8
-    // forward"): 1 of 4 was 2-4% slower, 2 of 4 10-12% slower: the kernel is not MUFU-bound, so
-    // 0 (a build-time knob for further experiments).
-#ifndef CF_FP8_POLY_TILES
-#define CF_FP8_POLY_TILES 0
-#endif
-    static constexpr int kExpPolyTiles = kFp8 ? CF_FP8_POLY_TILES : 0;
     // e4m3 with more than 128 keys per block: P goes to O += P V^T through shared memory (SS)
     // instead of registers (RS), which frees its 32 registers for the wider S (kBlockN = 256:
     // S 128 + O 64, no P fragments).
     static constexpr bool kPSmem = kFp8 && kBlockN > 128;
-    // e4m3, > 0: the running max moves only when a block raises it by more than 2^k (k <= 8:
-    // P <= 256 < 448, e4m3's largest), so O is rarely rescaled (softmax.cuh new_block_row).
-    // Measured with k = 8 (bench/NOTES.md "FP8 forward"): d = 128 3-7% slower, d = 256 within
-    // noise; off (a build-time knob).
-#ifndef CF_FP8_LAZY_RESCALE
-#define CF_FP8_LAZY_RESCALE 0
-#endif
-    static constexpr int kLazyRescale = kFp8 ? CF_FP8_LAZY_RESCALE : 0;
     static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
     static constexpr int kKVStageBytes = kBlockN * kHeadDim * kElemBytes;
 

@@ -69,43 +69,43 @@ cudaError_t current_sm_count(int& sms) {
 namespace {
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-bool stride_ok(int64_t s) { return (s & 7) == 0; }  // 8 elements of 2 bytes = 16 bytes
-
-// Alignment needed by the 16-byte vector loads/stores of the tensor-core kernels. Batch
-// strides are unused (and not checked) for varlen sides.
+// Alignment needed by the 16-byte vector loads/stores (and TMA rows) of the tensor-core kernels:
+// strides in elements of elem_bytes bytes (2: f16 / bf16, 1: e4m3) that are whole 16 bytes.
+// Batch strides are unused (and not checked) for varlen sides.
 bool tensor_aligned(const void* ptr, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
-                    bool varlen) {
+                    bool varlen, int elem_bytes = 2) {
+    auto stride_ok = [&](int64_t s) { return (s * elem_bytes) % 16 == 0; };
     return aligned16(ptr) && stride_ok(row_stride) && stride_ok(head_stride) &&
            (varlen || stride_ok(batch_stride));
 }
 
 // e4m3 inputs: what the sm_90a FP8 kernel needs (the caller dequantizes when this fails with
 // CF_ERR_UNSUPPORTED_DTYPE): f16 / bf16 output, d a multiple of 16 (TMA rows of 16-byte
-// multiples), rows 16-byte aligned, contiguous K/V, valid descale divisors, and tensor maps the
-// driver accepts (V^T's is checked with q standing in for the workspace: only its alignment
-// matters, and both are 16-byte aligned).
-int check_fwd_e4m3(const CfFwdParams* p) {
+// multiples), rows 16-byte aligned, contiguous K/V, valid descale divisors, a tensor-map encoder
+// (TMA not disabled), and, with probe_maps (cf_fwd_check), tensor maps the driver accepts (V^T's
+// with q standing in for the workspace: only its alignment matters, and both are 16-byte
+// aligned). cf_fwd does not probe again: its launch builds the maps and fails if they fail.
+int check_fwd_e4m3(const CfFwdParams* p, bool probe_maps) {
     if (p->o_dtype != CF_F16 && p->o_dtype != CF_BF16) return CF_ERR_UNSUPPORTED_DTYPE;
     for (const CfDescale* ds : {&p->q_descale, &p->k_descale, &p->v_descale})
         if (ds->ptr != nullptr && (ds->head_div < 1 || ds->batch_stride < 0)) return CF_ERR_BAD_ARGUMENT;
-    if (p->d % 16 != 0 || p->block_table != nullptr || !sm90a_available()) return CF_ERR_UNSUPPORTED_DTYPE;
+    if (p->d % 16 != 0 || p->block_table != nullptr || !sm90a_available() || tensor_map_encoder() == nullptr)
+        return CF_ERR_UNSUPPORTED_DTYPE;
     const bool vq = p->cu_seqlens_q != nullptr, vk = p->cu_seqlens_k != nullptr;
-    auto rows16 = [](const void* ptr, int64_t bs, int64_t rs, int64_t hs, bool varlen) {
-        return aligned16(ptr) && rs % 16 == 0 && hs % 16 == 0 && (varlen || bs % 16 == 0);
-    };
-    if (!rows16(p->q, p->q_batch_stride, p->q_row_stride, p->q_head_stride, vq) ||
-        !rows16(p->k, p->k_batch_stride, p->k_row_stride, p->k_head_stride, vk) ||
-        !rows16(p->v, p->v_batch_stride, p->v_row_stride, p->v_head_stride, vk) ||
+    if (!tensor_aligned(p->q, p->q_batch_stride, p->q_row_stride, p->q_head_stride, vq, 1) ||
+        !tensor_aligned(p->k, p->k_batch_stride, p->k_row_stride, p->k_head_stride, vk, 1) ||
+        !tensor_aligned(p->v, p->v_batch_stride, p->v_row_stride, p->v_head_stride, vk, 1) ||
         !tensor_aligned(p->o, p->o_batch_stride, p->o_row_stride, p->o_head_stride, vq))
         return CF_ERR_UNSUPPORTED_DTYPE;
-    if (p->b > 0 && p->seqlen_q > 0) {
+    if (probe_maps && p->b > 0 && p->seqlen_q > 0) {
         const FwdTmaMaps m = make_fwd_tma_maps(*p, 128, 128, p->q, fp8_vt_layout(*p).cols, fwd_fp8_tile(p->d));
         if (!m.q_ok || !m.kv_ok) return CF_ERR_UNSUPPORTED_DTYPE;
     }
     return CF_OK;
 }
 
-int check_fwd(const CfFwdParams* p) {
+// probe_maps: see check_fwd_e4m3 (e4m3 only).
+int check_fwd(const CfFwdParams* p, bool probe_maps = false) {
     if (p == nullptr) return CF_ERR_BAD_ARGUMENT;
     if (p->dtype != CF_F32 && p->dtype != CF_F16 && p->dtype != CF_BF16 && p->dtype != CF_E4M3)
         return CF_ERR_UNSUPPORTED_DTYPE;
@@ -136,7 +136,7 @@ int check_fwd(const CfFwdParams* p) {
             p->total_k != (int64_t)p->num_blocks * p->page_block_size)
             return CF_ERR_BAD_ARGUMENT;
     }
-    if (p->dtype == CF_E4M3) return check_fwd_e4m3(p);
+    if (p->dtype == CF_E4M3) return check_fwd_e4m3(p, probe_maps);
     if (p->dtype != CF_F32) {
         // paged k / v: the batch stride is the page stride, used for every page
         const bool vq = p->cu_seqlens_q != nullptr, vk = p->cu_seqlens_k != nullptr && !paged;
@@ -253,7 +253,7 @@ size_t cf_fwd_workspace_size(const CfFwdParams* p) {
     return plan_split(*p).bytes;
 }
 
-int cf_fwd_check(const CfFwdParams* p) { return cf::check_fwd(p); }
+int cf_fwd_check(const CfFwdParams* p) { return cf::check_fwd(p, /*probe_maps=*/true); }
 
 int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream) {
     using namespace cf;

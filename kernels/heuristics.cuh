@@ -137,11 +137,17 @@ struct Fp8VtLayout {
 };
 constexpr int kFp8KeyPad = 256;
 constexpr int kFp8VtSeqGap = 2 * kFp8KeyPad;  // >= kFp8KeyPad + 15: rounded-up sequences never overlap
+// Column of varlen sequence b's key 0 (its first packed key row row0); also, with b = the number
+// of sequences and row0 = total_k, the columns the layout needs.
+__host__ __device__ inline int64_t fp8_vt_varlen_col0(int64_t row0, int b) {
+    return (row0 + 15) / 16 * 16 + (int64_t)kFp8VtSeqGap * b;
+}
 inline Fp8VtLayout fp8_vt_layout(const CfFwdParams& p) {
     Fp8VtLayout l{};
     const bool varlen = p.cu_seqlens_k != nullptr;
     l.batches = varlen ? 1 : p.b;
-    l.cols = varlen ? ((p.total_k + 15) / 16) * 16 + (int64_t)kFp8VtSeqGap * p.b : ((int64_t)p.seqlen_k + kFp8KeyPad - 1) / kFp8KeyPad * kFp8KeyPad;
+    l.cols = varlen ? fp8_vt_varlen_col0(p.total_k, p.b)
+                    : ((int64_t)p.seqlen_k + kFp8KeyPad - 1) / kFp8KeyPad * kFp8KeyPad;
     if (l.cols < kFp8KeyPad) l.cols = kFp8KeyPad;  // a legal map even with no key
     l.bytes = round256((size_t)l.batches * p.hkv * p.d * l.cols);
     return l;

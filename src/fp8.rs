@@ -63,15 +63,6 @@ pub(crate) fn cast_e4m3(x: &Tensor, dtype: DType) -> Result<Tensor> {
     if x.device().is_cuda() && one_side && cfg!(feature = "cuda") {
         return x.contiguous()?.apply_op1_arc(Arc::new(Box::new(CastE4m3(dtype))));
     }
-    if x.device().is_cuda() && x.dtype() != dtype && (x.dtype() == DType::F8E4M3 || dtype == DType::F8E4M3) {
-        // e4m3 <-> another dtype (f64, integers): through f32
-        let via = if x.dtype() == DType::F8E4M3 {
-            cast_e4m3(x, DType::F32)?.to_dtype(dtype)?
-        } else {
-            x.to_dtype(DType::F32)?
-        };
-        return if dtype == DType::F8E4M3 { cast_e4m3(&via, dtype) } else { Ok(via) };
-    }
     x.to_dtype(dtype)
 }
 
@@ -257,8 +248,25 @@ fn dequantize_forced() -> bool {
     *ON.get_or_init(|| std::env::var("CANDLE_FLASH_FP8_DEQUANTIZE").is_ok_and(|v| !v.is_empty() && v != "0"))
 }
 
-/// Runs the call on the FP8 kernel when it can (module docs), else `Ok(None)`.
+/// Whether the FP8 kernel takes this call (module docs): CUDA, an f16 / bf16 output
+/// (`shape.dtype`), not forced off, and `cf_fwd_check` says it runs.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn kernel_takes(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    kernel: &Fp8Kernel,
+) -> Result<bool> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && matches!(shape.dtype, DType::F16 | DType::BF16) && !dequantize_forced() {
+        return crate::cuda::fp8_kernel_runs(shape, opts, kernel, [q, k, v]);
+    }
+    Ok(false)
+}
+
+/// Runs the call on the FP8 kernel when it can (module docs), else `Ok(None)`.
 fn attend_on_fp8_kernel(
     q: &Tensor,
     k: &Tensor,
@@ -267,12 +275,7 @@ fn attend_on_fp8_kernel(
     opts: &FlashAttnOptions,
     kernel: Fp8Kernel,
 ) -> Result<Option<Tensor>> {
-    #[cfg(feature = "cuda")]
-    if q.device().is_cuda()
-        && matches!(shape.dtype, DType::F16 | DType::BF16)
-        && !dequantize_forced()
-        && crate::cuda::fp8_kernel_runs(shape, opts, &kernel, [q, k, v])?
-    {
+    if kernel_takes(q, k, v, shape, opts, &kernel)? {
         let lse = LseSlot::default();
         let op = FlashAttnOp {
             opts: opts.clone(),
@@ -290,12 +293,7 @@ fn attend_on_fp8_kernel(
 /// the FP8 tensor-core kernel (true) or the dequantizing path (false); see the module docs.
 pub fn uses_fp8_kernel(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions, out_dtype: DType) -> Result<bool> {
     let shape = params::validate_fp8(q, k, v, opts, out_dtype)?;
-    #[cfg(feature = "cuda")]
-    if q.device().is_cuda() && matches!(out_dtype, DType::F16 | DType::BF16) && !dequantize_forced() {
-        return crate::cuda::fp8_kernel_runs(&shape, opts, &Fp8Kernel { descales: [None, None, None] }, [q, k, v]);
-    }
-    let _ = shape;
-    Ok(false)
+    kernel_takes(q, k, v, &shape, opts, &Fp8Kernel { descales: [None, None, None] })
 }
 
 /// The kernel's view of an [`Fp8Tensor`]'s descales, when it has one per (batch, head group)

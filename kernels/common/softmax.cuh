@@ -16,21 +16,6 @@
 
 namespace cf {
 
-// 2^x on the FMA pipe instead of the MUFU unit (x <= 0, or -inf), for kernels whose exponentials
-// outrun the MUFU's 16 per clock and SM (the FP8 forward: its products take half the time of
-// bf16's). x = n + f with n = round(x) (the 1.5 * 2^23 trick: one add rounds x into the low
-// mantissa bits), 2^f for f in [-1/2, 1/2] by a degree-3 polynomial (relative error 7.5e-5 --
-// that kernel rounds P to e4m3, 2^-4, anyway), n added to the exponent bits. x below -126 is
-// clamped there: a tiny positive instead of 0 (OnlineSoftmax::finish_row treats a row whose max
-// stayed -inf as empty, so rows that see no key keep lse = -inf).
-__device__ __forceinline__ float exp2_fma(float x) {
-    x = fmaxf(x, -126.f);
-    const float t = x + 12582912.f;
-    const float f = x - (t - 12582912.f);
-    const float p = fmaf(fmaf(fmaf(0.05517167f, f, 0.24261115f), f, 0.69326097f), f, 0.99992806f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 // kRows rows per thread; each row is spread over kLanes consecutive lanes (4 in the mma layouts,
 // 8 in the SIMT kernels), so maxima and sums are reduced over those lanes.
 template <int kRows, int kLanes = 4, typename Units = Log2Units>
@@ -49,20 +34,8 @@ struct OnlineSoftmax {
     // Row r meets a block whose largest x in this thread is `local_max`: updates the running max
     // and returns the exponent base m' c (0 while the row has seen nothing but masked keys) and,
     // in corr, the factor exp_u(m c - m' c) that rescales what was accumulated before.
-    // kLazy > 0 (Log2Units): the running max only moves when the block's max exceeds it by more
-    // than kLazy exponent units; below that the row keeps its max (corr = 1, nothing to rescale)
-    // and this block's P may reach 2^kLazy instead of 1 (FA4's conditional rescaling; the FP8
-    // kernel's P in e4m3 stays below 448 for kLazy <= 8).
-    template <int kLazy = 0>
     __device__ __forceinline__ float new_block_row(int r, float local_max, float c, float& corr) {
-        const float m_blk = fmaxf(row_max[r], group_max<kLanes>(local_max));
-        if constexpr (kLazy > 0) {
-            if (m_blk * c - row_max[r] * c <= (float)kLazy) {  // false while row_max is -inf (NaN or +inf)
-                corr = 1.f;
-                return row_max[r] * c;
-            }
-        }
-        const float m_new = m_blk;
+        const float m_new = fmaxf(row_max[r], group_max<kLanes>(local_max));
         const float base = (m_new == -INFINITY) ? 0.f : m_new * c;
         corr = Units::exp(row_max[r] * c - base);
         row_max[r] = m_new;
@@ -79,10 +52,7 @@ struct OnlineSoftmax {
     // kChains independent max / sum chains per row: the reductions are latency bound otherwise
     // (4 in the wgmma kernel; 1 where registers are tighter than latency, e.g. the sm_80 d = 128
     // kernel, which spills with 4).
-    // kPolyTiles (Log2Units only): of every 4 n8 tiles, this many take their exponentials from
-    // exp2_fma (the FMA pipe), the rest from the MUFU unit.
-    // kLazy: see new_block_row.
-    template <int MT, int NT, int kChains = 4, int DT = 0, int kPolyTiles = 0, int kLazy = 0>
+    template <int MT, int NT, int kChains = 4, int DT = 0>
     __device__ __forceinline__ void step(float* s, float c, float (&corr)[kRows], float* o = nullptr) {
         static_assert(kRows == 2 * MT, "two accumulator rows per m16 tile");
         static_assert(kChains == 1 || kChains == 2 || kChains == 4, "chains");
@@ -102,13 +72,12 @@ struct OnlineSoftmax {
                 for (int t = 0; t < NT; ++t) mx[t % kChains] = fmaxf(mx[t % kChains], fmaxf(sr[4 * t], sr[4 * t + 1]));
 #pragma unroll
                 for (int k = 1; k < kChains; ++k) mx[0] = fmaxf(mx[0], mx[k]);
-                const float base = new_block_row<kLazy>(r, mx[0], c, corr[r]);
+                const float base = new_block_row(r, mx[0], c, corr[r]);
 #pragma unroll
                 for (int t = 0; t < NT; ++t) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float x = fmaf(sr[4 * t + e], c, -base);
-                        const float pv = (t % 4) < kPolyTiles ? exp2_fma(x) : Units::exp(x);
+                        const float pv = Units::exp(fmaf(sr[4 * t + e], c, -base));
                         sr[4 * t + e] = pv;
                         sum[t % kChains] += pv;
                     }
@@ -139,9 +108,8 @@ struct OnlineSoftmax {
     // is then 0) and the natural-log lse (-inf for such a row).
     __device__ __forceinline__ float finish_row(int r, float c, float& lse) const {
         const float l = group_sum<kLanes>(row_sum[r]);
-        const bool seen = l > 0.f && row_max[r] != -INFINITY;  // (exp2_fma: l > 0 on masked keys)
-        lse = seen ? row_max[r] * c * (1.f / Units::kPerNat) + logf(l) : -INFINITY;
-        return seen ? 1.f / l : 0.f;
+        lse = l > 0.f ? row_max[r] * c * (1.f / Units::kPerNat) + logf(l) : -INFINITY;
+        return l > 0.f ? 1.f / l : 0.f;
     }
 };
 

@@ -33,10 +33,10 @@
 //   by block j's correction only after P(j-1) V(j-1) has completed.
 // e4m3 inputs (Kt::kFp8; FlashAttention-3's FP8 forward): both products on 8-bit wgmma (k32),
 // which reads both operands K-major. So V is transposed first (fp8_transpose_v_kernel, into the
-// workspace: Fp8VtLayout in heuristics.cuh) and the producer loads V^T tiles [D][128 keys]; the
-// keys of each 32-key group are stored in the order in which a thread's S accumulators become
-// its 8-bit A fragment of P (Fp8VtOrder), so P goes from registers into O += P V^T with no
-// shuffle. S is scaled by q descale * k descale through the logit scale, O by the v descale in
+// workspace: Fp8VtLayout in heuristics.cuh) and the producer loads V^T tiles [D][kBlockN keys]
+// (128-key panels); the keys of each 32-key group are stored in the order in which a thread's S
+// accumulators become its 8-bit A fragment of P (fp8_vt_key), so P goes from registers into
+// O += P V^T with no shuffle. S is scaled by q descale * k descale through the logit scale, O by the v descale in
 // the epilogue, and P (in [0, 1]) is rounded to e4m3 unscaled. Every load is TMA.
 // The kernel body exists only in sm_90a code (wgmma); the same file also builds for sm_80 / PTX.
 #include <cstddef>
@@ -92,12 +92,12 @@ __host__ __device__ constexpr int fp8_vt_key(int s) {
 }
 // Column of a sequence's key 0 in V^T (Fp8VtLayout).
 __device__ __forceinline__ int64_t fp8_vt_col0(const SeqInfo& si) {
-    return si.k_varlen ? (si.k_row0 + 15) / 16 * 16 + (int64_t)kFp8VtSeqGap * si.b : 0;
+    return si.k_varlen ? fp8_vt_varlen_col0(si.k_row0, si.b) : 0;
 }
 
 // V (e4m3, the contract's addressing) -> V^T (Fp8VtLayout): CTA = 64 keys x 64 columns of d of
-// one (sequence, KV head); zeros from the sequence's end to its length rounded up to 128 (the
-// attention kernel loads whole key blocks; P is 0 there, V must not be NaN).
+// one (sequence, KV head); zeros from the sequence's end to its length rounded up to kFp8KeyPad
+// (the attention kernel loads whole key blocks; P is 0 there, V must not be NaN).
 constexpr int kVtTile = 64;
 __global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const CfFwdParams p, uint8_t* vt, int64_t cols) {
     __shared__ __align__(16) uint8_t tile[kVtTile][kVtTile + 16];  // [key][d], +16: fewer bank conflicts
@@ -314,7 +314,7 @@ struct FwdMainloop {
         auto softmax_block = [&](float (&s)[BN / 2], int n0, float (&corr)[2]) {
             mask_scores<1, NT>(s, li, t.mk, [&](int, int r) { return wrow0 + g + 8 * r; }, n0, q4,
                                t.mk.block_full(wrow0, 16, n0, BN));
-            softmax.template step<1, NT, 4, 0, Kt::kExpPolyTiles, Kt::kLazyRescale>(s, cmul, corr);
+            softmax.template step<1, NT>(s, cmul, corr);
         };
         auto to_p = [&](const float (&s)[BN / 2]) {
             if constexpr (Kt::kFp8) {
@@ -386,7 +386,7 @@ struct FwdMainloop {
 #pragma unroll
             for (int ks = 0; ks < (Kt::kPSmem ? 1 : PS); ++ks) reg_fence(pa[ks]);
             pl.v().consumer_release(kv + j - 1, lane);
-            if (Kt::kLazyRescale == 0 || corr[0] != 1.f || corr[1] != 1.f) scale_rows<1, DT>(o, corr);
+            scale_rows<1, DT>(o, corr);
             to_p(s);
         }
         const uint32_t kv_last = kv + t.nblocks - 1;
