@@ -23,17 +23,21 @@ inline int round_head_dim(int d) {
 // also walks key blocks that are fully masked for some of its rows, after their visible ones,
 // and the online softmax rescales those rows by exp2(m c - fl(m c)) (not exactly 1), so paged
 // and contiguous can differ in the last bits there (d = 96 / 128 on this kernel only).
+// f32 (3xTF32, common/tile.cuh): every product costs 3 mmas and every operand twice the
+// registers (big + small parts) and twice the shared memory, so 64 query rows above d = 64 (S 32
+// + O 64 registers at d = 128) and 32 keys above d = 128 (the tiles fit sm_80's shared memory).
 template <typename T_, int kHeadDim_, bool kPaged_ = false>
 struct FwdTraits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr bool kPaged = kPaged_;
-    static constexpr int kBlockM = kHeadDim <= (kPaged ? 64 : 128) ? 128 : 64;
-    static constexpr int kBlockN = kHeadDim <= 64 ? 64 : (kHeadDim <= 128 ? 64 : 64);
+    static constexpr bool kF32 = sizeof(T_) == 4;
+    static constexpr int kBlockM = kHeadDim <= (kF32 || kPaged ? 64 : 128) ? 128 : 64;
+    static constexpr int kBlockN = kF32 && kHeadDim > 128 ? 32 : 64;
     static constexpr int kNWarps = 4;
     static constexpr int kNThreads = kNWarps * 32;
     static constexpr int kMTiles = kBlockM / (16 * kNWarps);
-    static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
+    static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * (int)sizeof(T_);
 
     static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dim tile: multiple of 32, <= 256");
     static_assert(kBlockM == 16 * kNWarps * kMTiles, "warps own whole m16 tiles");
@@ -168,15 +172,18 @@ template <typename O> using FwdSm90Fp8TraitsD256 = FwdSm90Traits<__nv_fp8_e4m3, 
 //     columns each (interleaved 16-column pairs), at most 32 columns at a time
 // Shared: K, V [kBlockN][D]; Q, dO [kStages][kBlockM][D]; P, dS [kBlockM][kBlockN];
 // lse, D [kStages][kBlockM] (f32). dK/dV are staged through the Q and dO buffers at the end.
+// f32 (3xTF32, d <= 128): 64 x 64 tiles (the operands take twice the registers and shared
+// memory), Q/dO double-buffered up to d = 64 (d = 128 single: 163 KB otherwise).
 template <typename T_, int kHeadDim_>
 struct BwdTraits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;  // d = 64: 128 x 128 tiles (fewer steps)
-    static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+    static constexpr bool kF32 = sizeof(T_) == 4;
+    static constexpr int kBlockM = kHeadDim == 64 && !kF32 ? 128 : 64;  // d = 64: 128 x 128 tiles (fewer steps)
+    static constexpr int kBlockN = kHeadDim <= 128 && !kF32 ? 128 : 64;
     static constexpr int kNWarps = 8;
     static constexpr int kNThreads = kNWarps * 32;
-    static constexpr int kStages = kHeadDim <= 128 ? 2 : 1;  // Q/dO double buffering
+    static constexpr int kStages = kHeadDim <= (kF32 ? 64 : 128) ? 2 : 1;  // Q/dO double buffering
     static constexpr int kAWarpsN = kBlockN / 32, kAWarpsM = kNWarps / kAWarpsN;
     static constexpr int kAMT = kBlockM / (16 * kAWarpsM);
     static constexpr int kAHalves = ((kAMT == 2 && kHeadDim == 96) || kAMT == 4) ? 2 : 1;  // phase A in 2 key halves
@@ -192,9 +199,8 @@ struct BwdTraits {
     static constexpr int kCMT = kBlockM / (16 * kCWarpsM);
     static constexpr int kCPairs = kHeadDim / 16 / kCWarpsD;            // 16-column pairs per warp
     static constexpr int kCGroup = kCPairs % 2 == 0 ? 2 : 1;            // pairs per dQ sub-step
-    static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 +
-                                      2 * kStages * kBlockM * kHeadDim * 2 +
-                                      2 * kBlockM * kBlockN * 2 + 2 * kStages * kBlockM * 4;
+    static constexpr int kSmemBytes = (2 * kBlockN * kHeadDim + 2 * kStages * kBlockM * kHeadDim +
+                                       2 * kBlockM * kBlockN) * (int)sizeof(T_) + 2 * kStages * kBlockM * 4;
 
     static_assert(kAWarpsM * kAWarpsN == kNWarps && 16 * kAMT * kAWarpsM == kBlockM, "layout A");
     static_assert(16 * kBMT * kBWarpsN == kBlockN && kBWarpsN * kBWarpsD == kNWarps, "layout B");
@@ -203,6 +209,7 @@ struct BwdTraits {
     static_assert(kCWarpsD * 2 <= 4 || kHeadDim % 64 == 0, "pair stride 8 needs 8-chunk swizzle");
     static_assert(kStages * kBlockM >= kBlockN, "dK/dV staging fits in the Q/dO buffers");
     static_assert((kBlockN / 8) % 8 == 0, "P/dS rows: 8-chunk swizzle (transposed reads)");
+    static_assert(!kF32 || kHeadDim <= 128, "f32: head-dim tiles up to 128 (larger ones run the SIMT kernels)");
     static_assert(kSmemBytes <= 163 * 1024, "must fit sm_80's 163 KB");
 };
 
@@ -213,10 +220,10 @@ struct BwdDqTraits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = 64;
-    static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;
+    static constexpr int kBlockN = kHeadDim <= (sizeof(T_) == 4 ? 64 : 128) ? 64 : 32;
     static constexpr int kNWarps = 4;
     static constexpr int kNThreads = kNWarps * 32;
-    static constexpr int kSmemBytes = 2 * kBlockM * kHeadDim * 2 + 4 * kBlockN * kHeadDim * 2;
+    static constexpr int kSmemBytes = (2 * kBlockM * kHeadDim + 4 * kBlockN * kHeadDim) * (int)sizeof(T_);
 
     static_assert(kBlockM == 16 * kNWarps, "one m16 tile per warp");
     static_assert(kBlockN % 16 == 0, "dS*K k-steps of 16 keys");

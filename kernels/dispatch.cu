@@ -150,6 +150,37 @@ int check_fwd(const CfFwdParams* p, bool probe_maps = false) {
 }
 
 
+// f32 runs on tensor cores (3xTF32: sm80/fwd.cu, sm80/bwd.cuh) when its tensors meet the 16-byte
+// rules of the tile loads (tensor_aligned with 4-byte elements: rows and strides of multiples of
+// 4 floats), else on the SIMT kernels, which take any stride. The backward's tensor-core tiles
+// stop at d = 128. CANDLE_FLASH_F32_SIMT=1 keeps f32 on the SIMT kernels (to compare).
+bool f32_simt_forced() {
+    static const bool forced = [] {
+        const char* v = std::getenv("CANDLE_FLASH_F32_SIMT");
+        return v != nullptr && v[0] != '\0' && v[0] != '0';
+    }();
+    return forced;
+}
+bool f32_fwd_tensor_cores(const CfFwdParams& p) {
+    if (p.dtype != CF_F32 || f32_simt_forced()) return false;
+    const bool vq = p.cu_seqlens_q != nullptr, vk = p.cu_seqlens_k != nullptr && p.block_table == nullptr;
+    return tensor_aligned(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, vq, 4) &&
+           tensor_aligned(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, vk, 4) &&
+           tensor_aligned(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, vk, 4) &&
+           tensor_aligned(p.o, p.o_batch_stride, p.o_row_stride, p.o_head_stride, vq, 4);
+}
+bool f32_bwd_tensor_cores(const CfBwdParams& p) {
+    const CfFwdParams& f = p.fwd;
+    if (!f32_fwd_tensor_cores(f) || round_head_dim(f.d) > 128) return false;
+    const bool vq = f.cu_seqlens_q != nullptr, vk = f.cu_seqlens_k != nullptr;
+    return tensor_aligned(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, vq, 4) &&
+           tensor_aligned(p.dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, vq, 4) &&
+           tensor_aligned(p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, vk, 4) &&
+           tensor_aligned(p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, vk, 4);
+}
+// Whether the backward runs the tensor-core kernels (their workspace plan differs: plan_bwd).
+bool bwd_tensor_cores(const CfBwdParams& p) { return p.fwd.dtype != CF_F32 || f32_bwd_tensor_cores(p); }
+
 template <typename T>
 cudaError_t fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* ws, cudaStream_t s) {
     return round_head_dim(p.d) == 64 ? run_fwd_split<T, 64>(p, sp, ws, s) : run_fwd_split<T, 128>(p, sp, ws, s);
@@ -177,6 +208,19 @@ cudaError_t fwd_fp8(const CfFwdParams& p, void* ws, cudaStream_t s) {
 template <typename T, int D>
 cudaError_t fwd_sm80(const CfFwdParams& p, cudaStream_t s) {
     return p.block_table != nullptr ? run_fwd_tc<T, D, true>(p, s) : run_fwd_tc<T, D, false>(p, s);
+}
+
+// f32 forward: the 3xTF32 mma.sync kernel of the rounded head dim, or the SIMT kernel.
+cudaError_t fwd_f32(const CfFwdParams& p, cudaStream_t s) {
+    if (!f32_fwd_tensor_cores(p)) return run_fwd_f32(p, s);
+    switch (round_head_dim(p.d)) {
+        case 32: return fwd_sm80<float, 32>(p, s);
+        case 64: return fwd_sm80<float, 64>(p, s);
+        case 96: return fwd_sm80<float, 96>(p, s);
+        case 128: return fwd_sm80<float, 128>(p, s);
+        case 192: return fwd_sm80<float, 192>(p, s);
+        default: return fwd_sm80<float, 256>(p, s);
+    }
 }
 
 // Tensor-core forward: split-KV for decode shapes, else the wgmma kernel on Hopper for the
@@ -221,6 +265,17 @@ cudaError_t bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
 }
 
 
+// f32 backward (after dsum): the 3xTF32 mma.sync kernels (d <= 128), or the SIMT ones.
+cudaError_t bwd_f32(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
+    if (!f32_bwd_tensor_cores(p)) return run_bwd_f32(p, ws, s);
+    switch (round_head_dim(p.fwd.d)) {
+        case 32: return run_bwd_tc<float, 32>(p, ws, false, s);
+        case 64: return run_bwd_tc<float, 64>(p, ws, false, s);
+        case 96: return run_bwd_tc<float, 96>(p, ws, false, s);
+        default: return run_bwd_tc<float, 128>(p, ws, false, s);
+    }
+}
+
 int check_bwd(const CfBwdParams* p) {
     if (p == nullptr) return CF_ERR_BAD_ARGUMENT;
     if (p->fwd.dtype == CF_E4M3) return CF_ERR_UNSUPPORTED_DTYPE;  // FP8 attention is forward only
@@ -262,7 +317,7 @@ int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream) {
     if (p->b == 0 || p->seqlen_q == 0) return CF_OK;
     cudaError_t e;
     switch (p->dtype) {
-        case CF_F32: e = run_fwd_f32(*p, stream); break;
+        case CF_F32: e = fwd_f32(*p, stream); break;
         case CF_F16: e = fwd_tc<__half>(*p, workspace, stream); break;
         case CF_BF16: e = fwd_tc<__nv_bfloat16>(*p, workspace, stream); break;
         default:
@@ -276,7 +331,7 @@ int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream) {
 size_t cf_bwd_workspace_size(const CfBwdParams* p) {
     using namespace cf;
     if (check_bwd(p) != CF_OK) return 0;
-    return plan_bwd(*p).total;
+    return plan_bwd(*p, bwd_tensor_cores(*p)).total;
 }
 
 int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
@@ -285,7 +340,7 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
     if (st != CF_OK) return st;
     const CfFwdParams& f = p->fwd;
     if (f.b == 0 || (f.seqlen_q == 0 && f.seqlen_k == 0)) return CF_OK;
-    const BwdPlan pl = plan_bwd(*p);
+    const BwdPlan pl = plan_bwd(*p, bwd_tensor_cores(*p));
     if (pl.total > 0 && workspace == nullptr) return CF_ERR_BAD_ARGUMENT;
     char* base = static_cast<char*>(workspace);
     BwdWs ws;
@@ -305,7 +360,7 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
     }
     if ((e = run_bwd_dot_do_o(*p, ws, stream)) != cudaSuccess) return (int)e;
     switch (f.dtype) {
-        case CF_F32: e = run_bwd_f32(*p, ws, stream); break;
+        case CF_F32: e = bwd_f32(*p, ws, stream); break;
         case CF_F16: e = bwd_tc<__half>(*p, ws, stream); break;
         default: e = bwd_tc<__nv_bfloat16>(*p, ws, stream); break;
     }

@@ -71,12 +71,12 @@ struct BwdPlan {
 
 inline size_t round256(size_t x) { return (x + 255) & ~size_t(255); }
 
-inline BwdPlan plan_bwd(const CfBwdParams& p) {
+// tc: the tensor-core kernels run (16-bit, or f32 on 3xTF32; dispatch.cu decides), else SIMT.
+inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc) {
     const CfFwdParams& f = p.fwd;
     BwdPlan pl{};
     pl.total_q = f.total_q;
     pl.total_k = f.total_k;
-    const bool tc = f.dtype != CF_F32;
     pl.atomic_dq = tc && p.deterministic == 0;
     // GQA/MQA on tensor cores: split the query heads of a KV head over several CTAs when the
     // grid would otherwise be small (partials summed in a fixed order by a reduction kernel).

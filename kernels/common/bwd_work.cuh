@@ -63,7 +63,7 @@ struct DkdvWork {
         hkv_i = blockIdx.y / ws.nsplit;
         split = blockIdx.y % ws.nsplit;
         n0 = blockIdx.x * BN;
-        dch = f.d >> 3;
+        dch = f.d / kChunkElems<T>;
         const int group = f.h / f.hkv;
         h_begin = hkv_i * group + split * ws.hps;
         const int h_end = min(h_begin + ws.hps, (hkv_i + 1) * group);

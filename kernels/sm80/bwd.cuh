@@ -1,4 +1,5 @@
-// Backward pass, tensor-core kernels (f16/bf16), FA2 algorithm:
+// Backward pass, tensor-core kernels (f16/bf16 on m16n8k16; f32 as 3xTF32 on m16n8k8, d <= 128:
+// common/tile.cuh), FA2 algorithm:
 //   dsum  = rowsum(dO * O)                                (bwd_dot_do_o_kernel, simt/bwd_f32.cu)
 //   dK/dV: one CTA per 64 keys of a KV head, looping over the query blocks (and the query heads
 //          of its split): recompute P = exp(logit - lse), dV += P^T dO, dP = dO V^T,
@@ -21,11 +22,12 @@ template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfBwdParams p, const BwdWs ws) {
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads, ST = Kt::kStages;
-    constexpr int C = D / 8;     // chunks per Q/K/V/dO row
-    constexpr int CP = BN / 8;   // chunks per P/dS row
-    constexpr int KS = D / 16;   // k-steps of S and dP
-    constexpr int MS = BM / 16;  // k-steps of phase B
-    constexpr int NS = BN / 16;  // k-steps of phase C
+    constexpr int E = kChunkElems<T>, MK = kMmaK<T>;
+    constexpr int C = D / E;     // chunks per Q/K/V/dO row
+    constexpr int CP = BN / E;   // chunks per P/dS row
+    constexpr int KS = D / MK;   // k-steps of S and dP
+    constexpr int MS = BM / MK;  // k-steps of phase B
+    constexpr int NS = BN / MK;  // k-steps of phase C
     constexpr int AMT = Kt::kAMT, AWM = Kt::kAWarpsM, AH = Kt::kAHalves;
     constexpr int BMT = Kt::kBMT, BNT = Kt::kBNT;
     constexpr int CMT = Kt::kCMT, CWM = Kt::kCWarpsM, CD = Kt::kCWarpsD, CG = Kt::kCGroup;
@@ -121,9 +123,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
                                 pv[e] = x.p;
                                 dsr[e] = x.ds;
                             }
-                            const int off = swz<CP>(rl, (key0 >> 3) + nt) * 8 + 2 * q4;
-                            *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(pv[0], pv[1]);
-                            *reinterpret_cast<uint32_t*>(sdS + off) = pack2<T>(dsr[0], dsr[1]);
+                            stage_pair<T, CP>(sP, rl, key0 + 8 * nt + 2 * q4, pv[0], pv[1]);
+                            stage_pair<T, CP>(sdS, rl, key0 + 8 * nt + 2 * q4, dsr[0], dsr[1]);
                         }
                     }
                 }
@@ -211,9 +212,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int rl = rb0 + 16 * mt + g + 8 * r;
-                    const int off = swz<C>(rl, 4 * (t >> 1) + 2 * wb_d + (t & 1)) * 8 + 2 * q4;
-                    *reinterpret_cast<uint32_t*>(sOk + off) = pack2<T>(dk[mt][t][2 * r], dk[mt][t][2 * r + 1]);
-                    *reinterpret_cast<uint32_t*>(sOv + off) = pack2<T>(dv[mt][t][2 * r], dv[mt][t][2 * r + 1]);
+                    const int col = 8 * (4 * (t >> 1) + 2 * wb_d + (t & 1)) + 2 * q4;
+                    stage_pair<T, C>(sOk, rl, col, dk[mt][t][2 * r], dk[mt][t][2 * r + 1]);
+                    stage_pair<T, C>(sOv, rl, col, dv[mt][t][2 * r], dv[mt][t][2 * r + 1]);
                 }
         __syncthreads();
         T* dkg = si.dk<T>(p, hkv_i);
@@ -221,10 +222,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
         for (int idx = tid; idx < BN * C; idx += NTH) {
             const int r = idx / C, c = idx % C;
             if (n0 + r < si.sk && c < dch) {
-                *reinterpret_cast<uint4*>(dkg + (int64_t)(n0 + r) * p.dk_row_stride + c * 8) =
-                    *reinterpret_cast<const uint4*>(sOk + swz<C>(r, c) * 8);
-                *reinterpret_cast<uint4*>(dvg + (int64_t)(n0 + r) * p.dv_row_stride + c * 8) =
-                    *reinterpret_cast<const uint4*>(sOv + swz<C>(r, c) * 8);
+                *reinterpret_cast<uint4*>(dkg + (int64_t)(n0 + r) * p.dk_row_stride + c * E) = staged_chunk<T, C>(sOk, r, c);
+                *reinterpret_cast<uint4*>(dvg + (int64_t)(n0 + r) * p.dv_row_stride + c * E) = staged_chunk<T, C>(sOv, r, c);
             }
         }
     } else {
@@ -252,7 +251,8 @@ template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dq_tc_kernel(const CfBwdParams p, const BwdWs ws) {
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
-    constexpr int C = D / 8, NT = BN / 8, DT = D / 8, KS = D / 16, PS = BN / 16;
+    constexpr int E = kChunkElems<T>;
+    constexpr int C = D / E, NT = BN / 8, DT = D / 8, KS = D / kMmaK<T>, PS = BN / kMmaK<T>;
 
     extern __shared__ __align__(128) unsigned char smem[];
     T* sQ = reinterpret_cast<T*>(smem);
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dq_tc_kernel(const CfBwd
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
     const int h = w.h, b = si.b, m0 = w.m0, n_lo = w.n_lo, n_hi = w.n_hi;
-    const int dch = f.d >> 3;
+    const int dch = f.d / E;
 
     const T* qg = si.q<T>(f, h);
     const T* dog = si.dout<T>(p, h);
@@ -359,8 +359,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dq_tc_kernel(const CfBwd
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int rl = row_w + g + 8 * r;
-            *reinterpret_cast<uint32_t*>(sQ + swz<C>(rl, t) * 8 + 2 * q4) =
-                pack2<T>(acc[0][t][2 * r] * scale, acc[0][t][2 * r + 1] * scale);
+            stage_pair<T, C>(sQ, rl, 8 * t + 2 * q4, acc[0][t][2 * r] * scale, acc[0][t][2 * r + 1] * scale);
         }
     __syncwarp();
 #pragma unroll
@@ -368,8 +367,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dq_tc_kernel(const CfBwd
         const int idx = lane + it * 32;
         const int rl = row_w + idx / C, c = idx % C;
         if (m0 + rl < si.sq && c < dch)
-            *reinterpret_cast<uint4*>(dqg + (int64_t)(m0 + rl) * p.dq_row_stride + c * 8) =
-                *reinterpret_cast<const uint4*>(sQ + swz<C>(rl, c) * 8);
+            *reinterpret_cast<uint4*>(dqg + (int64_t)(m0 + rl) * p.dq_row_stride + c * E) = staged_chunk<T, C>(sQ, rl, c);
     }
 }
 
@@ -446,13 +444,13 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
         return launch_dkdv(kern, traits, make_bwd_tma_maps(p, decltype(traits)::kBlockM));
     };
     bool done = false;
-    if constexpr (D == 64 || D == 128) {
+    if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) {
         if (wgmma) {
             using Kt = BwdSm90Traits<T, D>;
             if ((e = launch_sm90(bwd_dkdv_sm90_kernel<Kt>, Kt{})) != cudaSuccess) return e;
             done = true;
         }
-    } else if constexpr (D == 192 || D == 256) {
+    } else if constexpr (sizeof(T) == 2 && (D == 192 || D == 256)) {
         if (wgmma) {
             using Kt = BwdSm90WideTraits<T, D>;
             if ((e = launch_sm90(bwd_dkdv_sm90_wide_kernel<Kt>, Kt{})) != cudaSuccess) return e;

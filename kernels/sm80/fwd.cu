@@ -1,5 +1,6 @@
-// Forward pass on tensor cores (mma.sync m16n8k16, f16/bf16, f32 accumulators): the sm_80
-// kernel, also used on Hopper for head-dim tiles without a wgmma kernel (dispatch.cu). Per CTA:
+// Forward pass on tensor cores (mma.sync m16n8k16 for f16/bf16; m16n8k8 tf32 for f32, as 3xTF32
+// at f32 accuracy: common/tile.cuh), f32 accumulators: the sm_80 kernel, also used on Hopper for
+// head-dim tiles without a wgmma kernel and for f32 (dispatch.cu). Per CTA:
 // kBlockM query rows of one head, looping over the key blocks that any of them sees, last
 // first (the boundary block is masked while the rest runs unmasked). Masking, logits and the
 // online softmax are common/mask.cuh and common/softmax.cuh.
@@ -17,11 +18,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN;
     constexpr int NTH = Kt::kNThreads, MT = Kt::kMTiles;
-    constexpr int C = D / 8;     // 16-byte chunks per row
-    constexpr int NT = BN / 8;   // n8 tiles of S
-    constexpr int DT = D / 8;    // n8 tiles of O
-    constexpr int KS = D / 16;   // k-steps of Q K^T
-    constexpr int PS = BN / 16;  // k-steps of P V
+    constexpr int E = kChunkElems<T>;
+    constexpr int C = D / E;            // 16-byte chunks per row
+    constexpr int NT = BN / 8;          // n8 tiles of S
+    constexpr int DT = D / 8;           // n8 tiles of O
+    constexpr int KS = D / kMmaK<T>;    // k-steps of Q K^T
+    constexpr int PS = BN / kMmaK<T>;   // k-steps of P V
     using Loader = TileLoader<C, NTH>;
     constexpr bool kPaged = Kt::kPaged;
     constexpr KvPath kKv = kPaged ? KvPath::kAny : KvPath::kContiguous;  // (SeqInfo)
@@ -38,7 +40,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
     const int h = w.h, m0 = w.m0, n_lo = w.n_lo, n_hi = w.n_hi;
-    const int dch = p.d >> 3;
+    const int dch = p.d / E;
 
     const T* qg = si.q<T>(p, h);
     const T* kg = si.k<T>(p, w.hk);
@@ -130,8 +132,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int rl = row_w + mt * 16 + g + 8 * r;
-                *reinterpret_cast<uint32_t*>(sQ + swz<C>(rl, dt) * 8 + 2 * q4) =
-                    pack2<T>(acc[mt][dt][2 * r], acc[mt][dt][2 * r + 1]);
+                stage_pair<T, C>(sQ, rl, 8 * dt + 2 * q4, acc[mt][dt][2 * r], acc[mt][dt][2 * r + 1]);
             }
     __syncwarp();
 #pragma unroll
@@ -140,8 +141,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
         const int rl = row_w + idx / C, c = idx % C;
         const int row = m0 + rl;
         if (row < si.sq && c < dch)
-            *reinterpret_cast<uint4*>(og + (int64_t)row * p.o_row_stride + c * 8) =
-                *reinterpret_cast<const uint4*>(sQ + swz<C>(rl, c) * 8);
+            *reinterpret_cast<uint4*>(og + (int64_t)row * p.o_row_stride + c * E) = staged_chunk<T, C>(sQ, rl, c);
     }
 }
 
@@ -175,5 +175,11 @@ CF_INST_FWD(__nv_bfloat16, 96)
 CF_INST_FWD(__nv_bfloat16, 128)
 CF_INST_FWD(__nv_bfloat16, 192)
 CF_INST_FWD(__nv_bfloat16, 256)
+CF_INST_FWD(float, 32)
+CF_INST_FWD(float, 64)
+CF_INST_FWD(float, 96)
+CF_INST_FWD(float, 128)
+CF_INST_FWD(float, 192)
+CF_INST_FWD(float, 256)
 
 }  // namespace cf
