@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Draws TFLOP/s against N from benchmark JSON lines (examples/bench.rs and bench/sdpa.py):
 one panel per (D, causal, mode), one line per implementation. Also prints the ratio table
-(ours / torch-flash, ours / torch-cudnn) for every grid point.
+(ours / each PyTorch backend present: flash, cuDNN, efficient) for every grid point.
 
 usage: plot.py bench.jsonl out.png [title]
 """
@@ -21,21 +21,28 @@ def load(path):
     return rows
 
 
+TORCH = [("torch-flash", "FA2"), ("torch-cudnn", "cuDNN"), ("torch-efficient", "efficient")]
+
+
 def ratio_table(rows):
+    """One column pair (TF/s, ours / it) per PyTorch backend present (f32 has only efficient)."""
     key = lambda r: (r["mode"], r["d"], r["causal"], r["nk"], r["dtype"])
     by = defaultdict(dict)
     for r in rows:
         by[key(r)][r["impl"]] = r["tflops"]
-    print("| mode | d | causal | N | dtype | ours TF/s | FA2 TF/s | cuDNN TF/s | ours/FA2 | ours/cuDNN |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    present = [(impl, name) for impl, name in TORCH if any(impl in v for v in by.values())]
+    print("| mode | d | causal | N | dtype | ours TF/s | " + " | ".join(f"{n} TF/s" for _, n in present) + " | "
+          + " | ".join(f"ours/{n}" for _, n in present) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * (2 * len(present)))
     for k in sorted(by):
         v = by[k]
         if "flash" not in v:
             continue
-        ours, fa2, cud = v["flash"], v.get("torch-flash"), v.get("torch-cudnn")
+        ours = v["flash"]
         f = lambda x: f"{x:.0f}" if x else "-"
         rr = lambda x: f"{ours / x:.2f}" if x else "-"
-        print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {f(ours)} | {f(fa2)} | {f(cud)} | {rr(fa2)} | {rr(cud)} |")
+        print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {f(ours)} | "
+              + " | ".join(f(v.get(i)) for i, _ in present) + " | " + " | ".join(rr(v.get(i)) for i, _ in present) + " |")
 
 
 def plot(rows, out, title):

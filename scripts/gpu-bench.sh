@@ -14,19 +14,23 @@ seqlens=${SEQLENS:-512,1024,2048,4096,8192,16384}
 hdims=${HDIMS:-64,128,256}
 # shellcheck disable=SC1091
 source gpu-bin/cuda-libs.sh >/dev/null
+# PyTorch's backends for the dtype: flash and cuDNN take 16-bit only; f32 compares with the
+# memory-efficient backend (3xTF32 on tensor cores, as ours).
+torch_impls=torch-flash,torch-cudnn
+[ "$dtype" = f32 ] && torch_impls=torch-efficient
 jsonl="$OUT/bench.jsonl"
 : > "$jsonl"
 grid=(--tokens 16384 --hidden 2048 --hdim "$hdims" --seqlens "$seqlens" --dtype "$dtype")
 gpu-bin/bench --device cuda --impl flash --mode "$modes" "${grid[@]}" --iters 10 2>>"$OUT/bench.err" | grep '^{' >> "$jsonl"
-python3 bench/sdpa.py --impl torch-flash,torch-cudnn --mode "$modes" "${grid[@]}" 2>>"$OUT/bench.err" >> "$jsonl"
+python3 bench/sdpa.py --impl "$torch_impls" --mode "$modes" "${grid[@]}" 2>>"$OUT/bench.err" >> "$jsonl"
 # Decode: 1 query against long caches, 32 query / 8 KV heads, D = 128.
 dec=(--nq 1 --seqlens 4096,32768 --heads 32 --hkv 8 --hdim 128 --batch 1,16 --causal false --dtype "$dtype")
 gpu-bin/bench --device cuda --impl flash --mode fwd "${dec[@]}" --iters 20 2>>"$OUT/bench.err" | grep '^{' > "$OUT/decode.jsonl"
-python3 bench/sdpa.py --impl torch-flash --mode fwd "${dec[@]}" --iters 20 >> "$OUT/decode.jsonl" 2>>"$OUT/bench.err"
+python3 bench/sdpa.py --impl "${torch_impls%%,*}" --mode fwd "${dec[@]}" --iters 20 >> "$OUT/decode.jsonl" 2>>"$OUT/bench.err"
 # GQA prefill, Llama-3-8B-like: B = 1, 32 query / 8 KV heads, D = 128, causal.
 gqa=(--seqlens "${GQA_SEQLENS:-2048,8192,32768}" --heads 32 --hkv 8 --hdim 128 --batch 1 --causal true --dtype "$dtype")
 gpu-bin/bench --device cuda --impl flash --mode fwd,fwd_bwd "${gqa[@]}" --iters 10 2>>"$OUT/bench.err" | grep '^{' > "$OUT/gqa.jsonl"
-python3 bench/sdpa.py --impl torch-flash,torch-cudnn --mode fwd,fwd_bwd "${gqa[@]}" --iters 10 >> "$OUT/gqa.jsonl" 2>>"$OUT/bench.err"
+python3 bench/sdpa.py --impl "$torch_impls" --mode fwd,fwd_bwd "${gqa[@]}" --iters 10 >> "$OUT/gqa.jsonl" 2>>"$OUT/bench.err"
 gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)
 torchv=$(python3 -c 'import torch; print(torch.__version__, "cuDNN", torch.backends.cudnn.version())')
 python3 bench/plot.py "$jsonl" "$OUT/bench.png" "candle-flash vs PyTorch SDPA, $dtype, $gpu, torch $torchv, $(date -u +%F)" > "$OUT/ratios.md"

@@ -3,8 +3,9 @@
 //! of a Hopper GPU (again with `CANDLE_FLASH_DISABLE_SM90A=1`). Each case is also a parity check
 //! against the reference, so the subset cannot pass by computing nothing.
 //!
-//! What each case reaches (kernels/dispatch.cu decides): per dtype (f32: the SIMT kernels;
-//! f16/bf16: tensor cores) and head-dim tile (32 ... 256),
+//! What each case reaches (kernels/dispatch.cu decides): per dtype (f16/bf16: tensor cores; f32:
+//! tensor cores as 3xTF32, the backward up to head dim 128, and the SIMT kernels beyond and for
+//! rows that are not 16-byte aligned, `f32_simt_kernels`) and head-dim tile (32 ... 256),
 //!   prefill      the one-pass forward (sm_90a: the persistent 128 x 128 configurations for
 //!                d <= 128, 128 x 64 for 192 / 256; Q, K, V by TMA), the
 //!                backward's dsum, dK/dV with atomic dQ, the dQ conversion, and the GQA split
@@ -52,6 +53,21 @@ fn decode() {
 #[test]
 fn varlen_with_empty_sequences() {
     sweep(|dtype, d| Case::new(dtype, (0, 0), (2, 1), d).varlen(&[(30, 40), (0, 20), (17, 0)]).causal());
+}
+
+#[test]
+fn f32_simt_kernels() {
+    for device in common::devices() {
+        for d in HEAD_DIMS {
+            for case in [
+                Case::new(DType::F32, (70, 90), (4, 2), d).causal().odd_strides(),
+                Case::new(DType::F32, (33, 65), (4, 2), d).window(Some(20), Some(3)).deterministic().odd_strides(),
+            ] {
+                let summary = common::check_case(&case, &device, true).unwrap();
+                println!("F32 odd strides d={d} on {:?}: {summary}", device.location());
+            }
+        }
+    }
 }
 
 #[test]

@@ -109,6 +109,9 @@ pub struct Case {
     pub varlen: Vec<(usize, usize)>,
     /// The backward's deterministic mode.
     pub deterministic: bool,
+    /// q, k and v reach the flash op as views into rows one element longer (odd row strides, so
+    /// not 16-byte aligned): f32 on CUDA then runs the SIMT kernels instead of tensor cores.
+    pub odd_strides: bool,
 }
 
 impl Case {
@@ -126,6 +129,7 @@ impl Case {
             alibi: 0,
             varlen: vec![],
             deterministic: false,
+            odd_strides: false,
         }
     }
     pub fn causal(mut self) -> Self {
@@ -146,6 +150,10 @@ impl Case {
     }
     pub fn deterministic(mut self) -> Self {
         self.deterministic = true;
+        self
+    }
+    pub fn odd_strides(mut self) -> Self {
+        self.odd_strides = true;
         self
     }
     pub fn varlen(mut self, seqs: &[(usize, usize)]) -> Self {
@@ -229,7 +237,16 @@ pub fn run(flash: bool, inputs: &Inputs, case: &Case, dtype: DType, device: &Dev
     let to = |t: &Tensor| t.to_dtype(dtype)?.to_device(device);
     let (q, k, v) =
         (Var::from_tensor(&to(&inputs.q)?)?, Var::from_tensor(&to(&inputs.k)?)?, Var::from_tensor(&to(&inputs.v)?)?);
-    let (out, lse) = if flash {
+    let (out, lse) = if flash && case.odd_strides {
+        // a zero column appended and narrowed away: same values, row stride d + 1
+        let view = |x: &Var| -> Result<Tensor> {
+            let last = x.rank() - 1;
+            let mut dims = x.dims().to_vec();
+            dims[last] = 1;
+            Tensor::cat(&[x.as_tensor(), &Tensor::zeros(dims, dtype, device)?], last)?.narrow(last, 0, case.d)
+        };
+        candle_flash::flash_attn_with_lse(&view(&q)?, &view(&k)?, &view(&v)?, &opts)?
+    } else if flash {
         candle_flash::flash_attn_with_lse(&q, &k, &v, &opts)?
     } else {
         reference::attention_with_lse(&q, &k, &v, &opts)?
