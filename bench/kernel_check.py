@@ -655,7 +655,7 @@ def matrix(quick):
         C("p-bf16-d128-packed-causal", "bf16", b=2, h=40, hkv=8, sq=1000, d=128, layout="packed", wl=-1, wr=0, bwd=False),
         C("p-f16-d64-bhsd", "f16", b=2, h=40, sq=1000, sk=700, d=64, layout="bhsd", bwd=False),
     ]
-    # decode shapes (split-KV path: sq <= 16, sk >= 256, d tile 64/128, f16/bf16)
+    # decode shapes (split-KV path: sq <= 16, sk >= 256, d tile 64/128, f16/bf16/f32)
     G = "dec-"
     cases += [
         C(G + "bf16-q1-k4096-gqa", "bf16", b=1, h=32, hkv=8, sq=1, sk=4096, d=128, bwd=False),
@@ -677,6 +677,8 @@ def matrix(quick):
         C(G + "f16-q2-k1500-d72", "f16", b=2, h=4, hkv=2, sq=2, sk=1500, d=72, bwd=False),
         C(G + "bf16-q1-k600-bwd", "bf16", b=1, h=8, hkv=2, sq=1, sk=600, d=128),
         C(G + "f32-q1-k4096-gqa", "f32", b=1, h=8, hkv=2, sq=1, sk=4096, d=128, bwd=False),
+        C(G + "f32-q4-k3000-softcap-causal-d64", "f32", b=2, h=8, hkv=2, sq=4, sk=3000, d=64, softcap=5.0, qmul=3, wl=-1, wr=0, bwd=False),
+        C(G + "f32-varlen-q1-window", "f32", h=16, hkv=4, d=128, varlen=[(1, 4096), (1, 17), (0, 100), (1, 2500), (1, 0)], wl=1000, wr=0, bwd=False),
     ]
     cases += paged_matrix()
     return cases
@@ -1006,6 +1008,20 @@ def bench_f32(dev):
                 lines.append(f"{B} {H} {N:5d} {d:3d} {int(causal)} | {t_f*1e3:7.3f} / {t_ef*1e3:7.3f} {t_ef/t_f:5.2f}x | "
                              f"{t_b*1e3:7.3f} / {t_eb*1e3:7.3f} {t_eb/t_b:5.2f}x | {fl/t_f/1e12:5.1f} {fl/t_ef/1e12:5.1f}{err}")
                 print(lines[-1], flush=True)
+    # decode: one query row, 32 query / 8 KV heads (PyTorch's efficient backend takes no GQA:
+    # ours only, K/V bytes read per microsecond)
+    for b, nk in ((1, 4096), (1, 32768), (16, 4096)):
+        c = Case("bench-f32-decode", "f32", b=b, h=32, hkv=8, sq=1, sk=nk, d=128)
+        g = torch.Generator(device=dev).manual_seed(0)
+        q, k, v, do, _ = make_inputs(c, dev, g)
+        o = torch.empty_like(q)
+        lse = torch.empty(b, 32, 1, dtype=torch.float32, device=dev)
+        fp = fwd_params(c, q, k, v, o, lse, None, None, None)
+        stream = torch.cuda.current_stream().cuda_stream
+        fws = fwd_workspace(fp, dev)
+        t = median_cuda_time(lambda: call_fwd(fp, fws, stream), reps=20)
+        lines.append(f"decode b={b} nk={nk} h=32/8 d=128: {t*1e6:8.1f} us, K/V {2*b*nk*8*128*4/t/1e12:.2f} TB/s")
+        print(lines[-1], flush=True)
     return lines
 
 

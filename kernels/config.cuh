@@ -55,9 +55,10 @@ struct SplitTraits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = kSplitBlockM, kBlockN = kSplitBlockN, kNWarps = 4, kNThreads = 128;
     // (K, V) block pairs in the ring: kStages - 1 in flight while one is used (2 when the grid
-    // fills every SM with 2 CTAs; 4 when there is at most one CTA per SM, to keep more bytes in flight)
-    static constexpr int kStages = kStages_;
-    static constexpr int kSmemBytes = (kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2;
+    // fills every SM with 2 CTAs; 4 when there is at most one CTA per SM, to keep more bytes in
+    // flight; f32 at d = 128: 2, the most that fits sm_80's shared memory)
+    static constexpr int kStages = sizeof(T_) == 4 && kHeadDim == 128 ? 2 : kStages_;
+    static constexpr int kSmemBytes = (kBlockM + 2 * kStages * kBlockN) * kHeadDim * (int)sizeof(T_);
     static_assert(kSmemBytes <= 160 * 1024, "must fit sm_80's 163 KB");
     static_assert(kBlockM == 16 * kNWarps, "one m16 tile per warp");
     static_assert(kBlockN % 16 == 0 && kStages >= 2, "P*V k-steps of 16 keys; a ring");

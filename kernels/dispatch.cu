@@ -181,6 +181,16 @@ bool f32_bwd_tensor_cores(const CfBwdParams& p) {
 // Whether the backward runs the tensor-core kernels (their workspace plan differs: plan_bwd).
 bool bwd_tensor_cores(const CfBwdParams& p) { return p.fwd.dtype != CF_F32 || f32_bwd_tensor_cores(p); }
 
+// The split-KV plan of a call (heuristics.cuh), none for f32 on the SIMT kernels.
+SplitPlan split_plan(const CfFwdParams& p) {
+    if (p.dtype == CF_F32 && !f32_fwd_tensor_cores(p)) {
+        SplitPlan none{};
+        none.nsplit = 1;
+        return none;
+    }
+    return plan_split(p);
+}
+
 template <typename T>
 cudaError_t fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* ws, cudaStream_t s) {
     return round_head_dim(p.d) == 64 ? run_fwd_split<T, 64>(p, sp, ws, s) : run_fwd_split<T, 128>(p, sp, ws, s);
@@ -211,8 +221,10 @@ cudaError_t fwd_sm80(const CfFwdParams& p, cudaStream_t s) {
 }
 
 // f32 forward: the 3xTF32 mma.sync kernel of the rounded head dim, or the SIMT kernel.
-cudaError_t fwd_f32(const CfFwdParams& p, cudaStream_t s) {
+cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {
     if (!f32_fwd_tensor_cores(p)) return run_fwd_f32(p, s);
+    const SplitPlan sp = plan_split(p);
+    if (sp.nsplit > 1) return fwd_split<float>(p, sp, ws, s);
     switch (round_head_dim(p.d)) {
         case 32: return fwd_sm80<float, 32>(p, s);
         case 64: return fwd_sm80<float, 64>(p, s);
@@ -305,7 +317,7 @@ size_t cf_fwd_workspace_size(const CfFwdParams* p) {
     using namespace cf;
     if (check_fwd(p) != CF_OK || p->b == 0 || p->seqlen_q == 0) return 0;
     if (p->dtype == CF_E4M3) return fp8_vt_layout(*p).bytes;
-    return plan_split(*p).bytes;
+    return split_plan(*p).bytes;
 }
 
 int cf_fwd_check(const CfFwdParams* p) { return cf::check_fwd(p, /*probe_maps=*/true); }
@@ -317,7 +329,7 @@ int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream) {
     if (p->b == 0 || p->seqlen_q == 0) return CF_OK;
     cudaError_t e;
     switch (p->dtype) {
-        case CF_F32: e = fwd_f32(*p, stream); break;
+        case CF_F32: e = fwd_f32(*p, workspace, stream); break;
         case CF_F16: e = fwd_tc<__half>(*p, workspace, stream); break;
         case CF_BF16: e = fwd_tc<__nv_bfloat16>(*p, workspace, stream); break;
         default:

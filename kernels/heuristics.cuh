@@ -13,14 +13,15 @@
 namespace cf {
 
 // Split-KV (flash-decoding) plan for few query rows and long keys: nsplit > 1 when the
-// one-pass grid would leave most of the GPU idle. pack = query heads per CTA (GQA group; 1 with
+// one-pass grid would leave most of the GPU idle. f32: only on the tensor-core path (dispatch.cu's
+// split_plan says so; the SIMT kernels have no split). pack = query heads per CTA (GQA group; 1 with
 // ALiBi, whose slope is per head). A pure function of the parameters and the device's SM count,
 // so cf_fwd_workspace_size and cf_fwd agree.
 inline SplitPlan plan_split(const CfFwdParams& p) {
     SplitPlan sp{};
     sp.nsplit = 1;
     const int rd = round_head_dim(p.d);
-    if (p.dtype == CF_F32 || p.dtype == CF_E4M3 || (rd != 64 && rd != 128) || p.seqlen_q > 16 || p.seqlen_k < 256) return sp;
+    if (p.dtype == CF_E4M3 || (rd != 64 && rd != 128) || p.seqlen_q > 16 || p.seqlen_k < 256) return sp;
     const int group = p.h / p.hkv;
     const int pack = p.alibi_slopes ? 1 : group;
     const int64_t mblocks = (int64_t)(pack * p.seqlen_q + kSplitBlockM - 1) / kSplitBlockM;

@@ -1,4 +1,5 @@
-// Forward for decode shapes (few query rows, long KV), f16/bf16, head-dim tiles 64 and 128
+// Forward for decode shapes (few query rows, long KV), f16/bf16 and f32 (3xTF32: common/tile.cuh),
+// head-dim tiles 64 and 128
 // (flash-decoding). The key range is cut into `nsplit` chunks of whole key blocks; each CTA
 // computes one chunk for the query rows of `pack` query heads sharing one KV head (GQA rows
 // packed: row r of a group = head h0 + r / sq, query r % sq), so each K/V tile is read once per
@@ -21,7 +22,8 @@ template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwdParams p, const SplitArgs sa) {
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
-    constexpr int C = D / 8, NT = BN / 8, DT = D / 8, KS = D / 16, PS = BN / 16;
+    constexpr int E = kChunkElems<T>;
+    constexpr int C = D / E, NT = BN / 8, DT = D / 8, KS = D / kMmaK<T>, PS = BN / kMmaK<T>;
     using Loader = TileLoader<C, NTH>;
 
     extern __shared__ __align__(128) unsigned char smem[];
@@ -38,7 +40,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
     const int nrows = min(BM, R - m0);
     const int h0 = gi * sa.pack;
     const int hk = kv_head(p, h0);
-    const int dch = p.d >> 3;
+    const int dch = p.d / E;
     // query-index range of this CTA's rows (whole sequence when they span two heads)
     int i_lo, i_hi;
     if (m0 / sq == (m0 + nrows - 1) / sq) {
@@ -74,8 +76,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
             const int r = idx / C, c = idx % C;
             const bool ok = r < nrows && c < dch;
             const int rr = m0 + r;
-            const T* src = si.q<T>(p, h0 + rr / sq) + (int64_t)(rr % sq) * p.q_row_stride + c * 8;
-            cp_async_16(smem_addr(sQ + swz<C>(r, c) * 8), ok ? static_cast<const void*>(src) : p.q, ok);
+            const T* src = si.q<T>(p, h0 + rr / sq) + (int64_t)(rr % sq) * p.q_row_stride + c * E;
+            cp_async_16(smem_addr(sQ + swz<C, sizeof(T)>(r, c) * E), ok ? static_cast<const void*>(src) : p.q, ok);
         }
     }
     // K/V ring of kStages (K, V) block pairs; block it (from the last one down) sits in stage
@@ -195,7 +197,10 @@ __global__ void __launch_bounds__(128) split_combine_kernel(const CfFwdParams p,
                 a3 = fmaf(w, v.w, a3);
             }
         }
-        *reinterpret_cast<uint2*>(og + c0) = make_uint2(pack2<T>(a0, a1), pack2<T>(a2, a3));
+        if constexpr (std::is_same<T, float>::value)
+            *reinterpret_cast<float4*>(og + c0) = make_float4(a0, a1, a2, a3);
+        else
+            *reinterpret_cast<uint2*>(og + c0) = make_uint2(pack2<T>(a0, a1), pack2<T>(a2, a3));
     }
     if (lane == 0)
         si.lse(p, h)[i] = lse;
@@ -235,5 +240,7 @@ CF_INST_SPLIT(__half, 64)
 CF_INST_SPLIT(__half, 128)
 CF_INST_SPLIT(__nv_bfloat16, 64)
 CF_INST_SPLIT(__nv_bfloat16, 128)
+CF_INST_SPLIT(float, 64)
+CF_INST_SPLIT(float, 128)
 
 }  // namespace cf
