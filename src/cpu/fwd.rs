@@ -27,6 +27,11 @@ struct QueryTile {
     row_sum: Vec<f32>,
     correction: Vec<f32>,
     ranges: Vec<RowKeys>,
+    /// Each row's key hull as u32 bounds (saturated), for the key-major mask; and whether any
+    /// row has a gap in it (then the mask goes through the row rule).
+    hull_lo: Vec<u32>,
+    hull_hi: Vec<u32>,
+    any_gap: bool,
     /// The union of the rows' key hulls, and the keys every row sees whole (no mask edge).
     keys: (usize, usize),
     all_see: (usize, usize),
@@ -44,6 +49,9 @@ impl QueryTile {
             row_sum: vec![0.0; rows],
             correction: vec![0.0; rows],
             ranges: Vec::with_capacity(rows),
+            hull_lo: vec![0; rows],
+            hull_hi: vec![0; rows],
+            any_gap: false,
             keys: (0, 0),
             all_see: (0, 0),
         }
@@ -176,17 +184,22 @@ unsafe fn forward_task(
         t.i0 = i0 + n * rows_per_head;
         t.q_rows = rows_per_head.min(i0 + q_rows - t.i0);
         let rows = t.q_rows * group;
-        // Qᵀ (d × rows): column p is packed row p.
+        // Qᵀ (d × rows): column p is packed row p (as bf16 pairs along d when the products
+        // run on them).
         for p in 0..rows {
             let (head, i) = row_of(t, p);
-            let src = (seq.q_start + i) * q_rs + head * d;
-            for (c, &x) in q[src..src + d].iter().enumerate() {
-                t.q_t[c * rows + p] = x;
-            }
+            let src = &q[(seq.q_start + i) * q_rs + head * d..][..d];
             if bf16_pairs {
-                for c2 in 0..d2 {
-                    let hi = if 2 * c2 + 1 < d { q[src + 2 * c2 + 1] } else { 0.0 };
-                    t.q_t_pairs[c2 * rows + p] = bf16_pair(q[src + 2 * c2], hi);
+                let (pairs, last) = src.as_chunks::<2>();
+                for (c2, pair) in pairs.iter().enumerate() {
+                    t.q_t_pairs[c2 * rows + p] = bf16_pair(pair[0], pair[1]);
+                }
+                if let [x] = last {
+                    t.q_t_pairs[(d2 - 1) * rows + p] = bf16_pair(*x, 0.0);
+                }
+            } else {
+                for (c, &x) in src.iter().enumerate() {
+                    t.q_t[c * rows + p] = x;
                 }
             }
         }
@@ -194,6 +207,11 @@ unsafe fn forward_task(
         let (t_i0, t_rows) = (t.i0, t.q_rows);
         t.ranges.extend((0..rows).map(|p| shape.row_keys(opts, host, b, t_i0 + p % t_rows)));
         let ranges = &t.ranges;
+        let bound = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+        for (r, keys) in ranges.iter().enumerate() {
+            (t.hull_lo[r], t.hull_hi[r]) = (bound(keys.hull.0), bound(keys.hull.1));
+        }
+        t.any_gap = ranges.iter().any(|r| r.gap.is_some());
         // Each row's keys lie in its hull; K tiles outside the union of the hulls are skipped.
         t.keys = (
             ranges.iter().filter(|r| !r.is_empty()).map(|r| r.hull.0).min().unwrap_or(0),
@@ -227,6 +245,10 @@ unsafe fn forward_task(
         }
         for t in tiles.iter_mut().filter(|t| t.keys.0 < j0 + cols && j0 < t.keys.1) {
             let rows = t.q_rows * group;
+            // Keys past every row's hull are not computed: a causal task's first query tiles
+            // stop at their diagonal instead of running the whole key tile masked.
+            let cols = cols.min(t.keys.1 - j0);
+            let k2 = cols.div_ceil(2);
             let s_t = &mut scores_t[..cols * rows];
             // Sᵀ = scale · K Qᵀ for this tile (keys × rows).
             if bf16_pairs {
@@ -245,7 +267,13 @@ unsafe fn forward_task(
                 let (kv, qt) = (MatRef::rows(k_rows.as_ptr(), d), (t.q_t.as_ptr(), rows));
                 tile_matmul(isa, (cols, rows, d), s_t.as_mut_ptr(), rows, false, kv, qt, opts.softmax_scale);
             }
-            if !(plain_logits && t.all_see.0 <= j0 && j0 + cols <= t.all_see.1) {
+            if plain_logits && !t.any_gap && u32::try_from(j0 + cols).is_ok() {
+                if !(t.all_see.0 <= j0 && j0 + cols <= t.all_see.1) {
+                    // The hulls' edges only, key by key across the query rows (the row rule
+                    // below writes the tile column by column: a strided pass that missed L1).
+                    mask_keys_t(isa, s_t, rows, j0 as u32, &t.hull_lo[..rows], &t.hull_hi[..rows]);
+                }
+            } else if !(plain_logits && t.all_see.0 <= j0 && j0 + cols <= t.all_see.1) {
                 // Softcap, ALiBi and masks per query row, through the one row rule.
                 for (r, keys) in t.ranges.iter().enumerate() {
                     let column = &mut column[..cols];
@@ -351,6 +379,20 @@ fn softmax_column_block<const W: usize, const FMA: bool>(
     }
     for i in 0..W {
         row_sum[c0 + i] = row_sum[c0 + i] * correction[c0 + i] + sum[i];
+    }
+}
+
+super::simd::multiversion! {
+    /// `-inf` at the keys of a transposed score tile (`s_t`: keys `j0..` × `rows`) that lie
+    /// outside their row's hull `[lo[r], hi[r])`: the mask of plain logits, one key row at a
+    /// time, vectorised across the query rows.
+    fn mask_keys_t(s_t: &mut [f32], rows: usize, j0: u32, lo: &[u32], hi: &[u32]) {
+        for (j, key) in s_t.chunks_exact_mut(rows).enumerate() {
+            let j = j0 + j as u32;
+            for ((x, &l), &h) in key.iter_mut().zip(lo).zip(hi) {
+                *x = if j < l || j >= h { f32::NEG_INFINITY } else { *x };
+            }
+        }
     }
 }
 

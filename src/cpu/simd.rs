@@ -2,7 +2,7 @@
 //! forward and backward goes through.
 //!
 //! [`CpuIsa::active`] is the best set the CPU has (`is_x86_feature_detected!`, never compile
-//! flags; AVX-512 BF16 only on request, see there), chosen by
+//! flags; AVX-512 BF16 where it pays, see there), chosen by
 //! `CANDLE_FLASH_CPU_ISA=portable|avx2|avx512|avx512bf16` (read once; a set the CPU lacks is
 //! never used) or, for the calling thread only, by [`with_cpu_isa`] (tests run every path
 //! this way). The forward and backward read it once per call, on the
@@ -60,11 +60,7 @@ impl CpuIsa {
     }
 
     /// What the CPU kernels use now on this thread: [`with_cpu_isa`]'s choice inside it, else
-    /// the detected set lowered by `CANDLE_FLASH_CPU_ISA`. [`CpuIsa::Avx512Bf16`] is opt-in
-    /// (`CANDLE_FLASH_CPU_ISA=avx512bf16`): on the only AVX-512 BF16 CPU measured (the device
-    /// machine's Xeon) the bf16-pair forward reached 50-110 GFLOP/s against 62-137 for bf16
-    /// widened to f32 on the AVX-512 f32 kernel (bench/results/cpu-xeon-bf16-paths.txt), the
-    /// pair packing costing more than `vdpbf16ps` saves.
+    /// the detected set, lowered by `CANDLE_FLASH_CPU_ISA` or by [`CpuIsa::bf16_pairs_pay`].
     pub fn active() -> CpuIsa {
         static FROM_ENV: OnceLock<CpuIsa> = OnceLock::new();
         if let Some(isa) = OVERRIDE.with(Cell::get) {
@@ -72,7 +68,7 @@ impl CpuIsa {
         }
         *FROM_ENV.get_or_init(|| {
             let detected = CpuIsa::detected();
-            let default = detected.min(CpuIsa::Avx512);
+            let default = if CpuIsa::bf16_pairs_pay() { detected } else { detected.min(CpuIsa::Avx512) };
             match std::env::var("CANDLE_FLASH_CPU_ISA").ok().as_deref().map(CpuIsa::parse) {
                 Some(Some(wanted)) => wanted.min(detected),
                 Some(None) => {
@@ -82,6 +78,27 @@ impl CpuIsa {
                 None => default,
             }
         })
+    }
+
+    /// Whether bf16 products on `vdpbf16ps` (bf16 pairs, [`CpuIsa::Avx512Bf16`]) beat bf16
+    /// widened to f32 for the AVX-512 f32 kernel on this CPU, by vendor: AMD's AVX-512 cores
+    /// (Zen 4 and later) issue one 512-bit FMA per cycle over two 256-bit halves, and
+    /// `vdpbf16ps` does twice the multiply-adds in the same slot: the bf16 forward measured
+    /// 1.45-1.55x the widened one there (bench/NOTES.md, v10). Intel's AVX-512 BF16 server
+    /// cores have two 512-bit FMA ports and run `vdpbf16ps` on one of them, so the pair
+    /// packing costs more than it saves: 50-110 against 62-137 GFLOP/s on the Xeon measured
+    /// (bench/results/cpu-xeon-bf16-paths.txt). Elsewhere `CANDLE_FLASH_CPU_ISA=avx512bf16`
+    /// asks for the pairs.
+    pub fn bf16_pairs_pay() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // CPUID leaf 0: the vendor string.
+            let id = std::arch::x86_64::__cpuid(0);
+            let vendor = [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat();
+            vendor == b"AuthenticAMD"
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
     }
 
     /// `portable`, `avx2`, `avx512` or `avx512bf16`.
