@@ -4,11 +4,12 @@
 //! Per-query-head dK/dV are then summed over each KV head's group (GQA) in a fixed order, so
 //! the result is deterministic.
 
-use super::simd::{multiversion, tile_matmul, CpuIsa, MatRef};
+use super::fwd::{pack_pairs, pack_row_pairs};
+use super::simd::{bf16_pair, multiversion, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
 use super::{dense_f32, exp_shifted_sum, logits_row, CpuTiles, SharedMut};
 use crate::op::BwdInputs;
 use crate::params::{AttnShape, FlashAttnOptions, HostData};
-use candle_core::{CpuStorage, Layout, Result};
+use candle_core::{CpuStorage, DType, Layout, Result};
 use rayon::prelude::*;
 
 /// Per-worker scratch: the head's K, Q and dO as contiguous rows, gathered once per task (B
@@ -29,11 +30,55 @@ struct Scratch {
     dk: Vec<f32>,
     dv: Vec<f32>,
     delta: Vec<f32>,
+    /// The bf16-pair operands (AVX-512 BF16 on bf16 inputs, else empty), pairs along the
+    /// reduction axis of the product that reads them: [`Pairs`].
+    pairs: Pairs,
+}
+
+/// bf16 pairs (`bf16_pair`) for the five backward products on `vdpbf16ps`. Per task: Q and
+/// dO paired along d (the A operands of S and dP) and along query rows (the B operands of dK
+/// and dV). Per K tile: Kᵀ and Vᵀ paired along d (B of S and dP), K paired along keys (B of
+/// dQ). Per Q tile: P and dS paired along query rows (A of dV and dK, read transposed), dS
+/// paired along keys (A of dQ). Query tiles start at even rows, so a tile's row pairs are a
+/// slice of the task's; an odd end pairs with zero.
+#[derive(Default)]
+struct Pairs {
+    q_d: Vec<u32>,
+    do_d: Vec<u32>,
+    q_rows: Vec<u32>,
+    do_rows: Vec<u32>,
+    kt_d: Vec<u32>,
+    vt_d: Vec<u32>,
+    k_keys: Vec<u32>,
+    p_rows: Vec<u32>,
+    ds_rows: Vec<u32>,
+    ds_keys: Vec<u32>,
+}
+
+impl Pairs {
+    fn new(d: usize, (q, k): (usize, usize), (max_q, max_k): (usize, usize)) -> Self {
+        let (d2, q2, k2, max_q2) = (d.div_ceil(2), q.div_ceil(2), k.div_ceil(2), max_q.div_ceil(2));
+        let _ = max_k;
+        Self {
+            q_d: vec![0; max_q * d2],
+            do_d: vec![0; max_q * d2],
+            q_rows: vec![0; max_q2 * d],
+            do_rows: vec![0; max_q2 * d],
+            kt_d: vec![0; d2 * k],
+            vt_d: vec![0; d2 * k],
+            k_keys: vec![0; k2 * d],
+            p_rows: vec![0; q2 * k],
+            ds_rows: vec![0; q2 * k],
+            ds_keys: vec![0; q * k2],
+        }
+    }
 }
 
 impl Scratch {
-    fn new(d: usize, tiles: CpuTiles, (max_q, max_k): (usize, usize)) -> Self {
+    fn new(d: usize, tiles: CpuTiles, (max_q, max_k): (usize, usize), bf16_pairs: bool) -> Self {
         let (q, k) = (tiles.q_rows, tiles.k_cols);
+        // The query tile is kept even so that tiles start at even rows (row pairs).
+        let q = q.next_multiple_of(2);
         Self {
             k_head: vec![0.0; max_k * d],
             q_head: vec![0.0; max_q * d],
@@ -46,6 +91,7 @@ impl Scratch {
             dk: vec![0.0; k * d],
             dv: vec![0.0; k * d],
             delta: vec![0.0; max_q],
+            pairs: if bf16_pairs { Pairs::new(d, (q, k), (max_q, max_k)) } else { Pairs::default() },
         }
     }
 }
@@ -59,6 +105,9 @@ pub(crate) fn backward(
 ) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
     let host = shape.host()?;
     let (isa, tiles) = (CpuIsa::active(), CpuTiles::get());
+    // bf16 inputs on AVX-512 BF16: the five products on bf16 pairs with f32 accumulation, P and
+    // dS rounded to bf16 as the GPU kernels do (the forward's rule, `CpuIsa::active`).
+    let bf16_pairs = isa == CpuIsa::Avx512Bf16 && shape.dtype == DType::BF16;
     let BwdInputs { q, k, v, out, grad_out: dout, lse } = x.try_map(|_, (s, l)| dense_f32(s, l))?;
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
 
@@ -72,11 +121,11 @@ pub(crate) fn backward(
     let max_k = host.seqs.iter().map(|s| s.k_len).max().unwrap_or(0);
     let inputs = (&q[..], &k[..], &v[..], &out[..], &dout[..], &lse[..]);
     tasks.par_iter().for_each_init(
-        || Scratch::new(d, tiles, (max_q, max_k)),
+        || Scratch::new(d, tiles, (max_q, max_k), bf16_pairs),
         |scratch, &(b, head)| {
             // SAFETY: task (b, head) writes only the (row, head) slots of sequence b and
             // head `head` in dq, dk_heads and dv_heads; no two tasks share one.
-            unsafe { backward_head(shape, host, opts, inputs, ptrs, (isa, tiles), (b, head), scratch) }
+            unsafe { backward_head(shape, host, opts, inputs, ptrs, (isa, bf16_pairs, tiles), (b, head), scratch) }
         },
     );
 
@@ -118,12 +167,13 @@ unsafe fn backward_head(
     opts: &FlashAttnOptions,
     (q, k, v, out, dout, lse): Inputs,
     (dq, dk, dv): (SharedMut, SharedMut, SharedMut),
-    (isa, tiles): (CpuIsa, CpuTiles),
+    (isa, bf16_pairs, tiles): (CpuIsa, bool, CpuTiles),
     (b, head): (usize, usize),
     scratch: &mut Scratch,
 ) {
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
-    let (q_tile, k_tile) = (tiles.q_rows, tiles.k_cols);
+    let (q_tile, k_tile) = (tiles.q_rows.next_multiple_of(2), tiles.k_cols);
+    let d2 = d.div_ceil(2);
     let seq = &host.seqs[b];
     let kv_head = head / shape.group_size();
     let (q_rs, kv_rs) = (h * d, hkv * d);
@@ -132,7 +182,8 @@ unsafe fn backward_head(
     let dkv_off = |j: usize| (seq.k_start + j) * q_rs + head * d;
     let alibi = host.alibi_slope(b, head);
     let scale = opts.softmax_scale;
-    let Scratch { k_head, q_head, do_head, k_t, v_t, probs, dprobs, dtanh, dk: dk_acc, dv: dv_acc, delta } = scratch;
+    let Scratch { k_head, q_head, do_head, k_t, v_t, probs, dprobs, dtanh, dk: dk_acc, dv: dv_acc, delta, pairs } =
+        scratch;
 
     for (i, (q_row, do_row)) in q_head.chunks_exact_mut(d).zip(do_head.chunks_exact_mut(d)).take(seq.q_len).enumerate()
     {
@@ -142,6 +193,19 @@ unsafe fn backward_head(
     for (j, k_row) in k_head.chunks_exact_mut(d).take(seq.k_len).enumerate() {
         k_row.copy_from_slice(&k[kv_off(j)..kv_off(j) + d]);
     }
+    if bf16_pairs {
+        // Rows i and i + 1 of a (q_len × d) matrix, the second absent past the end.
+        fn rows(x: &[f32], i: usize, (d, len): (usize, usize)) -> (&[f32], Option<&[f32]>) {
+            (&x[i * d..(i + 1) * d], (i + 1 < len).then(|| &x[(i + 1) * d..(i + 2) * d]))
+        }
+        pack_row_pairs(isa, &q_head[..seq.q_len * d], d, &mut pairs.q_d[..seq.q_len * d2]);
+        pack_row_pairs(isa, &do_head[..seq.q_len * d], d, &mut pairs.do_d[..seq.q_len * d2]);
+        for i2 in 0..seq.q_len.div_ceil(2) {
+            let ((q0, q1), (o0, o1)) = (rows(q_head, 2 * i2, (d, seq.q_len)), rows(do_head, 2 * i2, (d, seq.q_len)));
+            pack_pairs(isa, q0, q1, &mut pairs.q_rows[i2 * d..(i2 + 1) * d]);
+            pack_pairs(isa, o0, o1, &mut pairs.do_rows[i2 * d..(i2 + 1) * d]);
+        }
+    }
     // D_i = rowsum(dO ∘ O).
     for (i, di) in delta[..seq.q_len].iter_mut().enumerate() {
         *di = dot(isa, &out[q_off(i)..q_off(i) + d], &dout[q_off(i)..q_off(i) + d]);
@@ -150,49 +214,80 @@ unsafe fn backward_head(
     for j0 in (0..seq.k_len).step_by(k_tile) {
         let cols = k_tile.min(seq.k_len - j0);
         // The rows that see some key of this tile form one interval (query ranges move
-        // monotonically with the key); Q tiles outside it are skipped entirely.
+        // monotonically with the key); Q tiles outside it are skipped entirely. It starts at
+        // an even row (the row before a range's start sees none of these keys: P = 0 there).
         let ranges = (j0..j0 + cols).map(|j| shape.query_range(opts, seq, j)).filter(|r| r.1 > r.0);
         let (i_lo, i_hi) = ranges.fold((usize::MAX, 0), |(lo, hi), r| (lo.min(r.0), hi.max(r.1)));
         if i_hi <= i_lo {
             continue;
         }
+        let i_lo = i_lo - i_lo % 2;
         dk_acc[..cols * d].fill(0.0);
         dv_acc[..cols * d].fill(0.0);
-        // Kᵀ and Vᵀ (d × cols), read by every Q tile below.
-        for j in 0..cols {
-            let (kr, vr) = (&k[kv_off(j0 + j)..kv_off(j0 + j) + d], &v[kv_off(j0 + j)..kv_off(j0 + j) + d]);
-            for c in 0..d {
-                k_t[c * cols + j] = kr[c];
-                v_t[c * cols + j] = vr[c];
+        if bf16_pairs {
+            // Kᵀ and Vᵀ paired along d (d/2 × cols), K paired along keys (cols/2 × d).
+            for j in 0..cols {
+                let (kr, vr) = (&k_head[(j0 + j) * d..][..d], &v[kv_off(j0 + j)..kv_off(j0 + j) + d]);
+                for c2 in 0..d2 {
+                    let hi = |r: &[f32]| if 2 * c2 + 1 < d { r[2 * c2 + 1] } else { 0.0 };
+                    pairs.kt_d[c2 * cols + j] = bf16_pair(kr[2 * c2], hi(kr));
+                    pairs.vt_d[c2 * cols + j] = bf16_pair(vr[2 * c2], hi(vr));
+                }
+            }
+            for j2 in 0..cols.div_ceil(2) {
+                let j = j0 + 2 * j2;
+                let next = (2 * j2 + 1 < cols).then(|| &k_head[(j + 1) * d..(j + 2) * d]);
+                pack_pairs(isa, &k_head[j * d..(j + 1) * d], next, &mut pairs.k_keys[j2 * d..(j2 + 1) * d]);
+            }
+        } else {
+            // Kᵀ and Vᵀ (d × cols), read by every Q tile below.
+            for j in 0..cols {
+                let (kr, vr) = (&k[kv_off(j0 + j)..kv_off(j0 + j) + d], &v[kv_off(j0 + j)..kv_off(j0 + j) + d]);
+                for c in 0..d {
+                    k_t[c * cols + j] = kr[c];
+                    v_t[c * cols + j] = vr[c];
+                }
             }
         }
 
         for i0 in (i_lo..i_hi).step_by(q_tile) {
             let rows = q_tile.min(i_hi - i0);
+            // The keys of this tile that these rows see, [c_lo, c_hi) (c_lo even: key pairs);
+            // a causal diagonal tile stops at its last row's diagonal.
+            let (c_lo, c_hi) = (i0..i0 + rows)
+                .map(|i| shape.key_range(opts, seq, i))
+                .filter(|r| r.1 > r.0 && r.0 < j0 + cols && r.1 > j0)
+                .fold((cols, 0), |(lo, hi), r| (lo.min(r.0.max(j0) - j0), hi.max(r.1.min(j0 + cols) - j0)));
+            if c_hi <= c_lo {
+                continue;
+            }
+            let c_lo = c_lo - c_lo % 2;
+            let n = c_hi - c_lo;
+            let (rows2, n2) = (rows.div_ceil(2), n.div_ceil(2));
             let (q_tile_rows, do_tile_rows) = (q_head[i0 * d..].as_ptr(), do_head[i0 * d..].as_ptr());
+            // The tile's columns c_lo..c_hi of P, dP and dS (rows k_tile apart).
+            let (probs_c, dprobs_c) = (probs.as_mut_ptr().add(c_lo), dprobs.as_mut_ptr().add(c_lo));
             // P = exp(scale · Q Kᵀ - lse), recomputed.
-            tile_matmul(
-                isa,
-                (rows, cols, d),
-                probs.as_mut_ptr(),
-                k_tile,
-                false,
-                MatRef::rows(q_tile_rows, d),
-                (k_t.as_ptr(), cols),
-                scale,
-            );
+            if bf16_pairs {
+                let a = MatRef::rows(pairs.q_d[i0 * d2..].as_ptr().cast(), d2);
+                let b = (pairs.kt_d[c_lo..].as_ptr().cast(), cols);
+                tile_matmul_bf16_pairs(isa, (rows, n, d2), probs_c, k_tile, false, a, b, scale);
+            } else {
+                let b = (k_t[c_lo..].as_ptr(), cols);
+                tile_matmul(isa, (rows, n, d), probs_c, k_tile, false, MatRef::rows(q_tile_rows, d), b, scale);
+            }
             for r in 0..rows {
                 let i = i0 + r;
-                let row = &mut probs[r * k_tile..r * k_tile + cols];
+                let span = r * k_tile + c_lo..r * k_tile + c_hi;
+                let row = &mut probs[span.clone()];
                 if let Some(c) = opts.softcap {
-                    let dt = &mut dtanh[r * k_tile..r * k_tile + cols];
-                    for (t, x) in dt.iter_mut().zip(row.iter()) {
+                    for (t, x) in dtanh[span].iter_mut().zip(row.iter()) {
                         let th = (x / c).tanh();
                         *t = 1.0 - th * th;
                     }
                 }
                 let pos = i as isize + seq.diag_offset();
-                logits_row(row, j0, shape.key_range(opts, seq, i), 1.0, opts.softcap, alibi.map(|s| (s, pos)));
+                logits_row(row, j0 + c_lo, shape.key_range(opts, seq, i), 1.0, opts.softcap, alibi.map(|s| (s, pos)));
                 let row_lse = lse[shape.lse_index(seq, head, i)];
                 if row_lse == f32::NEG_INFINITY {
                     row.fill(0.0); // the row saw no key: no gradient flows through it
@@ -200,55 +295,60 @@ unsafe fn backward_head(
                     exp_shifted_sum(isa, row, row_lse);
                 }
             }
+            // Row r of P, dP or dS, columns c_lo..c_hi.
+            fn part(x: &[f32], r: usize, (ld, lo, hi): (usize, usize, usize)) -> &[f32] {
+                &x[r * ld + lo..r * ld + hi]
+            }
+            let cut = (k_tile, c_lo, c_hi);
             // dV += Pᵀ dO.
-            tile_matmul(
-                isa,
-                (cols, d, rows),
-                dv_acc.as_mut_ptr(),
-                d,
-                true,
-                MatRef::transposed(probs.as_ptr(), k_tile),
-                (do_tile_rows, d),
-                1.0,
-            );
+            if bf16_pairs {
+                for r2 in 0..rows2 {
+                    let odd = (2 * r2 + 1 < rows).then(|| part(probs, 2 * r2 + 1, cut));
+                    pack_pairs(isa, part(probs, 2 * r2, cut), odd, &mut pairs.p_rows[r2 * k_tile..][..n]);
+                }
+                let a = MatRef::transposed(pairs.p_rows.as_ptr().cast(), k_tile);
+                let b = (pairs.do_rows[i0 / 2 * d..].as_ptr().cast(), d);
+                tile_matmul_bf16_pairs(isa, (n, d, rows2), dv_acc[c_lo * d..].as_mut_ptr(), d, true, a, b, 1.0);
+            } else {
+                let a = MatRef::transposed(probs_c, k_tile);
+                tile_matmul(isa, (n, d, rows), dv_acc[c_lo * d..].as_mut_ptr(), d, true, a, (do_tile_rows, d), 1.0);
+            }
             // dP = dO Vᵀ.
-            tile_matmul(
-                isa,
-                (rows, cols, d),
-                dprobs.as_mut_ptr(),
-                k_tile,
-                false,
-                MatRef::rows(do_tile_rows, d),
-                (v_t.as_ptr(), cols),
-                1.0,
-            );
+            if bf16_pairs {
+                let a = MatRef::rows(pairs.do_d[i0 * d2..].as_ptr().cast(), d2);
+                let b = (pairs.vt_d[c_lo..].as_ptr().cast(), cols);
+                tile_matmul_bf16_pairs(isa, (rows, n, d2), dprobs_c, k_tile, false, a, b, 1.0);
+            } else {
+                let b = (v_t[c_lo..].as_ptr(), cols);
+                tile_matmul(isa, (rows, n, d), dprobs_c, k_tile, false, MatRef::rows(do_tile_rows, d), b, 1.0);
+            }
             // dS = P ∘ (dP − D) (∘ tanh' under softcap), stored over dP.
             for r in 0..rows {
-                let span = r * k_tile..r * k_tile + cols;
+                let span = r * k_tile + c_lo..r * k_tile + c_hi;
                 let tanh_grad = opts.softcap.map(|_| &dtanh[span.clone()]);
                 probs_to_score_grads(isa, &probs[span.clone()], &mut dprobs[span], delta[i0 + r], tanh_grad);
             }
             // dQ += scale · dS K ; dK += scale · dSᵀ Q.
-            tile_matmul(
-                isa,
-                (rows, d, cols),
-                dq.0.add(q_off(i0)),
-                q_rs,
-                true,
-                MatRef::rows(dprobs.as_ptr(), k_tile),
-                (k_head[j0 * d..].as_ptr(), d),
-                scale,
-            );
-            tile_matmul(
-                isa,
-                (cols, d, rows),
-                dk_acc.as_mut_ptr(),
-                d,
-                true,
-                MatRef::transposed(dprobs.as_ptr(), k_tile),
-                (q_tile_rows, d),
-                scale,
-            );
+            let (dq_rows, dk_rows) = (dq.0.add(q_off(i0)), dk_acc[c_lo * d..].as_mut_ptr());
+            if bf16_pairs {
+                for r in 0..rows {
+                    pack_row_pairs(isa, part(dprobs, r, cut), n, &mut pairs.ds_keys[r * n2..(r + 1) * n2]);
+                }
+                for r2 in 0..rows2 {
+                    let odd = (2 * r2 + 1 < rows).then(|| part(dprobs, 2 * r2 + 1, cut));
+                    pack_pairs(isa, part(dprobs, 2 * r2, cut), odd, &mut pairs.ds_rows[r2 * k_tile..][..n]);
+                }
+                let (a, b) = (MatRef::rows(pairs.ds_keys.as_ptr().cast(), n2), pairs.k_keys[c_lo / 2 * d..].as_ptr());
+                tile_matmul_bf16_pairs(isa, (rows, d, n2), dq_rows, q_rs, true, a, (b.cast(), d), scale);
+                let (a, b) =
+                    (MatRef::transposed(pairs.ds_rows.as_ptr().cast(), k_tile), pairs.q_rows[i0 / 2 * d..].as_ptr());
+                tile_matmul_bf16_pairs(isa, (n, d, rows2), dk_rows, d, true, a, (b.cast(), d), scale);
+            } else {
+                let (a, b) = (MatRef::rows(dprobs_c, k_tile), k_head[(j0 + c_lo) * d..].as_ptr());
+                tile_matmul(isa, (rows, d, n), dq_rows, q_rs, true, a, (b, d), scale);
+                let a = MatRef::transposed(dprobs_c, k_tile);
+                tile_matmul(isa, (n, d, rows), dk_rows, d, true, a, (q_tile_rows, d), scale);
+            }
         }
         for c in 0..cols {
             let (dk_dst, dv_dst) = (dk.0.add(dkv_off(j0 + c)), dv.0.add(dkv_off(j0 + c)));

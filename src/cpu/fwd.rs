@@ -410,7 +410,7 @@ super::simd::multiversion! {
 super::simd::multiversion! {
     /// bf16 pairs for [`tile_matmul_bf16_pairs`] from two rows of the reduction axis side by
     /// side: `dst[i] = (even[i], odd[i])`, a zero half without `odd` (an odd length's end).
-    fn pack_pairs(even: &[f32], odd: Option<&[f32]>, dst: &mut [u32]) {
+    pub(crate) fn pack_pairs(even: &[f32], odd: Option<&[f32]>, dst: &mut [u32]) {
         match odd {
             Some(odd) => dst.iter_mut().zip(even.iter().zip(odd)).for_each(|(o, (&lo, &hi))| *o = bf16_pair(lo, hi)),
             None => dst.iter_mut().zip(even).for_each(|(o, &lo)| *o = bf16_pair(lo, 0.0)),
@@ -421,7 +421,7 @@ super::simd::multiversion! {
 super::simd::multiversion! {
     /// bf16 pairs along each row of `row` values (the reduction axis), a zero half after an odd
     /// length: rows of `row.div_ceil(2)` pairs.
-    fn pack_row_pairs(src: &[f32], row: usize, dst: &mut [u32]) {
+    pub(crate) fn pack_row_pairs(src: &[f32], row: usize, dst: &mut [u32]) {
         let row2 = row.div_ceil(2);
         for (src, dst) in src.chunks_exact(row).zip(dst.chunks_exact_mut(row2)) {
             let mut pairs = src.chunks_exact(2);
