@@ -5,6 +5,7 @@
 //! the result is deterministic.
 
 use super::fwd::{pack_pairs, pack_row_pairs};
+use super::kv::KvRows;
 use super::simd::{bf16_pair, multiversion, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
 use super::{dense_f32, exp_shifted_sum, logits_row, CpuTiles, SharedMut};
 use crate::op::BwdInputs;
@@ -21,6 +22,9 @@ struct Scratch {
     k_head: Vec<f32>,
     q_head: Vec<f32>,
     do_head: Vec<f32>,
+    /// O's rows of the head (for D) and the K tile's V rows.
+    o_head: Vec<f32>,
+    v_tile: Vec<f32>,
     k_t: Vec<f32>,
     v_t: Vec<f32>,
     probs: Vec<f32>,
@@ -83,6 +87,8 @@ impl Scratch {
             k_head: vec![0.0; max_k * d],
             q_head: vec![0.0; max_q * d],
             do_head: vec![0.0; max_q * d],
+            o_head: vec![0.0; max_q * d],
+            v_tile: vec![0.0; k * d],
             k_t: vec![0.0; d * k],
             v_t: vec![0.0; d * k],
             probs: vec![0.0; q * k],
@@ -108,7 +114,14 @@ pub(crate) fn backward(
     // bf16 inputs on AVX-512 BF16: the five products on bf16 pairs with f32 accumulation, P and
     // dS rounded to bf16 as the GPU kernels do (the forward's rule, `CpuIsa::active`).
     let bf16_pairs = isa == CpuIsa::Avx512Bf16 && shape.dtype == DType::BF16;
-    let BwdInputs { q, k, v, out, grad_out: dout, lse } = x.try_map(|_, (s, l)| dense_f32(s, l))?;
+    // Rows are read (and widened) per task from the tensors as they are: no whole f32 copies
+    // of bf16/f16 inputs (at N = 256 those copies and their page faults were a fifth of the
+    // backward).
+    let BwdInputs { q, k, v, out, grad_out: dout, lse } = x;
+    let queries = |x| KvRows::queries(isa, shape, host, x);
+    let (q, out, dout) = (queries(q)?, queries(out)?, queries(dout)?);
+    let (k, v) = (KvRows::new(isa, shape, host, k.0, k.1)?, KvRows::new(isa, shape, host, v.0, v.1)?);
+    let lse = dense_f32(lse.0, lse.1)?;
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
 
     let mut dq = vec![0f32; shape.total_q * h * d];
@@ -119,7 +132,7 @@ pub(crate) fn backward(
     let ptrs = (SharedMut(dq.as_mut_ptr()), SharedMut(dk_heads.as_mut_ptr()), SharedMut(dv_heads.as_mut_ptr()));
     let max_q = host.seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
     let max_k = host.seqs.iter().map(|s| s.k_len).max().unwrap_or(0);
-    let inputs = (&q[..], &k[..], &v[..], &out[..], &dout[..], &lse[..]);
+    let inputs = (&q, &k, &v, &out, &dout, &lse[..]);
     tasks.par_iter().for_each_init(
         || Scratch::new(d, tiles, (max_q, max_k), bf16_pairs),
         |scratch, &(b, head)| {
@@ -155,7 +168,7 @@ pub(crate) fn backward(
     ))
 }
 
-type Inputs<'a> = (&'a [f32], &'a [f32], &'a [f32], &'a [f32], &'a [f32], &'a [f32]);
+type Inputs<'a> = (&'a KvRows<'a>, &'a KvRows<'a>, &'a KvRows<'a>, &'a KvRows<'a>, &'a KvRows<'a>, &'a [f32]);
 
 /// # Safety
 /// The pointers must address `total_q*H*D` (dq) and `total_k*H*D` (dk, dv) elements, no
@@ -171,28 +184,37 @@ unsafe fn backward_head(
     (b, head): (usize, usize),
     scratch: &mut Scratch,
 ) {
-    let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+    let (h, d) = (shape.num_heads, shape.head_dim);
     let (q_tile, k_tile) = (tiles.q_rows.next_multiple_of(2), tiles.k_cols);
     let d2 = d.div_ceil(2);
     let seq = &host.seqs[b];
     let kv_head = head / shape.group_size();
-    let (q_rs, kv_rs) = (h * d, hkv * d);
+    let q_rs = h * d;
     let q_off = |i: usize| (seq.q_start + i) * q_rs + head * d;
-    let kv_off = |j: usize| (seq.k_start + j) * kv_rs + kv_head * d;
     let dkv_off = |j: usize| (seq.k_start + j) * q_rs + head * d;
     let alibi = host.alibi_slope(b, head);
     let scale = opts.softmax_scale;
-    let Scratch { k_head, q_head, do_head, k_t, v_t, probs, dprobs, dtanh, dk: dk_acc, dv: dv_acc, delta, pairs } =
-        scratch;
+    let Scratch {
+        k_head,
+        q_head,
+        do_head,
+        o_head,
+        v_tile,
+        k_t,
+        v_t,
+        probs,
+        dprobs,
+        dtanh,
+        dk: dk_acc,
+        dv: dv_acc,
+        delta,
+        pairs,
+    } = scratch;
 
-    for (i, (q_row, do_row)) in q_head.chunks_exact_mut(d).zip(do_head.chunks_exact_mut(d)).take(seq.q_len).enumerate()
-    {
-        q_row.copy_from_slice(&q[q_off(i)..q_off(i) + d]);
-        do_row.copy_from_slice(&dout[q_off(i)..q_off(i) + d]);
-    }
-    for (j, k_row) in k_head.chunks_exact_mut(d).take(seq.k_len).enumerate() {
-        k_row.copy_from_slice(&k[kv_off(j)..kv_off(j) + d]);
-    }
+    q.tile(host, (b, head, d), (0, seq.q_len), q_head);
+    dout.tile(host, (b, head, d), (0, seq.q_len), do_head);
+    let o_rows = out.tile(host, (b, head, d), (0, seq.q_len), o_head);
+    k.tile(host, (b, kv_head, d), (0, seq.k_len), k_head);
     if bf16_pairs {
         // Rows i and i + 1 of a (q_len × d) matrix, the second absent past the end.
         fn rows(x: &[f32], i: usize, (d, len): (usize, usize)) -> (&[f32], Option<&[f32]>) {
@@ -207,8 +229,8 @@ unsafe fn backward_head(
         }
     }
     // D_i = rowsum(dO ∘ O).
-    for (i, di) in delta[..seq.q_len].iter_mut().enumerate() {
-        *di = dot(isa, &out[q_off(i)..q_off(i) + d], &dout[q_off(i)..q_off(i) + d]);
+    for ((di, o), g) in delta[..seq.q_len].iter_mut().zip(o_rows.chunks_exact(d)).zip(do_head.chunks_exact(d)) {
+        *di = dot(isa, o, g);
     }
 
     for j0 in (0..seq.k_len).step_by(k_tile) {
@@ -224,10 +246,11 @@ unsafe fn backward_head(
         let i_lo = i_lo - i_lo % 2;
         dk_acc[..cols * d].fill(0.0);
         dv_acc[..cols * d].fill(0.0);
+        let v_rows = v.tile(host, (b, kv_head, d), (j0, cols), v_tile);
         if bf16_pairs {
             // Kᵀ and Vᵀ paired along d (d/2 × cols), K paired along keys (cols/2 × d).
             for j in 0..cols {
-                let (kr, vr) = (&k_head[(j0 + j) * d..][..d], &v[kv_off(j0 + j)..kv_off(j0 + j) + d]);
+                let (kr, vr) = (&k_head[(j0 + j) * d..][..d], &v_rows[j * d..][..d]);
                 for c2 in 0..d2 {
                     let hi = |r: &[f32]| if 2 * c2 + 1 < d { r[2 * c2 + 1] } else { 0.0 };
                     pairs.kt_d[c2 * cols + j] = bf16_pair(kr[2 * c2], hi(kr));
@@ -242,7 +265,7 @@ unsafe fn backward_head(
         } else {
             // Kᵀ and Vᵀ (d × cols), read by every Q tile below.
             for j in 0..cols {
-                let (kr, vr) = (&k[kv_off(j0 + j)..kv_off(j0 + j) + d], &v[kv_off(j0 + j)..kv_off(j0 + j) + d]);
+                let (kr, vr) = (&k_head[(j0 + j) * d..][..d], &v_rows[j * d..][..d]);
                 for c in 0..d {
                     k_t[c * cols + j] = kr[c];
                     v_t[c * cols + j] = vr[c];

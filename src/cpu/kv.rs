@@ -1,6 +1,7 @@
 //! Where the CPU forward reads K/V rows: packed tensors `(B, Sk, Hkv, D)` / `(total_k, Hkv,
 //! D)` in any strides, or a paged cache `(num_blocks, page_block_size, Hkv, D)` read through
-//! the block table, each in its own dtype.
+//! the block table, each in its own dtype. The backward reads Q, O and dO rows the same way
+//! ([`KvRows::queries`]): packed `(B, Sq, H, D)` / `(total_q, H, D)`.
 //!
 //! Nothing is converted or gathered whole (a paged cache holds every sequence of a server,
 //! most of which a call does not read). Per K/V tile the rows are copied, and widened to f32,
@@ -23,6 +24,8 @@ pub(crate) struct KvRows<'a> {
     data: Elems<'a>,
     rows: RowAddr<'a>,
     head_stride: usize,
+    /// Rows counted from each sequence's first key (K, V) or first query (Q, O, dO).
+    queries: bool,
 }
 
 enum Elems<'a> {
@@ -41,6 +44,7 @@ enum RowAddr<'a> {
 }
 
 impl<'a> KvRows<'a> {
+    /// K or V (packed or paged, as the call's shape says).
     pub fn new(
         isa: CpuIsa,
         shape: &AttnShape,
@@ -48,16 +52,39 @@ impl<'a> KvRows<'a> {
         storage: &'a CpuStorage,
         layout: &Layout,
     ) -> Result<Self> {
+        Self::with_axis(isa, shape, host, (storage, layout), false)
+    }
+
+    /// Q, O or dO: packed rows of the query axis, `num_heads` heads.
+    pub fn queries(
+        isa: CpuIsa,
+        shape: &AttnShape,
+        host: &'a HostData,
+        (storage, layout): (&'a CpuStorage, &Layout),
+    ) -> Result<Self> {
+        Self::with_axis(isa, shape, host, (storage, layout), true)
+    }
+
+    fn with_axis(
+        isa: CpuIsa,
+        shape: &AttnShape,
+        host: &'a HostData,
+        (storage, layout): (&'a CpuStorage, &Layout),
+        queries: bool,
+    ) -> Result<Self> {
         let (dims, stride) = (layout.dims(), layout.stride());
         let rank = dims.len();
-        if stride[rank - 1] != 1 && shape.page_block_size.is_none() {
+        let paged = shape.page_block_size.filter(|_| !queries);
+        if stride[rank - 1] != 1 && paged.is_none() {
             // A view whose head dim is not contiguous: one dense f32 copy, read as packed rows.
-            let row_stride = shape.num_kv_heads * shape.head_dim;
+            let heads = if queries { shape.num_heads } else { shape.num_kv_heads };
+            let row_stride = heads * shape.head_dim;
             return Ok(Self {
                 isa,
                 data: Elems::F32(dense_f32(storage, layout)?),
                 rows: RowAddr::Packed { start: 0, per_batch: usize::MAX, batch_stride: 0, row_stride },
                 head_stride: shape.head_dim,
+                queries,
             });
         }
         if stride[rank - 1] != 1 {
@@ -70,7 +97,7 @@ impl<'a> KvRows<'a> {
             other => bail!("candle-flash: unsupported dtype {:?} on cpu", other.dtype()),
         };
         let start = layout.start_offset();
-        let rows = match shape.page_block_size {
+        let rows = match paged {
             Some(page_rows) => {
                 let Some(pages) = &host.pages else {
                     bail!("candle-flash: paged K/V without its block table on the host")
@@ -82,11 +109,12 @@ impl<'a> KvRows<'a> {
             }
             None => RowAddr::Packed { start, per_batch: usize::MAX, batch_stride: 0, row_stride: stride[0] },
         };
-        Ok(Self { isa, data, rows, head_stride: stride[rank - 2] })
+        Ok(Self { isa, data, rows, head_stride: stride[rank - 2], queries })
     }
 
-    /// Keys `j0..j0 + cols` of sequence `b`, head `kv_head`, as f32 rows of `head_dim` values,
-    /// copied into `scratch` (at least `cols * head_dim` long) one after the other.
+    /// Rows `j0..j0 + cols` (keys, or queries for [`KvRows::queries`]) of sequence `b`, head
+    /// `kv_head`, as f32 rows of `head_dim` values, copied into `scratch` (at least
+    /// `cols * head_dim` long) one after the other.
     pub fn tile<'s>(
         &self,
         host: &HostData,
@@ -100,7 +128,7 @@ impl<'a> KvRows<'a> {
         let offset = |j: usize| {
             let row = match &self.rows {
                 RowAddr::Packed { start, per_batch, batch_stride, row_stride } => {
-                    let r = seq.k_start + j;
+                    let r = if self.queries { seq.q_start } else { seq.k_start } + j;
                     start + (r / per_batch) * batch_stride + (r % per_batch) * row_stride
                 }
                 RowAddr::Paged { start, page_stride, row_stride, page_rows, pages } => {
@@ -126,7 +154,7 @@ multiversion! {
     /// bf16 → f32 is a 16-bit shift: vectorised here (8-16 values per instruction). half's
     /// slice conversion went element by element and made the bf16 forward 1.6x slower than
     /// f32's, per-tile widening being 1/128 of the products' work at D = 64 (measured).
-    fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
+    pub(crate) fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
         dst.iter_mut().zip(src).for_each(|(o, x)| *o = f32::from_bits((x.to_bits() as u32) << 16));
     }
 }
