@@ -353,13 +353,28 @@ fn softmax_column_block<const W: usize, const FMA: bool>(
     c0: usize,
     (row_max, row_sum, correction): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
-    let mut max: [f32; W] = row_max[c0..c0 + W].try_into().unwrap();
-    for key in s_t.chunks_exact(rows) {
-        let key: &[f32; W] = key[c0..c0 + W].try_into().unwrap();
-        for (m, &x) in max.iter_mut().zip(key) {
-            *m = m.max(x);
+    // Four partial maxima and sums, keys taken four at a time (one running vector was a chain
+    // of dependent max/add instructions, latency-bound: the max pass was a quarter of the
+    // softmax, perf). `>` rather than `f32::max`: one instruction, NaN ignored alike.
+    let mut max4 = [[f32::NEG_INFINITY; W]; 4];
+    max4[0] = row_max[c0..c0 + W].try_into().unwrap();
+    let mut groups = s_t.chunks_exact(4 * rows);
+    for group in &mut groups {
+        for (u, m) in max4.iter_mut().enumerate() {
+            let key: &[f32; W] = group[u * rows + c0..][..W].try_into().unwrap();
+            for (m, &x) in m.iter_mut().zip(key) {
+                *m = if x > *m { x } else { *m };
+            }
         }
     }
+    for key in groups.remainder().chunks_exact(rows) {
+        let key: &[f32; W] = key[c0..c0 + W].try_into().unwrap();
+        for (m, &x) in max4[0].iter_mut().zip(key) {
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    let larger = |a: f32, b: f32| if b > a { b } else { a };
+    let max: [f32; W] = std::array::from_fn(|i| larger(larger(max4[0][i], max4[1][i]), larger(max4[2][i], max4[3][i])));
     let mut shift = [0f32; W];
     for i in 0..W {
         let (old, new) = (row_max[c0 + i], max[i]);
@@ -369,14 +384,25 @@ fn softmax_column_block<const W: usize, const FMA: bool>(
         shift[i] = if visible { new } else { 0.0 };
         row_max[c0 + i] = new;
     }
-    let mut sum = [0f32; W];
-    for key in s_t.chunks_exact_mut(rows) {
+    let mut sum4 = [[0f32; W]; 4];
+    let mut groups = s_t.chunks_exact_mut(4 * rows);
+    for group in &mut groups {
+        for (u, l) in sum4.iter_mut().enumerate() {
+            let key: &mut [f32; W] = (&mut group[u * rows + c0..][..W]).try_into().unwrap();
+            for ((x, s), l) in key.iter_mut().zip(&shift).zip(l.iter_mut()) {
+                *x = exp_poly::<FMA>(*x - *s);
+                *l += *x;
+            }
+        }
+    }
+    for key in groups.into_remainder().chunks_exact_mut(rows) {
         let key: &mut [f32; W] = (&mut key[c0..c0 + W]).try_into().unwrap();
-        for ((x, s), l) in key.iter_mut().zip(&shift).zip(sum.iter_mut()) {
+        for ((x, s), l) in key.iter_mut().zip(&shift).zip(sum4[0].iter_mut()) {
             *x = exp_poly::<FMA>(*x - *s);
             *l += *x;
         }
     }
+    let sum: [f32; W] = std::array::from_fn(|i| (sum4[0][i] + sum4[1][i]) + (sum4[2][i] + sum4[3][i]));
     for i in 0..W {
         row_sum[c0 + i] = row_sum[c0 + i] * correction[c0 + i] + sum[i];
     }
