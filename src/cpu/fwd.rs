@@ -197,9 +197,29 @@ unsafe fn forward_task(
                 if let [x] = last {
                     t.q_t_pairs[(d2 - 1) * rows + p] = bf16_pair(*x, 0.0);
                 }
-            } else {
-                for (c, &x) in src.iter().enumerate() {
-                    t.q_t[c * rows + p] = x;
+            }
+        }
+        if !bf16_pairs {
+            // In blocks of 16 rows × 16 columns, each read and written as whole runs: writing
+            // element by element down the columns (256-byte store strides) cost ~10 cycles an
+            // element, 3.5% of the f32 forward at N = 2048 (perf).
+            const BLOCK: usize = 16;
+            for p0 in (0..rows).step_by(BLOCK) {
+                let pn = BLOCK.min(rows - p0);
+                let src: [&[f32]; BLOCK] = std::array::from_fn(|u| {
+                    let (head, i) = row_of(t, p0 + u.min(pn - 1));
+                    &q[(seq.q_start + i) * q_rs + head * d..][..d]
+                });
+                for c0 in (0..d).step_by(BLOCK) {
+                    let cn = BLOCK.min(d - c0);
+                    let mut block = [[0f32; BLOCK]; BLOCK];
+                    for (row, src) in block.iter_mut().zip(&src).take(pn) {
+                        row[..cn].copy_from_slice(&src[c0..c0 + cn]);
+                    }
+                    for c in 0..cn {
+                        let dst = &mut t.q_t[(c0 + c) * rows + p0..][..pn];
+                        dst.iter_mut().zip(&block).for_each(|(o, row)| *o = row[c]);
+                    }
                 }
             }
         }
