@@ -7,7 +7,7 @@
 use super::fwd::{pack_pairs, pack_row_pairs};
 use super::kv::KvRows;
 use super::simd::{bf16_pair, multiversion, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
-use super::{dense_f32, exp_shifted_sum, logits_row, CpuTiles, SharedMut};
+use super::{dense_f32, exp_shifted_sum, logits_row, transpose_rows, CpuTiles, SharedMut};
 use crate::op::BwdInputs;
 use crate::params::{AttnShape, FlashAttnOptions, HostData};
 use candle_core::{CpuStorage, DType, Layout, Result};
@@ -264,13 +264,8 @@ unsafe fn backward_head(
             }
         } else {
             // Kᵀ and Vᵀ (d × cols), read by every Q tile below.
-            for j in 0..cols {
-                let (kr, vr) = (&k_head[(j0 + j) * d..][..d], &v_rows[j * d..][..d]);
-                for c in 0..d {
-                    k_t[c * cols + j] = kr[c];
-                    v_t[c * cols + j] = vr[c];
-                }
-            }
+            transpose_rows(|j| &k_head[(j0 + j) * d..][..d], (cols, d), k_t, cols);
+            transpose_rows(|j| &v_rows[j * d..][..d], (cols, d), v_t, cols);
         }
 
         for i0 in (i_lo..i_hi).step_by(q_tile) {

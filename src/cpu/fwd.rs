@@ -8,7 +8,7 @@
 
 use super::kv::KvRows;
 use super::simd::{bf16_pair, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
-use super::{dense_f32, exp_poly, logits_row, CpuTiles, SharedMut};
+use super::{dense_f32, exp_poly, logits_row, transpose_rows, CpuTiles, SharedMut};
 use crate::params::{AttnShape, FlashAttnOptions, HostData, RowKeys};
 use candle_core::{CpuStorage, DType, Layout, Result};
 use rayon::prelude::*;
@@ -200,28 +200,12 @@ unsafe fn forward_task(
             }
         }
         if !bf16_pairs {
-            // In blocks of 16 rows × 16 columns, each read and written as whole runs: writing
-            // element by element down the columns (256-byte store strides) cost ~10 cycles an
-            // element, 3.5% of the f32 forward at N = 2048 (perf).
-            const BLOCK: usize = 16;
-            for p0 in (0..rows).step_by(BLOCK) {
-                let pn = BLOCK.min(rows - p0);
-                let src: [&[f32]; BLOCK] = std::array::from_fn(|u| {
-                    let (head, i) = row_of(t, p0 + u.min(pn - 1));
-                    &q[(seq.q_start + i) * q_rs + head * d..][..d]
-                });
-                for c0 in (0..d).step_by(BLOCK) {
-                    let cn = BLOCK.min(d - c0);
-                    let mut block = [[0f32; BLOCK]; BLOCK];
-                    for (row, src) in block.iter_mut().zip(&src).take(pn) {
-                        row[..cn].copy_from_slice(&src[c0..c0 + cn]);
-                    }
-                    for c in 0..cn {
-                        let dst = &mut t.q_t[(c0 + c) * rows + p0..][..pn];
-                        dst.iter_mut().zip(&block).for_each(|(o, row)| *o = row[c]);
-                    }
-                }
-            }
+            let (t_i0, t_rows) = (t.i0, t.q_rows);
+            let q_row = |p: usize| {
+                let (head, i) = (kv_head * group + p / t_rows, t_i0 + p % t_rows);
+                &q[(seq.q_start + i) * q_rs + head * d..][..d]
+            };
+            transpose_rows(q_row, (rows, d), &mut t.q_t, rows);
         }
         t.ranges.clear();
         let (t_i0, t_rows) = (t.i0, t.q_rows);

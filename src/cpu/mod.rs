@@ -165,6 +165,29 @@ pub(crate) fn storage_from_f32(data: Vec<f32>, dtype: DType) -> Result<CpuStorag
     })
 }
 
+/// `dst[c * ld + p] = row(p)[c]` for `p < n`, `c < d`: the transpose of `n` rows of `d`
+/// values, in blocks of 16 rows × 16 columns, each read and written as whole runs. Writing
+/// element by element down the columns (stores a row length apart) cost ~10 cycles an element:
+/// 3.5% of the f32 forward at N = 2048 (perf).
+pub(crate) fn transpose_rows<'a>(row: impl Fn(usize) -> &'a [f32], (n, d): (usize, usize), dst: &mut [f32], ld: usize) {
+    const BLOCK: usize = 16;
+    for p0 in (0..n).step_by(BLOCK) {
+        let pn = BLOCK.min(n - p0);
+        let src: [&[f32]; BLOCK] = std::array::from_fn(|u| row(p0 + u.min(pn - 1)));
+        for c0 in (0..d).step_by(BLOCK) {
+            let cn = BLOCK.min(d - c0);
+            let mut block = [[0f32; BLOCK]; BLOCK];
+            for (dst_row, src) in block.iter_mut().zip(&src).take(pn) {
+                dst_row[..cn].copy_from_slice(&src[c0..c0 + cn]);
+            }
+            for c in 0..cn {
+                let out = &mut dst[(c0 + c) * ld + p0..][..pn];
+                out.iter_mut().zip(&block).for_each(|(o, r)| *o = r[c]);
+            }
+        }
+    }
+}
+
 simd::multiversion! {
     /// f32 → bf16 rounded to nearest even, NaN kept NaN (as `bf16::from_f32`), vectorised:
     /// half's conversion goes element by element (a few percent of a bf16 call at N = 256).
