@@ -923,6 +923,17 @@ def bad_tables(dev):
 
 
 # ----------------------------------------------------------------------------- timing
+def bench_setup(c, dev):
+    """Inputs (seed 0), a fresh O, forward parameters writing it (and a fresh lse), the forward
+    workspace and the current stream, for timing case `c` (batched, one sequence length)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, do, _ = make_inputs(c, dev, g)
+    o = torch.empty_like(q)
+    lse = torch.empty(c.b, c.h, c.sq, dtype=torch.float32, device=dev)
+    fp = fwd_params(c, q, k, v, o, lse, None, None, None)
+    return q, k, v, do, o, fp, fwd_workspace(fp, dev), torch.cuda.current_stream().cuda_stream
+
+
 def bench(dev):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
@@ -934,13 +945,7 @@ def bench(dev):
         for causal in (False, True):
             B, N, H = 8, 2048, 2048 // d
             c = Case("bench", "bf16", b=B, h=H, sq=N, d=d, wl=-1, wr=(0 if causal else -1))
-            g = torch.Generator(device=dev).manual_seed(0)
-            q, k, v, do, _ = make_inputs(c, dev, g)
-            o = torch.empty_like(q)
-            lse = torch.empty(B, H, N, dtype=torch.float32, device=dev)
-            fp = fwd_params(c, q, k, v, o, lse, None, None, None)
-            stream = torch.cuda.current_stream().cuda_stream
-            fws = fwd_workspace(fp, dev)
+            q, k, v, do, o, fp, fws, stream = bench_setup(c, dev)
             t_ours = timeit(lambda: call_fwd(fp, fws, stream))
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             bp = bwd_params(fp, do, dq, dk, dv, False)
@@ -976,13 +981,7 @@ def bench_f32(dev):
         for causal in (False, True):
             for N in (512, 1024, 2048, 4096):
                 c = Case("bench-f32", "f32", b=B, h=H, sq=N, d=d, wl=-1, wr=(0 if causal else -1))
-                g = torch.Generator(device=dev).manual_seed(0)
-                q, k, v, do, _ = make_inputs(c, dev, g)
-                o = torch.empty_like(q)
-                lse = torch.empty(B, H, N, dtype=torch.float32, device=dev)
-                fp = fwd_params(c, q, k, v, o, lse, None, None, None)
-                stream = torch.cuda.current_stream().cuda_stream
-                fws = fwd_workspace(fp, dev)
+                q, k, v, do, o, fp, fws, stream = bench_setup(c, dev)
                 t_f = median_cuda_time(lambda: call_fwd(fp, fws, stream), reps=10)
                 dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
                 bp = bwd_params(fp, do, dq, dk, dv, False)

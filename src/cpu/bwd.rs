@@ -60,9 +60,8 @@ struct Pairs {
 }
 
 impl Pairs {
-    fn new(d: usize, (q, k): (usize, usize), (max_q, max_k): (usize, usize)) -> Self {
+    fn new(d: usize, (q, k): (usize, usize), max_q: usize) -> Self {
         let (d2, q2, k2, max_q2) = (d.div_ceil(2), q.div_ceil(2), k.div_ceil(2), max_q.div_ceil(2));
-        let _ = max_k;
         Self {
             q_d: vec![0; max_q * d2],
             do_d: vec![0; max_q * d2],
@@ -97,7 +96,7 @@ impl Scratch {
             dk: vec![0.0; k * d],
             dv: vec![0.0; k * d],
             delta: vec![0.0; max_q],
-            pairs: if bf16_pairs { Pairs::new(d, (q, k), (max_q, max_k)) } else { Pairs::default() },
+            pairs: if bf16_pairs { Pairs::new(d, (q, k), max_q) } else { Pairs::default() },
         }
     }
 }
