@@ -6,7 +6,7 @@
 
 use super::fwd::{pack_pairs, pack_row_pairs};
 use super::kv::KvRows;
-use super::simd::{bf16_pair, multiversion, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
+use super::simd::{multiversion, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
 use super::{dense_f32, exp_shifted_sum, logits_row, transpose_rows, CpuTiles, SharedMut};
 use crate::op::BwdInputs;
 use crate::params::{AttnShape, FlashAttnOptions, HostData};
@@ -44,13 +44,15 @@ struct Scratch {
 /// and dV). Per K tile: Kᵀ and Vᵀ paired along d (B of S and dP), K paired along keys (B of
 /// dQ). Per Q tile: P and dS paired along query rows (A of dV and dK, read transposed), dS
 /// paired along keys (A of dQ). Query tiles start at even rows, so a tile's row pairs are a
-/// slice of the task's; an odd end pairs with zero.
+/// slice of the task's; an odd end pairs with zero. `tile_d`: the K or V tile's rows paired
+/// along d, before their transpose.
 #[derive(Default)]
 struct Pairs {
     q_d: Vec<u32>,
     do_d: Vec<u32>,
     q_rows: Vec<u32>,
     do_rows: Vec<u32>,
+    tile_d: Vec<u32>,
     kt_d: Vec<u32>,
     vt_d: Vec<u32>,
     k_keys: Vec<u32>,
@@ -67,6 +69,7 @@ impl Pairs {
             do_d: vec![0; max_q * d2],
             q_rows: vec![0; max_q2 * d],
             do_rows: vec![0; max_q2 * d],
+            tile_d: vec![0; k * d2],
             kt_d: vec![0; d2 * k],
             vt_d: vec![0; d2 * k],
             k_keys: vec![0; k2 * d],
@@ -79,9 +82,7 @@ impl Pairs {
 
 impl Scratch {
     fn new(d: usize, tiles: CpuTiles, (max_q, max_k): (usize, usize), bf16_pairs: bool) -> Self {
-        let (q, k) = (tiles.q_rows, tiles.k_cols);
-        // The query tile is kept even so that tiles start at even rows (row pairs).
-        let q = q.next_multiple_of(2);
+        let (q, k) = (query_tile(tiles), tiles.k_cols);
         Self {
             k_head: vec![0.0; max_k * d],
             q_head: vec![0.0; max_q * d],
@@ -167,6 +168,12 @@ pub(crate) fn backward(
     ))
 }
 
+/// Query rows per backward tile: the configured tile kept even, so that tiles start at even
+/// rows (row pairs are slices of the task's).
+fn query_tile(tiles: CpuTiles) -> usize {
+    tiles.q_rows.next_multiple_of(2)
+}
+
 type Inputs<'a> = (&'a KvRows<'a>, &'a KvRows<'a>, &'a KvRows<'a>, &'a KvRows<'a>, &'a KvRows<'a>, &'a [f32]);
 
 /// # Safety
@@ -184,7 +191,7 @@ unsafe fn backward_head(
     scratch: &mut Scratch,
 ) {
     let (h, d) = (shape.num_heads, shape.head_dim);
-    let (q_tile, k_tile) = (tiles.q_rows.next_multiple_of(2), tiles.k_cols);
+    let (q_tile, k_tile) = (query_tile(tiles), tiles.k_cols);
     let d2 = d.div_ceil(2);
     let seq = &host.seqs[b];
     let kv_head = head / shape.group_size();
@@ -247,15 +254,15 @@ unsafe fn backward_head(
         dv_acc[..cols * d].fill(0.0);
         let v_rows = v.tile(host, (b, kv_head, d), (j0, cols), v_tile);
         if bf16_pairs {
-            // Kᵀ and Vᵀ paired along d (d/2 × cols), K paired along keys (cols/2 × d).
-            for j in 0..cols {
-                let (kr, vr) = (&k_head[(j0 + j) * d..][..d], &v_rows[j * d..][..d]);
-                for c2 in 0..d2 {
-                    let hi = |r: &[f32]| if 2 * c2 + 1 < d { r[2 * c2 + 1] } else { 0.0 };
-                    pairs.kt_d[c2 * cols + j] = bf16_pair(kr[2 * c2], hi(kr));
-                    pairs.vt_d[c2 * cols + j] = bf16_pair(vr[2 * c2], hi(vr));
-                }
+            // Kᵀ and Vᵀ paired along d (d/2 × cols): each row paired, then transposed.
+            let tile_d = &mut pairs.tile_d[..cols * d2];
+            for (rows, t) in
+                [(&k_head[j0 * d..(j0 + cols) * d], &mut pairs.kt_d), (&v_rows[..cols * d], &mut pairs.vt_d)]
+            {
+                pack_row_pairs(isa, rows, d, tile_d);
+                transpose_rows(|j| &tile_d[j * d2..(j + 1) * d2], (cols, d2), t, cols);
             }
+            // K paired along keys (cols/2 × d).
             for j2 in 0..cols.div_ceil(2) {
                 let j = j0 + 2 * j2;
                 let next = (2 * j2 + 1 < cols).then(|| &k_head[(j + 1) * d..(j + 2) * d]);

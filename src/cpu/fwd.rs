@@ -60,13 +60,15 @@ impl QueryTile {
 
 /// Per-worker scratch, O(tile): the task's query tiles, the K and V tiles (f32, contiguous),
 /// the transposed scores, one score column, and the bf16-pair operands (AVX-512 BF16 on bf16
-/// inputs only, else empty): K, P and V with pairs along the reduction axis of each product.
+/// inputs only, else empty): Q rows (before their transpose), K, P and V with pairs along the
+/// reduction axis of each product.
 struct Scratch {
     tiles: Vec<QueryTile>,
     k_tile: Vec<f32>,
     v_tile: Vec<f32>,
     scores_t: Vec<f32>,
     column: Vec<f32>,
+    q_pairs: Vec<u32>,
     k_pairs: Vec<u32>,
     p_pairs: Vec<u32>,
     v_pairs: Vec<u32>,
@@ -82,6 +84,7 @@ impl Scratch {
             v_tile: vec![0.0; k_cols * d],
             scores_t: vec![0.0; k_cols * rows],
             column: vec![0.0; k_cols],
+            q_pairs: pairs(d2 * rows),
             k_pairs: pairs(k_cols * d2),
             p_pairs: pairs(k2 * rows),
             v_pairs: pairs(k2 * d),
@@ -177,7 +180,7 @@ unsafe fn forward_task(
     let seq = &host.seqs[b];
     let q_rs = h * d;
     let d2 = d.div_ceil(2);
-    let Scratch { tiles, k_tile, v_tile, scores_t, column, k_pairs, p_pairs, v_pairs } = scratch;
+    let Scratch { tiles, k_tile, v_tile, scores_t, column, q_pairs, k_pairs, p_pairs, v_pairs } = scratch;
     let tiles = &mut tiles[..q_rows.div_ceil(rows_per_head)];
     let row_of = |t: &QueryTile, p: usize| (kv_head * group + p / t.q_rows, t.i0 + p % t.q_rows);
     for (n, t) in tiles.iter_mut().enumerate() {
@@ -185,30 +188,21 @@ unsafe fn forward_task(
         t.q_rows = rows_per_head.min(i0 + q_rows - t.i0);
         let rows = t.q_rows * group;
         // Qᵀ (d × rows): column p is packed row p (as bf16 pairs along d when the products
-        // run on them).
-        for p in 0..rows {
-            let (head, i) = row_of(t, p);
-            let src = &q[(seq.q_start + i) * q_rs + head * d..][..d];
-            if bf16_pairs {
-                let (pairs, last) = src.as_chunks::<2>();
-                for (c2, pair) in pairs.iter().enumerate() {
-                    t.q_t_pairs[c2 * rows + p] = bf16_pair(pair[0], pair[1]);
-                }
-                if let [x] = last {
-                    t.q_t_pairs[(d2 - 1) * rows + p] = bf16_pair(*x, 0.0);
-                }
+        // run on them: each row paired, then the pairs transposed).
+        let (t_i0, t_rows) = (t.i0, t.q_rows);
+        let q_row = |p: usize| {
+            let (head, i) = (kv_head * group + p / t_rows, t_i0 + p % t_rows);
+            &q[(seq.q_start + i) * q_rs + head * d..][..d]
+        };
+        if bf16_pairs {
+            for p in 0..rows {
+                pack_row_pairs(isa, q_row(p), d, &mut q_pairs[p * d2..(p + 1) * d2]);
             }
-        }
-        if !bf16_pairs {
-            let (t_i0, t_rows) = (t.i0, t.q_rows);
-            let q_row = |p: usize| {
-                let (head, i) = (kv_head * group + p / t_rows, t_i0 + p % t_rows);
-                &q[(seq.q_start + i) * q_rs + head * d..][..d]
-            };
+            transpose_rows(|p| &q_pairs[p * d2..(p + 1) * d2], (rows, d2), &mut t.q_t_pairs, rows);
+        } else {
             transpose_rows(q_row, (rows, d), &mut t.q_t, rows);
         }
         t.ranges.clear();
-        let (t_i0, t_rows) = (t.i0, t.q_rows);
         t.ranges.extend((0..rows).map(|p| shape.row_keys(opts, host, b, t_i0 + p % t_rows)));
         let ranges = &t.ranges;
         let bound = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
@@ -271,13 +265,14 @@ unsafe fn forward_task(
                 let (kv, qt) = (MatRef::rows(k_rows.as_ptr(), d), (t.q_t.as_ptr(), rows));
                 tile_matmul(isa, (cols, rows, d), s_t.as_mut_ptr(), rows, false, kv, qt, opts.softmax_scale);
             }
-            if plain_logits && !t.any_gap && u32::try_from(j0 + cols).is_ok() {
-                if !(t.all_see.0 <= j0 && j0 + cols <= t.all_see.1) {
-                    // The hulls' edges only, key by key across the query rows (the row rule
-                    // below writes the tile column by column: a strided pass that missed L1).
-                    mask_keys_t(isa, s_t, rows, j0 as u32, &t.hull_lo[..rows], &t.hull_hi[..rows]);
-                }
-            } else if !(plain_logits && t.all_see.0 <= j0 && j0 + cols <= t.all_see.1) {
+            let whole = plain_logits && t.all_see.0 <= j0 && j0 + cols <= t.all_see.1;
+            if whole {
+                // Every row sees every key of the tile and the logits are plain: nothing to do.
+            } else if plain_logits && !t.any_gap && u32::try_from(j0 + cols).is_ok() {
+                // The hulls' edges only, key by key across the query rows (the row rule below
+                // writes the tile column by column: a strided pass that missed L1).
+                mask_keys_t(isa, s_t, rows, j0 as u32, &t.hull_lo[..rows], &t.hull_hi[..rows]);
+            } else {
                 // Softcap, ALiBi and masks per query row, through the one row rule.
                 for (r, keys) in t.ranges.iter().enumerate() {
                     let column = &mut column[..cols];
