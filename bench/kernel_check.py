@@ -1011,13 +1011,7 @@ def bench_f32(dev):
     # ours only, K/V bytes read per microsecond)
     for b, nk in ((1, 4096), (1, 32768), (16, 4096)):
         c = Case("bench-f32-decode", "f32", b=b, h=32, hkv=8, sq=1, sk=nk, d=128)
-        g = torch.Generator(device=dev).manual_seed(0)
-        q, k, v, do, _ = make_inputs(c, dev, g)
-        o = torch.empty_like(q)
-        lse = torch.empty(b, 32, 1, dtype=torch.float32, device=dev)
-        fp = fwd_params(c, q, k, v, o, lse, None, None, None)
-        stream = torch.cuda.current_stream().cuda_stream
-        fws = fwd_workspace(fp, dev)
+        _, _, _, _, _, fp, fws, stream = bench_setup(c, dev)
         t = median_cuda_time(lambda: call_fwd(fp, fws, stream), reps=20)
         lines.append(f"decode b={b} nk={nk} h=32/8 d=128: {t*1e6:8.1f} us, K/V {2*b*nk*8*128*4/t/1e12:.2f} TB/s")
         print(lines[-1], flush=True)

@@ -181,7 +181,8 @@ bool f32_bwd_tensor_cores(const CfBwdParams& p) {
 // Whether the backward runs the tensor-core kernels (their workspace plan differs: plan_bwd).
 bool bwd_tensor_cores(const CfBwdParams& p) { return p.fwd.dtype != CF_F32 || f32_bwd_tensor_cores(p); }
 
-// The split-KV plan of a call (heuristics.cuh), none for f32 on the SIMT kernels.
+// The split-KV plan of a call (heuristics.cuh), none for f32 on the SIMT kernels: the one
+// decision that both sizes the workspace (cf_fwd_workspace_size) and picks the kernel.
 SplitPlan split_plan(const CfFwdParams& p) {
     if (p.dtype == CF_F32 && !f32_fwd_tensor_cores(p)) {
         SplitPlan none{};
@@ -223,7 +224,7 @@ cudaError_t fwd_sm80(const CfFwdParams& p, cudaStream_t s) {
 // f32 forward: the 3xTF32 mma.sync kernel of the rounded head dim, or the SIMT kernel.
 cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {
     if (!f32_fwd_tensor_cores(p)) return run_fwd_f32(p, s);
-    const SplitPlan sp = plan_split(p);
+    const SplitPlan sp = split_plan(p);
     if (sp.nsplit > 1) return fwd_split<float>(p, sp, ws, s);
     switch (round_head_dim(p.d)) {
         case 32: return fwd_sm80<float, 32>(p, s);
@@ -239,7 +240,7 @@ cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {
 // head-dim tiles it takes (heuristics.cuh), else the mma.sync kernel.
 template <typename T>
 cudaError_t fwd_tc(const CfFwdParams& p, void* ws, cudaStream_t s) {
-    const SplitPlan sp = plan_split(p);
+    const SplitPlan sp = split_plan(p);
     if (sp.nsplit > 1) return fwd_split<T>(p, sp, ws, s);
     const int rd = round_head_dim(p.d);
     if (fwd_sm90_takes(rd) && sm90a_available()) return fwd_sm90<T>(p, s);
