@@ -109,8 +109,8 @@ pub(crate) fn forward(
 ) -> Result<(CpuStorage, Vec<f32>)> {
     let host = shape.host()?;
     let (isa, tiles) = (CpuIsa::active(), CpuTiles::get());
-    // bf16 inputs with AVX-512 BF16 selected (opt-in, see `CpuIsa::active`): both products on
-    // bf16 pairs with f32 accumulation (P rounded to bf16 for P V, as the GPU kernels do).
+    // bf16 inputs with AVX-512 BF16 selected (by default on AMD, see `CpuIsa::active`): both
+    // products on bf16 pairs with f32 accumulation (P rounded to bf16 for P V, as the GPU kernels do).
     let bf16_pairs = isa == CpuIsa::Avx512Bf16 && shape.dtype == DType::BF16;
     let q = dense_f32(q, q_l)?;
     let (k, v) = (KvRows::new(isa, shape, host, k, k_l)?, KvRows::new(isa, shape, host, v, v_l)?);

@@ -1,11 +1,12 @@
 //! The tiled CPU path: FlashAttention's algorithm (not matmul-softmax-matmul) on f32 tiles.
 //!
 //! Tiles of [`CpuTiles::q_rows`] query rows meet tiles of [`CpuTiles::k_cols`] key rows; each
-//! worker keeps only tile-sized scratch, so memory stays O(N). f16/bf16 inputs are widened to
-//! f32 once on entry and the results narrowed once on exit: all accumulation is f32, as on the
-//! GPU. Work is spread over (sequence, head, tile) with rayon; every tile product is
-//! [`simd::tile_matmul`], a register-blocked kernel for the instruction set chosen at run time
-//! ([`CpuIsa`]), and the exp and reductions are vectorised for the same set.
+//! worker keeps only tile-sized scratch, so memory stays O(N). f16/bf16 rows are widened to f32
+//! as tiles and tasks read them (the forward's Q once on entry) and the results narrowed once on
+//! exit: all accumulation is f32, as on the GPU. Work is spread over (sequence, head, tile) with
+//! rayon; every tile product is [`simd::tile_matmul`], a register-blocked kernel for the
+//! instruction set chosen at run time ([`CpuIsa`]), or [`simd::tile_matmul_bf16_pairs`] for bf16
+//! on AVX-512 BF16, and the exp and reductions are vectorised for the same set.
 
 mod bwd;
 mod fwd;
