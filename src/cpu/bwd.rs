@@ -113,7 +113,7 @@ pub(crate) fn backward(
     let (isa, tiles) = (CpuIsa::active(), CpuTiles::get());
     // bf16 inputs on AVX-512 BF16: the five products on bf16 pairs with f32 accumulation, P and
     // dS rounded to bf16 as the GPU kernels do (the forward's rule, `CpuIsa::active`).
-    let bf16_pairs = isa == CpuIsa::Avx512Bf16 && shape.dtype == DType::BF16;
+    let bf16_pairs = isa.bf16_pairs() && shape.dtype == DType::BF16;
     // Rows are read (and widened) per task from the tensors as they are: no whole f32 copies
     // of bf16/f16 inputs (at N = 256 those copies and their page faults were a fifth of the
     // backward).

@@ -22,6 +22,7 @@ struct QueryTile {
     q_t: Vec<f32>,
     /// Qᵀ as bf16 pairs along d (AVX-512 BF16 on bf16 inputs only, else empty).
     q_t_pairs: Vec<u32>,
+    /// The output accumulator: rows × d, or d × rows (Oᵀ) on AMX tiles (see `Task::amx`).
     acc: Vec<f32>,
     row_max: Vec<f32>,
     row_sum: Vec<f32>,
@@ -72,6 +73,11 @@ struct Scratch {
     k_pairs: Vec<u32>,
     p_pairs: Vec<u32>,
     v_pairs: Vec<u32>,
+    /// Vᵀ as bf16 pairs along keys (d × k_cols/2), the A operand of Oᵀ += Vᵀ Pᵀ on AMX tiles.
+    vt_pairs: Vec<u32>,
+    /// The K and V tiles' raw bf16 rows (AMX on bf16 inputs): K's rows *are* pairs along d.
+    k_raw: Vec<u16>,
+    v_raw: Vec<u16>,
 }
 
 impl Scratch {
@@ -88,6 +94,9 @@ impl Scratch {
             k_pairs: pairs(k_cols * d2),
             p_pairs: pairs(k2 * rows),
             v_pairs: pairs(k2 * d),
+            vt_pairs: pairs(d * k2),
+            k_raw: if bf16_pairs { vec![0; k_cols * d] } else { vec![] },
+            v_raw: if bf16_pairs { vec![0; k_cols * d] } else { vec![] },
         }
     }
 }
@@ -111,7 +120,7 @@ pub(crate) fn forward(
     let (isa, tiles) = (CpuIsa::active(), CpuTiles::get());
     // bf16 inputs with AVX-512 BF16 selected (by default on AMD, see `CpuIsa::active`): both
     // products on bf16 pairs with f32 accumulation (P rounded to bf16 for P V, as the GPU kernels do).
-    let bf16_pairs = isa == CpuIsa::Avx512Bf16 && shape.dtype == DType::BF16;
+    let bf16_pairs = isa.bf16_pairs() && shape.dtype == DType::BF16;
     let q = dense_f32(q, q_l)?;
     let (k, v) = (KvRows::new(isa, shape, host, k, k_l)?, KvRows::new(isa, shape, host, v, v_l)?);
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
@@ -141,7 +150,8 @@ pub(crate) fn forward(
             // SAFETY: the task (b, kv_head, i0) writes only the out and lse slots of rows
             // i0..i0+q_rows of sequence b for the query heads of `kv_head`; no two tasks share one.
             unsafe {
-                let task = Task { isa, bf16_pairs, k_cols: tiles.k_cols, b, kv_head, i0, q_rows, rows_per_head };
+                let amx = bf16_pairs && isa == CpuIsa::Amx;
+                let task = Task { isa, bf16_pairs, amx, k_cols: tiles.k_cols, b, kv_head, i0, q_rows, rows_per_head };
                 forward_task(shape, host, opts, (&q, &k, &v), (out_ptr, lse_ptr), task, scratch)
             }
         },
@@ -156,6 +166,10 @@ pub(crate) fn forward(
 struct Task {
     isa: CpuIsa,
     bf16_pairs: bool,
+    /// bf16 pairs on AMX tiles: the output is accumulated transposed, Oᵀ += Vᵀ Pᵀ, so both
+    /// products read their A operand (K, Vᵀ) in place and their B operand (Qᵀ, Pᵀ) in the
+    /// pair layout the softmax writes: nothing is transposed per query tile.
+    amx: bool,
     k_cols: usize,
     b: usize,
     kv_head: usize,
@@ -173,14 +187,15 @@ unsafe fn forward_task(
     opts: &FlashAttnOptions,
     (q, k, v): (&[f32], &KvRows, &KvRows),
     (out, lse): (SharedMut, SharedMut),
-    Task { isa, bf16_pairs, k_cols, b, kv_head, i0, q_rows, rows_per_head }: Task,
+    Task { isa, bf16_pairs, amx, k_cols, b, kv_head, i0, q_rows, rows_per_head }: Task,
     scratch: &mut Scratch,
 ) {
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
     let seq = &host.seqs[b];
     let q_rs = h * d;
     let d2 = d.div_ceil(2);
-    let Scratch { tiles, k_tile, v_tile, scores_t, column, q_pairs, k_pairs, p_pairs, v_pairs } = scratch;
+    let Scratch { tiles, k_tile, v_tile, scores_t, column, q_pairs, k_pairs, p_pairs, v_pairs, vt_pairs, k_raw, v_raw } =
+        scratch;
     let tiles = &mut tiles[..q_rows.div_ceil(rows_per_head)];
     let row_of = |t: &QueryTile, p: usize| (kv_head * group + p / t.q_rows, t.i0 + p % t.q_rows);
     for (n, t) in tiles.iter_mut().enumerate() {
@@ -225,21 +240,47 @@ unsafe fn forward_task(
         t.row_sum[..rows].fill(0.0);
     }
     let plain_logits = opts.softcap.is_none() && !host.has_alibi();
+    // AMX with plain logits and a positive scale: Sᵀ stays unscaled (stored straight from the
+    // tiles) and one fused softmax scales it, exponentiates and writes P's pairs.
+    let fused = amx && plain_logits && opts.softmax_scale > 0.0;
     let k_lo = tiles.iter().filter(|t| t.keys.1 > t.keys.0).map(|t| t.keys.0).min().unwrap_or(0);
     let k_hi = tiles.iter().map(|t| t.keys.1).max().unwrap_or(0);
 
     for j0 in (k_lo..k_hi).step_by(k_cols) {
         let cols = k_cols.min(k_hi - j0);
-        let k_rows = k.tile(host, (b, kv_head, d), (j0, cols), k_tile);
-        let v_rows = v.tile(host, (b, kv_head, d), (j0, cols), v_tile);
         let k2 = cols.div_ceil(2);
-        if bf16_pairs {
+        // AMX on bf16 rows: K's bf16 rows are its pairs along d as they are (even element in
+        // the low half), V's pairs along keys interleave two rows; nothing is widened.
+        let raw = amx
+            && d % 2 == 0
+            && k.tile_bf16(host, (b, kv_head, d), (j0, cols), k_raw)
+            && v.tile_bf16(host, (b, kv_head, d), (j0, cols), v_raw);
+        let (k_rows, v_rows): (&[f32], &[f32]) = if raw {
+            (&[], &[])
+        } else {
+            (k.tile(host, (b, kv_head, d), (j0, cols), k_tile), v.tile(host, (b, kv_head, d), (j0, cols), v_tile))
+        };
+        if raw {
+            for (dst, src) in k_pairs[..cols * d2].iter_mut().zip(k_raw[..cols * d].chunks_exact(2)) {
+                *dst = src[0] as u32 | (src[1] as u32) << 16;
+            }
+            for j2 in 0..k2 {
+                let even = &v_raw[2 * j2 * d..][..d];
+                let odd = (2 * j2 + 1 < cols).then(|| &v_raw[(2 * j2 + 1) * d..][..d]);
+                interleave_bf16(isa, even, odd, &mut v_pairs[j2 * d..(j2 + 1) * d]);
+            }
+        } else if bf16_pairs {
             pack_row_pairs(isa, k_rows, d, &mut k_pairs[..cols * d2]);
             for j2 in 0..k2 {
                 let (j, next) = (2 * j2, (2 * j2 + 1 < cols).then_some(2 * j2 + 1));
                 let v_pair = (&v_rows[j * d..(j + 1) * d], next.map(|n| &v_rows[n * d..(n + 1) * d]));
                 pack_pairs(isa, v_pair.0, v_pair.1, &mut v_pairs[j2 * d..(j2 + 1) * d]);
             }
+        }
+        if amx {
+            // Vᵀ paired along keys (d × k_cols/2): the A operand of Oᵀ += Vᵀ Pᵀ, for every
+            // query tile of the task.
+            transpose_rows(|j2| &v_pairs[j2 * d..(j2 + 1) * d], (k2, d), vt_pairs, k_cols.div_ceil(2));
         }
         for t in tiles.iter_mut().filter(|t| t.keys.0 < j0 + cols && j0 < t.keys.1) {
             let rows = t.q_rows * group;
@@ -248,19 +289,12 @@ unsafe fn forward_task(
             let cols = cols.min(t.keys.1 - j0);
             let k2 = cols.div_ceil(2);
             let s_t = &mut scores_t[..cols * rows];
-            // Sᵀ = scale · K Qᵀ for this tile (keys × rows).
+            // Sᵀ = scale · K Qᵀ for this tile (keys × rows); unscaled when the AMX softmax
+            // applies the scale (`fused`).
             if bf16_pairs {
+                let alpha = if fused { 1.0 } else { opts.softmax_scale };
                 let (k2v, q2) = (MatRef::rows(k_pairs.as_ptr().cast(), d2), (t.q_t_pairs.as_ptr().cast(), rows));
-                tile_matmul_bf16_pairs(
-                    isa,
-                    (cols, rows, d2),
-                    s_t.as_mut_ptr(),
-                    rows,
-                    false,
-                    k2v,
-                    q2,
-                    opts.softmax_scale,
-                );
+                tile_matmul_bf16_pairs(isa, (cols, rows, d2), s_t.as_mut_ptr(), rows, false, k2v, q2, alpha);
             } else {
                 let (kv, qt) = (MatRef::rows(k_rows.as_ptr(), d), (t.q_t.as_ptr(), rows));
                 tile_matmul(isa, (cols, rows, d), s_t.as_mut_ptr(), rows, false, kv, qt, opts.softmax_scale);
@@ -289,8 +323,22 @@ unsafe fn forward_task(
                 }
             }
             let (max, sum, correction) = (&mut t.row_max[..rows], &mut t.row_sum[..rows], &mut t.correction[..rows]);
+            #[cfg(target_arch = "x86_64")]
+            if fused {
+                // SAFETY: `fused` implies AMX, so AVX-512 BF16; the slices have the sizes named.
+                super::amx::softmax_to_pairs(s_t, (cols, rows), opts.softmax_scale, (max, sum, correction), p_pairs);
+                rescale_columns(isa, &mut t.acc[..rows * d], rows, correction);
+                let (vt2, p2) =
+                    (MatRef::rows(vt_pairs.as_ptr().cast(), k_cols.div_ceil(2)), (p_pairs.as_ptr().cast(), rows));
+                tile_matmul_bf16_pairs(isa, (d, rows, k2), t.acc.as_mut_ptr(), rows, true, vt2, p2, 1.0);
+                continue;
+            }
             online_softmax_columns(isa, s_t, rows, max, sum, correction);
-            rescale_rows(isa, &mut t.acc[..rows * d], d, correction);
+            if amx {
+                rescale_columns(isa, &mut t.acc[..rows * d], rows, correction);
+            } else {
+                rescale_rows(isa, &mut t.acc[..rows * d], d, correction);
+            }
             // O += P V, P = (Sᵀ)ᵀ read in place (or as bf16 pairs of consecutive keys).
             if bf16_pairs {
                 for j2 in 0..k2 {
@@ -298,8 +346,15 @@ unsafe fn forward_task(
                     let p_rows = (&s_t[j * rows..(j + 1) * rows], next.map(|n| &s_t[n * rows..(n + 1) * rows]));
                     pack_pairs(isa, p_rows.0, p_rows.1, &mut p_pairs[j2 * rows..(j2 + 1) * rows]);
                 }
-                let (p2, v2) = (MatRef::transposed(p_pairs.as_ptr().cast(), rows), (v_pairs.as_ptr().cast(), d));
-                tile_matmul_bf16_pairs(isa, (rows, d, k2), t.acc.as_mut_ptr(), d, true, p2, v2, 1.0);
+                if amx {
+                    // Oᵀ (d × rows) += Vᵀ Pᵀ: Pᵀ's pairs along keys are the B layout.
+                    let (vt2, p2) =
+                        (MatRef::rows(vt_pairs.as_ptr().cast(), k_cols.div_ceil(2)), (p_pairs.as_ptr().cast(), rows));
+                    tile_matmul_bf16_pairs(isa, (d, rows, k2), t.acc.as_mut_ptr(), rows, true, vt2, p2, 1.0);
+                } else {
+                    let (p2, v2) = (MatRef::transposed(p_pairs.as_ptr().cast(), rows), (v_pairs.as_ptr().cast(), d));
+                    tile_matmul_bf16_pairs(isa, (rows, d, k2), t.acc.as_mut_ptr(), d, true, p2, v2, 1.0);
+                }
             } else {
                 let p = MatRef::transposed(s_t.as_ptr(), rows);
                 tile_matmul(isa, (rows, d, cols), t.acc.as_mut_ptr(), d, true, p, (v_rows.as_ptr(), d), 1.0);
@@ -315,7 +370,12 @@ unsafe fn forward_task(
             let (sum, max) = (t.row_sum[r], t.row_max[r]);
             if sum > 0.0 {
                 let inv = 1.0 / sum;
-                dst.iter_mut().zip(&t.acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
+                if amx {
+                    let rows = t.q_rows * group;
+                    dst.iter_mut().enumerate().for_each(|(c, o)| *o = t.acc[c * rows + r] * inv);
+                } else {
+                    dst.iter_mut().zip(&t.acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
+                }
                 *lse.0.add(shape.lse_index(seq, head, i)) = max + sum.ln();
             } else {
                 // A row that sees no key: output 0, lse -inf (already filled).
@@ -428,6 +488,30 @@ super::simd::multiversion! {
             if c != 1.0 {
                 row.iter_mut().for_each(|x| *x *= c);
             }
+        }
+    }
+}
+
+super::simd::multiversion! {
+    /// Rescales each column of a transposed accumulator (`acc`: d rows of `rows`) by its
+    /// row's softmax correction.
+    fn rescale_columns(acc: &mut [f32], rows: usize, correction: &[f32]) {
+        if correction.iter().all(|&c| c == 1.0) {
+            return;
+        }
+        for row in acc.chunks_exact_mut(rows) {
+            row.iter_mut().zip(correction).for_each(|(x, c)| *x *= c);
+        }
+    }
+}
+
+super::simd::multiversion! {
+    /// bf16 pairs of two raw bf16 rows side by side (`dst[i] = (even[i], odd[i])`, a zero half
+    /// without `odd`): V's pairs along keys, without widening.
+    fn interleave_bf16(even: &[u16], odd: Option<&[u16]>, dst: &mut [u32]) {
+        match odd {
+            Some(odd) => dst.iter_mut().zip(even.iter().zip(odd)).for_each(|(o, (&lo, &hi))| *o = lo as u32 | (hi as u32) << 16),
+            None => dst.iter_mut().zip(even).for_each(|(o, &lo)| *o = lo as u32),
         }
     }
 }

@@ -122,21 +122,7 @@ impl<'a> KvRows<'a> {
         (j0, cols): (usize, usize),
         scratch: &'s mut [f32],
     ) -> &'s [f32] {
-        let seq = &host.seqs[b];
-        // validate checked that every row addressed here exists (packed: below total_k; paged:
-        // the page is in the table and j lies below the sequence's length, which it covers).
-        let offset = |j: usize| {
-            let row = match &self.rows {
-                RowAddr::Packed { start, per_batch, batch_stride, row_stride } => {
-                    let r = if self.queries { seq.q_start } else { seq.k_start } + j;
-                    start + (r / per_batch) * batch_stride + (r % per_batch) * row_stride
-                }
-                RowAddr::Paged { start, page_stride, row_stride, page_rows, pages } => {
-                    start + pages[b][j / page_rows] * page_stride + (j % page_rows) * row_stride
-                }
-            };
-            row + kv_head * self.head_stride
-        };
+        let offset = |j: usize| self.offset(host, b, kv_head, j);
         let tile = &mut scratch[..cols * d];
         for (r, dst) in tile.chunks_exact_mut(d).enumerate() {
             let first = offset(j0 + r);
@@ -147,6 +133,41 @@ impl<'a> KvRows<'a> {
             }
         }
         tile
+    }
+
+    /// As [`KvRows::tile`], but the rows' raw bf16 bits into `scratch` (u16), for bf16 data
+    /// only: returns false, doing nothing, for other element types.
+    pub fn tile_bf16(
+        &self,
+        host: &HostData,
+        (b, kv_head, d): (usize, usize, usize),
+        (j0, cols): (usize, usize),
+        scratch: &mut [u16],
+    ) -> bool {
+        let Elems::BF16(x) = &self.data else { return false };
+        for (r, dst) in scratch[..cols * d].chunks_exact_mut(d).enumerate() {
+            let first = self.offset(host, b, kv_head, j0 + r);
+            dst.iter_mut().zip(&x[first..first + d]).for_each(|(o, v)| *o = v.to_bits());
+        }
+        true
+    }
+
+    /// Element offset of row `j` (a key, or a query for [`KvRows::queries`]) of sequence `b`,
+    /// head `kv_head`, column 0.
+    fn offset(&self, host: &HostData, b: usize, kv_head: usize, j: usize) -> usize {
+        let seq = &host.seqs[b];
+        // validate checked that every row addressed here exists (packed: below total_k; paged:
+        // the page is in the table and j lies below the sequence's length, which it covers).
+        let row = match &self.rows {
+            RowAddr::Packed { start, per_batch, batch_stride, row_stride } => {
+                let r = if self.queries { seq.q_start } else { seq.k_start } + j;
+                start + (r / per_batch) * batch_stride + (r % per_batch) * row_stride
+            }
+            RowAddr::Paged { start, page_stride, row_stride, page_rows, pages } => {
+                start + pages[b][j / page_rows] * page_stride + (j % page_rows) * row_stride
+            }
+        };
+        row + kv_head * self.head_stride
     }
 }
 

@@ -8,6 +8,8 @@
 //! instruction set chosen at run time ([`CpuIsa`]), or [`simd::tile_matmul_bf16_pairs`] for bf16
 //! on AVX-512 BF16, and the exp and reductions are vectorised for the same set.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod bwd;
 mod fwd;
 mod kv;

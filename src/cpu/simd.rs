@@ -3,7 +3,7 @@
 //!
 //! [`CpuIsa::active`] is the best set the CPU has (`is_x86_feature_detected!`, never compile
 //! flags; AVX-512 BF16 where it pays, see there), chosen by
-//! `CANDLE_FLASH_CPU_ISA=portable|avx2|avx512|avx512bf16` (read once; a set the CPU lacks is
+//! `CANDLE_FLASH_CPU_ISA=portable|avx2|avx512|avx512bf16|amx` (read once; a set the CPU lacks is
 //! never used) or, for the calling thread only, by [`with_cpu_isa`] (tests run every path
 //! this way). The forward and backward read it once per call, on the
 //! calling thread, and hand it to their workers.
@@ -29,10 +29,18 @@ pub enum CpuIsa {
     Avx512,
     /// AVX-512 with the BF16 dot product (`vdpbf16ps`).
     Avx512Bf16,
+    /// AVX-512 BF16 plus Intel AMX tiles (`tdpbf16ps`, [`super::amx`]) for the bf16-pair
+    /// products, where the operating system grants the tile state.
+    Amx,
 }
 
 impl CpuIsa {
-    pub const ALL: [CpuIsa; 4] = [CpuIsa::Portable, CpuIsa::Avx2, CpuIsa::Avx512, CpuIsa::Avx512Bf16];
+    pub const ALL: [CpuIsa; 5] = [CpuIsa::Portable, CpuIsa::Avx2, CpuIsa::Avx512, CpuIsa::Avx512Bf16, CpuIsa::Amx];
+
+    /// Whether bf16 inputs run their products on bf16 pairs (`vdpbf16ps` or AMX tiles).
+    pub fn bf16_pairs(self) -> bool {
+        self >= CpuIsa::Avx512Bf16
+    }
 
     /// The best set this CPU supports.
     pub fn detected() -> CpuIsa {
@@ -46,7 +54,7 @@ impl CpuIsa {
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vl");
                 if avx512 && is_x86_feature_detected!("avx512bf16") {
-                    return CpuIsa::Avx512Bf16;
+                    return if super::amx::os_grants() { CpuIsa::Amx } else { CpuIsa::Avx512Bf16 };
                 }
                 if avx512 {
                     return CpuIsa::Avx512;
@@ -68,11 +76,17 @@ impl CpuIsa {
         }
         *FROM_ENV.get_or_init(|| {
             let detected = CpuIsa::detected();
-            let default = if CpuIsa::bf16_pairs_pay() { detected } else { detected.min(CpuIsa::Avx512) };
+            // AMX tiles always pay (16x the multiply-adds of `vdpbf16ps` per instruction);
+            // `vdpbf16ps` alone only where `bf16_pairs_pay` says so.
+            let default = if detected == CpuIsa::Amx || CpuIsa::bf16_pairs_pay() {
+                detected
+            } else {
+                detected.min(CpuIsa::Avx512)
+            };
             match std::env::var("CANDLE_FLASH_CPU_ISA").ok().as_deref().map(CpuIsa::parse) {
                 Some(Some(wanted)) => wanted.min(detected),
                 Some(None) => {
-                    eprintln!("candle-flash: CANDLE_FLASH_CPU_ISA must be portable, avx2, avx512 or avx512bf16; using {default:?}");
+                    eprintln!("candle-flash: CANDLE_FLASH_CPU_ISA must be portable, avx2, avx512, avx512bf16 or amx; using {default:?}");
                     default
                 }
                 None => default,
@@ -88,7 +102,8 @@ impl CpuIsa {
     /// cores have two 512-bit FMA ports and run `vdpbf16ps` on one of them, so the pair
     /// packing costs more than it saves: 50-110 against 62-137 GFLOP/s on the Xeon measured
     /// (bench/results/cpu-xeon-bf16-paths.txt). Elsewhere `CANDLE_FLASH_CPU_ISA=avx512bf16`
-    /// asks for the pairs.
+    /// asks for the pairs. (Intel CPUs with AMX run the pairs on AMX tiles, [`CpuIsa::Amx`],
+    /// whatever this says.)
     pub fn bf16_pairs_pay() -> bool {
         #[cfg(target_arch = "x86_64")]
         {
@@ -101,13 +116,14 @@ impl CpuIsa {
         false
     }
 
-    /// `portable`, `avx2`, `avx512` or `avx512bf16`.
+    /// `portable`, `avx2`, `avx512`, `avx512bf16` or `amx`.
     pub fn parse(name: &str) -> Option<CpuIsa> {
         Some(match name.trim().to_ascii_lowercase().as_str() {
             "portable" => CpuIsa::Portable,
             "avx2" => CpuIsa::Avx2,
             "avx512" | "avx512f" => CpuIsa::Avx512,
             "avx512bf16" | "avx512_bf16" => CpuIsa::Avx512Bf16,
+            "amx" => CpuIsa::Amx,
             _ => return None,
         })
     }
@@ -155,7 +171,7 @@ macro_rules! multiversion {
                 // SAFETY: `isa` never exceeds `CpuIsa::detected()` (see `CpuIsa::active` and
                 // `with_cpu_isa`), so the CPU has every feature these functions enable.
                 #[cfg(target_arch = "x86_64")]
-                $crate::cpu::CpuIsa::Avx512 | $crate::cpu::CpuIsa::Avx512Bf16 => unsafe { avx512($($arg),*) },
+                $crate::cpu::CpuIsa::Avx512 | $crate::cpu::CpuIsa::Avx512Bf16 | $crate::cpu::CpuIsa::Amx => unsafe { avx512($($arg),*) },
                 #[cfg(target_arch = "x86_64")]
                 $crate::cpu::CpuIsa::Avx2 => unsafe { avx2($($arg),*) },
                 _ => body::<4, false>($($arg),*),
@@ -209,7 +225,7 @@ pub(crate) unsafe fn tile_matmul(
     #[cfg(target_arch = "x86_64")]
     match isa {
         // SAFETY (both arms): the caller guarantees the pointers and that the CPU has `isa`.
-        CpuIsa::Avx512 | CpuIsa::Avx512Bf16 => return x86::matmul_avx512((m, n, k), out, a, (b, ldb)),
+        CpuIsa::Avx512 | CpuIsa::Avx512Bf16 | CpuIsa::Amx => return x86::matmul_avx512((m, n, k), out, a, (b, ldb)),
         CpuIsa::Avx2 => return x86::matmul_avx2((m, n, k), out, a, (b, ldb)),
         CpuIsa::Portable => {}
     }
@@ -236,6 +252,12 @@ pub(crate) unsafe fn tile_matmul_bf16_pairs(
     (b, ldb): (*const f32, usize),
     alpha: f32,
 ) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if isa == CpuIsa::Amx {
+        // SAFETY: the caller guarantees the pointers; `isa` says the OS granted AMX.
+        super::amx::matmul_bf16((m, n, k), (c, ldc, accumulate, alpha), a, (b.cast(), ldb));
+        return true;
+    }
     #[cfg(target_arch = "x86_64")]
     if isa == CpuIsa::Avx512Bf16 {
         if m > 0 && n > 0 {
@@ -719,42 +741,93 @@ mod tests {
             println!("skipping: this CPU has at most {:?}", CpuIsa::detected());
             return;
         }
+        for isa in [CpuIsa::Avx512Bf16, CpuIsa::Amx] {
+            if isa > CpuIsa::detected() {
+                println!("skipping {isa:?}: this CPU has at most {:?}", CpuIsa::detected());
+                continue;
+            }
+            bf16_pair_matmul_on(isa);
+        }
+    }
+
+    /// [`bf16_pair_matmul_matches_f64`] on one instruction set: A in rows and transposed,
+    /// accumulating or over NaN, alpha 1 (AMX's in-place tiles) and 2; shapes with and without
+    /// 16-multiples.
+    fn bf16_pair_matmul_on(isa: CpuIsa) {
         let bf = |x: f32| half::bf16::from_f32(x).to_f32();
-        for (m, n, len) in [(1usize, 1usize, 1usize), (7, 17, 5), (13, 64, 64), (6, 70, 33), (64, 64, 128)] {
-            let pairs = len.div_ceil(2);
-            let a: Vec<f32> = (0..m * len).map(|i| bf(((i * 37 % 101) as f32 - 50.0) / 25.0)).collect();
-            let b: Vec<f32> = (0..len * n).map(|i| bf(((i * 53 % 97) as f32 - 48.0) / 24.0)).collect();
-            let at = |r: usize, p: usize| if p < len { a[r * len + p] } else { 0.0 };
-            let bt = |p: usize, j: usize| if p < len { b[p * n + j] } else { 0.0 };
-            // A as rows of pairs along k; B as pairs of consecutive k rows.
-            let a2: Vec<u32> = (0..m * pairs)
-                .map(|i| bf16_pair(at(i / pairs, 2 * (i % pairs)), at(i / pairs, 2 * (i % pairs) + 1)))
-                .collect();
-            let b2: Vec<u32> =
-                (0..pairs * n).map(|i| bf16_pair(bt(2 * (i / n), i % n), bt(2 * (i / n) + 1, i % n))).collect();
-            let mut c = vec![1.0f32; m * n];
-            // SAFETY: a2, b2 and c hold every element addressed.
-            let done = unsafe {
-                tile_matmul_bf16_pairs(
-                    CpuIsa::Avx512Bf16,
-                    (m, n, pairs),
-                    c.as_mut_ptr(),
-                    n,
-                    true,
-                    MatRef::rows(a2.as_ptr().cast(), pairs),
-                    (b2.as_ptr().cast(), n),
-                    2.0,
-                )
-            };
-            assert!(done);
-            for r in 0..m {
-                for j in 0..n {
-                    let want = 1.0 + 2.0 * (0..len).map(|p| at(r, p) as f64 * bt(p, j) as f64).sum::<f64>();
-                    let got = c[r * n + j] as f64;
-                    assert!(
-                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                        "{m}x{n}x{len} ({r},{j}): {got} vs {want}"
-                    );
+        let shapes = [
+            (1usize, 1usize, 1usize),
+            (7, 17, 5),
+            (13, 64, 64),
+            (6, 70, 33),
+            (64, 64, 128),
+            (48, 80, 96),
+            (33, 47, 70),
+        ];
+        for (m, n, len) in shapes {
+            for (transposed, accumulate, alpha) in
+                [(false, true, 2.0f32), (true, true, 1.0), (false, false, 0.5), (true, false, 1.0), (false, true, 1.0)]
+            {
+                let pairs = len.div_ceil(2);
+                let a: Vec<f32> = (0..m * len).map(|i| bf(((i * 37 % 101) as f32 - 50.0) / 25.0)).collect();
+                let b: Vec<f32> = (0..len * n).map(|i| bf(((i * 53 % 97) as f32 - 48.0) / 24.0)).collect();
+                let at = |r: usize, p: usize| if p < len { a[r * len + p] } else { 0.0 };
+                let bt = |p: usize, j: usize| if p < len { b[p * n + j] } else { 0.0 };
+                // A as rows of pairs along k (or its transpose: pairs x rows, 3 spare columns);
+                // B as pairs of consecutive k rows, 5 spare columns; C with 2 spare columns.
+                let (lda_t, ldb, ldc) = (m + 3, n + 5, n + 2);
+                let pair = |r: usize, p: usize| bf16_pair(at(r, 2 * p), at(r, 2 * p + 1));
+                let a2: Vec<u32> = if transposed {
+                    (0..pairs * lda_t).map(|i| if i % lda_t < m { pair(i % lda_t, i / lda_t) } else { 0 }).collect()
+                } else {
+                    (0..m * pairs).map(|i| pair(i / pairs, i % pairs)).collect()
+                };
+                let view = if transposed {
+                    MatRef::transposed(a2.as_ptr().cast(), lda_t)
+                } else {
+                    MatRef::rows(a2.as_ptr().cast(), pairs)
+                };
+                let b2: Vec<u32> = (0..pairs * ldb)
+                    .map(|i| {
+                        let (p, j) = (i / ldb, i % ldb);
+                        if j < n {
+                            bf16_pair(bt(2 * p, j), bt(2 * p + 1, j))
+                        } else {
+                            0
+                        }
+                    })
+                    .collect();
+                let c0: Vec<f32> = (0..m * ldc).map(|i| (i % 7) as f32 - 3.0).collect();
+                let mut c = if accumulate { c0.clone() } else { vec![f32::NAN; m * ldc] };
+                // SAFETY: a2, b2 and c hold every element addressed.
+                let done = unsafe {
+                    tile_matmul_bf16_pairs(
+                        isa,
+                        (m, n, pairs),
+                        c.as_mut_ptr(),
+                        ldc,
+                        accumulate,
+                        view,
+                        (b2.as_ptr().cast(), ldb),
+                        alpha,
+                    )
+                };
+                assert!(done);
+                for r in 0..m {
+                    for j in 0..ldc {
+                        let got = c[r * ldc + j] as f64;
+                        if j >= n {
+                            // Spare columns are never written.
+                            assert!(got.is_nan() != accumulate, "{isa:?} wrote spare column {j}");
+                            continue;
+                        }
+                        let dot = (0..len).map(|p| at(r, p) as f64 * bt(p, j) as f64).sum::<f64>();
+                        let want = alpha as f64 * dot + if accumulate { c0[r * ldc + j] as f64 } else { 0.0 };
+                        assert!(
+                            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "{isa:?} {m}x{n}x{len} t={transposed} acc={accumulate} a={alpha} ({r},{j}): {got} vs {want}"
+                        );
+                    }
                 }
             }
         }

@@ -1,0 +1,345 @@
+//! Intel AMX tile products for the bf16-pair operands ([`super::simd::tile_matmul_bf16_pairs`]
+//! on [`CpuIsa::Amx`](super::CpuIsa::Amx)).
+//!
+//! AMX (Sapphire Rapids and later) adds eight tile registers of 16 rows × 64 bytes and
+//! `tdpbf16ps`: C (16 × 16 f32) += A (16 × 16 bf16 pairs) · B (16 pair rows × 16 columns), 8192
+//! multiply-adds per instruction, 16 times what one `vdpbf16ps` does. Its B operand is the
+//! layout the pair kernels already use (rows of pairs along the reduction axis, "VNNI"), and
+//! its A operand is rows of pairs: a row-major A is loaded in place, a transposed one (the
+//! attention products read Pᵀ and dSᵀ that way) is packed first.
+//!
+//! The instructions are written with `asm!` (Rust's AMX intrinsics are unstable): the tile
+//! registers are not allocated by the compiler, so each block names them, and every block
+//! leaves them as the next one expects. Linux hands a process the 8 KiB of tile state only
+//! after it asks (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`): [`os_grants`] asks
+//! once, and the ISA is not offered without that permission.
+
+use super::simd::MatRef;
+use std::arch::asm;
+use std::cell::RefCell;
+
+/// Whether this process may use AMX: the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7) and the
+/// kernel granted the tile data state (asked once; Linux only).
+pub(crate) fn os_grants() -> bool {
+    use std::sync::OnceLock;
+    static GRANTED: OnceLock<bool> = OnceLock::new();
+    *GRANTED.get_or_init(|| {
+        #[cfg(target_os = "linux")]
+        {
+            // CPUID leaf 7 exists on every CPU that has AVX-512 (the caller's condition).
+            let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+            let (amx_bf16, amx_tile) = (leaf7.edx & (1 << 22) != 0, leaf7.edx & (1 << 24) != 0);
+            if !(amx_bf16 && amx_tile) {
+                return false;
+            }
+            const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+            const XFEATURE_XTILEDATA: i64 = 18;
+            const SYS_ARCH_PRCTL: i64 = 158;
+            let ret: i64;
+            // SAFETY: arch_prctl only changes this process's permitted xsave features.
+            unsafe {
+                asm!("syscall", inlateout("rax") SYS_ARCH_PRCTL => ret, in("rdi") ARCH_REQ_XCOMP_PERM,
+                     in("rsi") XFEATURE_XTILEDATA, lateout("rcx") _, lateout("r11") _, options(nostack));
+            }
+            ret == 0
+        }
+        #[cfg(not(target_os = "linux"))]
+        false
+    })
+}
+
+/// The one tile configuration: palette 1, all eight tiles 16 rows × 64 bytes (tmm0-3: a 2 × 2
+/// block of C; tmm4-5: two A tiles; tmm6-7: two B tiles). Edges are zero-padded in memory
+/// instead of configured, so the configuration never changes.
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+const CONFIG: TileConfig = {
+    let mut c = [0u8; 64];
+    c[0] = 1;
+    let mut t = 0;
+    while t < 8 {
+        c[16 + 2 * t] = 64; // bytes per row
+        c[48 + t] = 16; // rows
+        t += 1;
+    }
+    TileConfig(c)
+};
+
+/// Tile side: 16 rows, 16 f32 or 16 bf16 pairs per row.
+const T: usize = 16;
+
+macro_rules! tile_load {
+    ($tmm:literal, $ptr:expr, $stride_bytes:expr) => {
+        asm!(concat!("tileloadd tmm", $tmm, ", [{p} + {s}*1]"), p = in(reg) $ptr, s = in(reg) $stride_bytes, options(nostack, readonly))
+    };
+}
+macro_rules! tile_store {
+    ($tmm:literal, $ptr:expr, $stride_bytes:expr) => {
+        asm!(concat!("tilestored [{p} + {s}*1], tmm", $tmm), p = in(reg) $ptr, s = in(reg) $stride_bytes, options(nostack))
+    };
+}
+macro_rules! tile_zero {
+    ($tmm:literal) => {
+        asm!(concat!("tilezero tmm", $tmm), options(nostack, nomem))
+    };
+}
+macro_rules! tile_dp {
+    ($c:literal, $a:literal, $b:literal) => {
+        asm!(concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm", $b), options(nostack, nomem))
+    };
+}
+
+thread_local! {
+    /// Zero-padded copies of A and B for the calls that need them (transposed A, edges):
+    /// per thread, grown to the largest call and reused.
+    static PANELS: RefCell<(Vec<u32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// `c (m×n, rows ldc apart) = [c +] alpha · a · b` on bf16 pairs, `k2` pairs deep: `a` is an
+/// m × k2 view of u32 pairs, `b` k2 rows of n pairs (`ldb` apart). As
+/// [`super::simd::tile_matmul_bf16_pairs`], which calls it for [`CpuIsa::Amx`](super::CpuIsa::Amx).
+///
+/// # Safety
+/// The pointers must be valid for the extents and strides given, `c` must not overlap `a` or
+/// `b`, and [`os_grants`] must have returned true (the CPU has AMX and AVX-512).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(crate) unsafe fn matmul_bf16(
+    (m, n, k2): (usize, usize, usize),
+    (c, ldc, accumulate, alpha): (*mut f32, usize, bool, f32),
+    a: MatRef,
+    (b, ldb): (*const u32, usize),
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let (mt, nt, kt) = (m.div_ceil(T), n.div_ceil(T), k2.div_ceil(T));
+    let a_in_place = a.col_stride == 1 && m % T == 0 && k2 % T == 0;
+    let b_in_place = n % T == 0 && k2 % T == 0;
+    PANELS.with(|panels| {
+        let mut panels = panels.borrow_mut();
+        let (a_panel, b_panel) = &mut *panels;
+        // A's tiles: (pointer to tile (0, 0), bytes between rows); tile (i, k) is at
+        // `+ i·16 rows + k·16 pairs`.
+        let (a_ptr, a_ld) = if a_in_place {
+            (a.ptr.cast::<u32>(), a.row_stride as usize)
+        } else {
+            let ld = kt * T;
+            a_panel.clear();
+            a_panel.resize(mt * T * ld, 0);
+            let src = a.ptr.cast::<u32>();
+            for r in 0..m {
+                let dst = &mut a_panel[r * ld..r * ld + k2];
+                for (p, x) in dst.iter_mut().enumerate() {
+                    *x = *src.offset(r as isize * a.row_stride + p as isize * a.col_stride);
+                }
+            }
+            (a_panel.as_ptr(), ld)
+        };
+        let (b_ptr, b_ld) = if b_in_place {
+            (b, ldb)
+        } else {
+            let ld = nt * T;
+            b_panel.clear();
+            b_panel.resize(kt * T * ld, 0);
+            for p in 0..k2 {
+                std::ptr::copy_nonoverlapping(b.add(p * ldb), b_panel.as_mut_ptr().add(p * ld), n);
+            }
+            (b_panel.as_ptr(), ld)
+        };
+        asm!("ldtilecfg [{0}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly));
+        let (a_bytes, b_bytes, c_bytes) = (4 * a_ld, 4 * b_ld, 4 * ldc);
+        let a_tile = |i: usize, k: usize| a_ptr.add(i * T * a_ld + k * T);
+        let b_tile = |k: usize, j: usize| b_ptr.add(k * T * b_ld + j * T);
+        // Full C tiles with alpha 1 are loaded (when accumulating) and stored in place; the
+        // others go through a 16 × 16 buffer.
+        let direct = alpha == 1.0;
+        let mut buf = [[0f32; T]; T];
+        for i in (0..mt).step_by(2) {
+            let two_i = i + 1 < mt;
+            for j in (0..nt).step_by(2) {
+                let two_j = j + 1 < nt;
+                let c_tile = |ii: usize, jj: usize| c.add((i + ii) * T * ldc + (j + jj) * T);
+                let full = |ii: usize, jj: usize| direct && (i + ii + 1) * T <= m && (j + jj + 1) * T <= n;
+                if accumulate && full(0, 0) {
+                    tile_load!("0", c_tile(0, 0), c_bytes)
+                } else {
+                    tile_zero!("0")
+                }
+                if two_j {
+                    if accumulate && full(0, 1) {
+                        tile_load!("1", c_tile(0, 1), c_bytes)
+                    } else {
+                        tile_zero!("1")
+                    }
+                }
+                if two_i {
+                    if accumulate && full(1, 0) {
+                        tile_load!("2", c_tile(1, 0), c_bytes)
+                    } else {
+                        tile_zero!("2")
+                    }
+                }
+                if two_i && two_j {
+                    if accumulate && full(1, 1) {
+                        tile_load!("3", c_tile(1, 1), c_bytes)
+                    } else {
+                        tile_zero!("3")
+                    }
+                }
+                for k in 0..kt {
+                    tile_load!("4", a_tile(i, k), a_bytes);
+                    tile_load!("6", b_tile(k, j), b_bytes);
+                    tile_dp!("0", "4", "6");
+                    if two_j {
+                        tile_load!("7", b_tile(k, j + 1), b_bytes);
+                        tile_dp!("1", "4", "7");
+                    }
+                    if two_i {
+                        tile_load!("5", a_tile(i + 1, k), a_bytes);
+                        tile_dp!("2", "5", "6");
+                        if two_j {
+                            tile_dp!("3", "5", "7");
+                        }
+                    }
+                }
+                let buf_ptr = buf.as_mut_ptr().cast::<f32>();
+                let store = |ii: usize, jj: usize, tmm: u8| {
+                    if full(ii, jj) {
+                        match tmm {
+                            0 => tile_store!("0", c_tile(ii, jj), c_bytes),
+                            1 => tile_store!("1", c_tile(ii, jj), c_bytes),
+                            2 => tile_store!("2", c_tile(ii, jj), c_bytes),
+                            _ => tile_store!("3", c_tile(ii, jj), c_bytes),
+                        }
+                        return;
+                    }
+                    match tmm {
+                        0 => tile_store!("0", buf_ptr, 4 * T),
+                        1 => tile_store!("1", buf_ptr, 4 * T),
+                        2 => tile_store!("2", buf_ptr, 4 * T),
+                        _ => tile_store!("3", buf_ptr, 4 * T),
+                    }
+                    let (r0, c0) = ((i + ii) * T, (j + jj) * T);
+                    let (rows, cols) = (T.min(m - r0), T.min(n - c0));
+                    for (r, row) in buf.iter().enumerate().take(rows) {
+                        let dst = std::slice::from_raw_parts_mut(c.add((r0 + r) * ldc + c0), cols);
+                        if accumulate {
+                            dst.iter_mut().zip(row).for_each(|(o, x)| *o += alpha * x);
+                        } else {
+                            dst.iter_mut().zip(row).for_each(|(o, x)| *o = alpha * x);
+                        }
+                    }
+                };
+                store(0, 0, 0);
+                if two_j {
+                    store(0, 1, 1);
+                }
+                if two_i {
+                    store(1, 0, 2);
+                }
+                if two_i && two_j {
+                    store(1, 1, 3);
+                }
+            }
+        }
+    });
+}
+
+/// The AMX forward's softmax step on a transposed tile of *unscaled* logits (`s_t`: `cols`
+/// keys × `rows` query rows, masked keys -inf), fused with the packing of P: the running max
+/// (in scaled units), `correction = exp(old max - new max)`, the running sum, and
+/// `p_pairs[j2 * rows + r]` = P[2·j2][r], P[2·j2 + 1][r] as a bf16 pair (rounded to nearest
+/// even; zero past an odd `cols`): Pᵀ in the B layout of Oᵀ += Vᵀ Pᵀ. One pass for the max and
+/// one for exp, sum and pairs, where the generic path makes a scale pass, two softmax passes and
+/// a packing pass. The exp is exp2 with `vscalefps` (2^n applied by the hardware, so -inf and
+/// deep underflow give 0 with no select); a column with no visible key keeps max -inf, sum 0.
+/// NaN logits propagate into their rows, as in the generic path. Needs `scale > 0` (the max of
+/// the unscaled logits is then the max of the scaled ones).
+///
+/// # Safety
+/// AVX-512 F/BW/VL and BF16 must be present; `s_t` holds `cols * rows` values, the state
+/// slices `rows`, `p_pairs` `cols.div_ceil(2) * rows`.
+#[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(crate) unsafe fn softmax_to_pairs(
+    s_t: &[f32],
+    (cols, rows): (usize, usize),
+    scale: f32,
+    (row_max, row_sum, correction): (&mut [f32], &mut [f32], &mut [f32]),
+    p_pairs: &mut [u32],
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(s_t.len() >= cols * rows && p_pairs.len() >= cols.div_ceil(2) * rows);
+    let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let c = _mm512_set1_ps(scale * std::f32::consts::LOG2_E);
+    // Interleave the two halves of a cvtne2ps result: word 2i from word i, 2i+1 from 16+i.
+    let interleave = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+        16, 0,
+    );
+    let s = s_t.as_ptr();
+    for c0 in (0..rows).step_by(16) {
+        let lanes = 16.min(rows - c0);
+        let m: __mmask16 = ((1u32 << lanes) - 1) as __mmask16;
+        let at = |j: usize| _mm512_maskz_loadu_ps(m, s.add(j * rows + c0));
+        // `_mm512_max_ps(x, acc)` returns acc where either is NaN: NaN logits do not set the max.
+        let mut mx = [neg_inf; 4];
+        let mut j = 0;
+        while j + 4 <= cols {
+            for (u, acc) in mx.iter_mut().enumerate() {
+                *acc = _mm512_max_ps(at(j + u), *acc);
+            }
+            j += 4;
+        }
+        while j < cols {
+            mx[0] = _mm512_max_ps(at(j), mx[0]);
+            j += 1;
+        }
+        let raw_max = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+        let old = _mm512_maskz_loadu_ps(m, row_max.as_ptr().add(c0));
+        let new = _mm512_max_ps(_mm512_mul_ps(raw_max, _mm512_set1_ps(scale)), old);
+        let visible = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(new, neg_inf);
+        let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
+        let corr =
+            _mm512_mask_blend_ps(visible, _mm512_set1_ps(1.0), exp2(_mm512_mul_ps(_mm512_sub_ps(old, new), log2e)));
+        let shift = _mm512_maskz_mov_ps(visible, new);
+        // t = x · scale · log2e − shift · log2e.
+        let bias = _mm512_mul_ps(shift, _mm512_set1_ps(-std::f32::consts::LOG2_E));
+        let (mut sum0, mut sum1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for j2 in 0..cols.div_ceil(2) {
+            let e0 = exp2(_mm512_fmadd_ps(at(2 * j2), c, bias));
+            let e1 =
+                if 2 * j2 + 1 < cols { exp2(_mm512_fmadd_ps(at(2 * j2 + 1), c, bias)) } else { _mm512_setzero_ps() };
+            sum0 = _mm512_add_ps(sum0, e0);
+            sum1 = _mm512_add_ps(sum1, e1);
+            let halves = _mm512_cvtne2ps_pbh(e1, e0);
+            let pairs = _mm512_permutexvar_epi16(interleave, std::mem::transmute::<__m512bh, __m512i>(halves));
+            _mm512_mask_storeu_epi32(p_pairs.as_mut_ptr().add(j2 * rows + c0).cast(), m, pairs);
+        }
+        let sum = _mm512_add_ps(sum0, sum1);
+        let old_sum = _mm512_maskz_loadu_ps(m, row_sum.as_ptr().add(c0));
+        _mm512_mask_storeu_ps(row_sum.as_mut_ptr().add(c0), m, _mm512_fmadd_ps(old_sum, corr, sum));
+        _mm512_mask_storeu_ps(row_max.as_mut_ptr().add(c0), m, new);
+        _mm512_mask_storeu_ps(correction.as_mut_ptr().add(c0), m, corr);
+    }
+}
+
+/// 2^t, ~1e-7 relative error: t = n + f with n = round(t), f in [-1/2, 1/2], 2^f by a
+/// degree-6 Taylor polynomial, then `vscalefps` multiplies by 2^n. t is clamped below at -200
+/// (2^-200 is 0 in f32), which also turns -inf into 0; NaN stays NaN (`max(lo, t)` returns t
+/// when t is NaN).
+#[inline(always)]
+unsafe fn exp2(t: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let t = _mm512_max_ps(_mm512_set1_ps(-200.0), t);
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+    let f = _mm512_sub_ps(t, n);
+    // ln2^k / k!, k = 0..6.
+    const L: [f32; 7] =
+        [1.0, std::f32::consts::LN_2, 0.240_226_5, 0.055_504_11, 0.009_618_129, 0.001_333_355_8, 0.000_154_035_3];
+    let mut p = _mm512_set1_ps(L[6]);
+    for &coef in L[..6].iter().rev() {
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coef));
+    }
+    _mm512_scalef_ps(p, n)
+}
