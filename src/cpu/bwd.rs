@@ -59,10 +59,16 @@ struct Pairs {
     p_rows: Vec<u32>,
     ds_rows: Vec<u32>,
     ds_keys: Vec<u32>,
+    /// AMX only: Qᵀ and dOᵀ paired along query rows (d × max_q/2), the A operands of
+    /// dKᵀ += Qᵀ dS and dVᵀ += dOᵀ P, whose B operands (dS and P paired along rows) are the
+    /// pair layout as built: the K-tile accumulators are then kept transposed (d × keys) and
+    /// no P or dS tile is transposed.
+    qt_rows: Vec<u32>,
+    dot_rows: Vec<u32>,
 }
 
 impl Pairs {
-    fn new(d: usize, (q, k): (usize, usize), max_q: usize) -> Self {
+    fn new(d: usize, (q, k): (usize, usize), max_q: usize, amx: bool) -> Self {
         let (d2, q2, k2, max_q2) = (d.div_ceil(2), q.div_ceil(2), k.div_ceil(2), max_q.div_ceil(2));
         Self {
             q_d: vec![0; max_q * d2],
@@ -76,12 +82,14 @@ impl Pairs {
             p_rows: vec![0; q2 * k],
             ds_rows: vec![0; q2 * k],
             ds_keys: vec![0; q * k2],
+            qt_rows: if amx { vec![0; d * max_q2] } else { vec![] },
+            dot_rows: if amx { vec![0; d * max_q2] } else { vec![] },
         }
     }
 }
 
 impl Scratch {
-    fn new(d: usize, tiles: CpuTiles, (max_q, max_k): (usize, usize), bf16_pairs: bool) -> Self {
+    fn new(d: usize, tiles: CpuTiles, (max_q, max_k): (usize, usize), (bf16_pairs, amx): (bool, bool)) -> Self {
         let (q, k) = (query_tile(tiles), tiles.k_cols);
         Self {
             k_head: vec![0.0; max_k * d],
@@ -97,7 +105,7 @@ impl Scratch {
             dk: vec![0.0; k * d],
             dv: vec![0.0; k * d],
             delta: vec![0.0; max_q],
-            pairs: if bf16_pairs { Pairs::new(d, (q, k), max_q) } else { Pairs::default() },
+            pairs: if bf16_pairs { Pairs::new(d, (q, k), max_q, amx) } else { Pairs::default() },
         }
     }
 }
@@ -114,6 +122,7 @@ pub(crate) fn backward(
     // bf16 inputs on AVX-512 BF16: the five products on bf16 pairs with f32 accumulation, P and
     // dS rounded to bf16 as the GPU kernels do (the forward's rule, `CpuIsa::active`).
     let bf16_pairs = isa.bf16_pairs() && shape.dtype == DType::BF16;
+    let amx = bf16_pairs && isa == CpuIsa::Amx;
     // Rows are read (and widened) per task from the tensors as they are: no whole f32 copies
     // of bf16/f16 inputs (at N = 256 those copies and their page faults were a fifth of the
     // backward).
@@ -134,11 +143,11 @@ pub(crate) fn backward(
     let max_k = host.seqs.iter().map(|s| s.k_len).max().unwrap_or(0);
     let inputs = (&q, &k, &v, &out, &dout, &lse[..]);
     tasks.par_iter().for_each_init(
-        || Scratch::new(d, tiles, (max_q, max_k), bf16_pairs),
+        || Scratch::new(d, tiles, (max_q, max_k), (bf16_pairs, amx)),
         |scratch, &(b, head)| {
             // SAFETY: task (b, head) writes only the (row, head) slots of sequence b and
             // head `head` in dq, dk_heads and dv_heads; no two tasks share one.
-            unsafe { backward_head(shape, host, opts, inputs, ptrs, (isa, bf16_pairs, tiles), (b, head), scratch) }
+            unsafe { backward_head(shape, host, opts, inputs, ptrs, (isa, bf16_pairs, amx, tiles), (b, head), scratch) }
         },
     );
 
@@ -186,7 +195,7 @@ unsafe fn backward_head(
     opts: &FlashAttnOptions,
     (q, k, v, out, dout, lse): Inputs,
     (dq, dk, dv): (SharedMut, SharedMut, SharedMut),
-    (isa, bf16_pairs, tiles): (CpuIsa, bool, CpuTiles),
+    (isa, bf16_pairs, amx, tiles): (CpuIsa, bool, bool, CpuTiles),
     (b, head): (usize, usize),
     scratch: &mut Scratch,
 ) {
@@ -233,6 +242,12 @@ unsafe fn backward_head(
             pack_pairs(isa, q0, q1, &mut pairs.q_rows[i2 * d..(i2 + 1) * d]);
             pack_pairs(isa, o0, o1, &mut pairs.do_rows[i2 * d..(i2 + 1) * d]);
         }
+        if amx {
+            let q2 = seq.q_len.div_ceil(2);
+            let ld = pairs.qt_rows.len() / d;
+            transpose_rows(|i2| &pairs.q_rows[i2 * d..(i2 + 1) * d], (q2, d), &mut pairs.qt_rows, ld);
+            transpose_rows(|i2| &pairs.do_rows[i2 * d..(i2 + 1) * d], (q2, d), &mut pairs.dot_rows, ld);
+        }
     }
     // D_i = rowsum(dO ∘ O).
     for ((di, o), g) in delta[..seq.q_len].iter_mut().zip(o_rows.chunks_exact(d)).zip(do_head.chunks_exact(d)) {
@@ -250,8 +265,10 @@ unsafe fn backward_head(
             continue;
         }
         let i_lo = i_lo - i_lo % 2;
-        dk_acc[..cols * d].fill(0.0);
-        dv_acc[..cols * d].fill(0.0);
+        // (On AMX the accumulators are transposed, d rows of k_tile: zero them whole.)
+        let acc_len = if amx { k_tile * d } else { cols * d };
+        dk_acc[..acc_len].fill(0.0);
+        dv_acc[..acc_len].fill(0.0);
         let v_rows = v.tile(host, (b, kv_head, d), (j0, cols), v_tile);
         if bf16_pairs {
             // Kᵀ and Vᵀ paired along d (d/2 × cols): each row paired, then transposed.
@@ -330,9 +347,17 @@ unsafe fn backward_head(
                     let odd = (2 * r2 + 1 < rows).then(|| part(probs, 2 * r2 + 1, cut));
                     pack_pairs(isa, part(probs, 2 * r2, cut), odd, &mut pairs.p_rows[r2 * k_tile..][..n]);
                 }
-                let a = MatRef::transposed(pairs.p_rows.as_ptr().cast(), k_tile);
-                let b = (pairs.do_rows[i0 / 2 * d..].as_ptr().cast(), d);
-                tile_matmul_bf16_pairs(isa, (n, d, rows2), dv_acc[c_lo * d..].as_mut_ptr(), d, true, a, b, 1.0);
+                if amx {
+                    // dVᵀ (d × keys) += dOᵀ P.
+                    let ld = pairs.dot_rows.len() / d;
+                    let a = MatRef::rows(pairs.dot_rows[i0 / 2..].as_ptr().cast(), ld);
+                    let b = (pairs.p_rows.as_ptr().cast(), k_tile);
+                    tile_matmul_bf16_pairs(isa, (d, n, rows2), dv_acc[c_lo..].as_mut_ptr(), k_tile, true, a, b, 1.0);
+                } else {
+                    let a = MatRef::transposed(pairs.p_rows.as_ptr().cast(), k_tile);
+                    let b = (pairs.do_rows[i0 / 2 * d..].as_ptr().cast(), d);
+                    tile_matmul_bf16_pairs(isa, (n, d, rows2), dv_acc[c_lo * d..].as_mut_ptr(), d, true, a, b, 1.0);
+                }
             } else {
                 let a = MatRef::transposed(probs_c, k_tile);
                 tile_matmul(isa, (n, d, rows), dv_acc[c_lo * d..].as_mut_ptr(), d, true, a, (do_tile_rows, d), 1.0);
@@ -364,9 +389,19 @@ unsafe fn backward_head(
                 }
                 let (a, b) = (MatRef::rows(pairs.ds_keys.as_ptr().cast(), n2), pairs.k_keys[c_lo / 2 * d..].as_ptr());
                 tile_matmul_bf16_pairs(isa, (rows, d, n2), dq_rows, q_rs, true, a, (b.cast(), d), scale);
-                let (a, b) =
-                    (MatRef::transposed(pairs.ds_rows.as_ptr().cast(), k_tile), pairs.q_rows[i0 / 2 * d..].as_ptr());
-                tile_matmul_bf16_pairs(isa, (n, d, rows2), dk_rows, d, true, a, (b.cast(), d), scale);
+                if amx {
+                    // dKᵀ (d × keys) += scale · Qᵀ dS.
+                    let ld = pairs.qt_rows.len() / d;
+                    let a = MatRef::rows(pairs.qt_rows[i0 / 2..].as_ptr().cast(), ld);
+                    let b = (pairs.ds_rows.as_ptr().cast(), k_tile);
+                    tile_matmul_bf16_pairs(isa, (d, n, rows2), dk_acc[c_lo..].as_mut_ptr(), k_tile, true, a, b, scale);
+                } else {
+                    let (a, b) = (
+                        MatRef::transposed(pairs.ds_rows.as_ptr().cast(), k_tile),
+                        pairs.q_rows[i0 / 2 * d..].as_ptr(),
+                    );
+                    tile_matmul_bf16_pairs(isa, (n, d, rows2), dk_rows, d, true, a, (b.cast(), d), scale);
+                }
             } else {
                 let (a, b) = (MatRef::rows(dprobs_c, k_tile), k_head[(j0 + c_lo) * d..].as_ptr());
                 tile_matmul(isa, (rows, d, n), dq_rows, q_rs, true, a, (b, d), scale);
@@ -376,8 +411,16 @@ unsafe fn backward_head(
         }
         for c in 0..cols {
             let (dk_dst, dv_dst) = (dk.0.add(dkv_off(j0 + c)), dv.0.add(dkv_off(j0 + c)));
-            std::slice::from_raw_parts_mut(dk_dst, d).copy_from_slice(&dk_acc[c * d..(c + 1) * d]);
-            std::slice::from_raw_parts_mut(dv_dst, d).copy_from_slice(&dv_acc[c * d..(c + 1) * d]);
+            let (dk_dst, dv_dst) =
+                (std::slice::from_raw_parts_mut(dk_dst, d), std::slice::from_raw_parts_mut(dv_dst, d));
+            if amx {
+                // The accumulators are dKᵀ and dVᵀ (d × k_tile).
+                dk_dst.iter_mut().enumerate().for_each(|(e, x)| *x = dk_acc[e * k_tile + c]);
+                dv_dst.iter_mut().enumerate().for_each(|(e, x)| *x = dv_acc[e * k_tile + c]);
+            } else {
+                dk_dst.copy_from_slice(&dk_acc[c * d..(c + 1) * d]);
+                dv_dst.copy_from_slice(&dv_acc[c * d..(c + 1) * d]);
+            }
         }
     }
 }
