@@ -12,6 +12,7 @@ use super::{dense_f32, exp_poly, logits_row, transpose_rows, CpuTiles, SharedMut
 use crate::params::{AttnShape, FlashAttnOptions, HostData, RowKeys};
 use candle_core::{CpuStorage, DType, Layout, Result};
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 /// One query tile of a task: `q_rows` query rows from `i0` for every query head of the group
 /// (packed row p is query row `i0 + p % q_rows` of the group's head `p / q_rows`), its Qᵀ,
@@ -75,9 +76,6 @@ struct Scratch {
     v_pairs: Vec<u32>,
     /// Vᵀ as bf16 pairs along keys (d × k_cols/2), the A operand of Oᵀ += Vᵀ Pᵀ on AMX tiles.
     vt_pairs: Vec<u32>,
-    /// The K and V tiles' raw bf16 rows (AMX on bf16 inputs): K's rows *are* pairs along d.
-    k_raw: Vec<u16>,
-    v_raw: Vec<u16>,
 }
 
 impl Scratch {
@@ -95,8 +93,6 @@ impl Scratch {
             p_pairs: pairs(k2 * rows),
             v_pairs: pairs(k2 * d),
             vt_pairs: pairs(d * k2),
-            k_raw: if bf16_pairs { vec![0; k_cols * d] } else { vec![] },
-            v_raw: if bf16_pairs { vec![0; k_cols * d] } else { vec![] },
         }
     }
 }
@@ -121,7 +117,11 @@ pub(crate) fn forward(
     // bf16 inputs with AVX-512 BF16 selected (by default on AMD, see `CpuIsa::active`): both
     // products on bf16 pairs with f32 accumulation (P rounded to bf16 for P V, as the GPU kernels do).
     let bf16_pairs = isa.bf16_pairs() && shape.dtype == DType::BF16;
-    let q = dense_f32(q, q_l)?;
+    let amx = bf16_pairs && isa == CpuIsa::Amx;
+    // On AMX, bf16 Q rows are read in place (their bf16 pairs along d as stored); otherwise Q
+    // is widened to f32 once.
+    let q_bf16 = if amx { Some(KvRows::queries(isa, shape, host, (q, q_l))?).filter(KvRows::is_bf16) } else { None };
+    let q = if q_bf16.is_some() { Cow::Borrowed(&[][..]) } else { dense_f32(q, q_l)? };
     let (k, v) = (KvRows::new(isa, shape, host, k, k_l)?, KvRows::new(isa, shape, host, v, v_l)?);
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
     // NaN until written: every (row, head) slot is written below, masked rows included.
@@ -150,9 +150,9 @@ pub(crate) fn forward(
             // SAFETY: the task (b, kv_head, i0) writes only the out and lse slots of rows
             // i0..i0+q_rows of sequence b for the query heads of `kv_head`; no two tasks share one.
             unsafe {
-                let amx = bf16_pairs && isa == CpuIsa::Amx;
                 let task = Task { isa, bf16_pairs, amx, k_cols: tiles.k_cols, b, kv_head, i0, q_rows, rows_per_head };
-                forward_task(shape, host, opts, (&q, &k, &v), (out_ptr, lse_ptr), task, scratch)
+                let q = (&q[..], q_bf16.as_ref());
+                forward_task(shape, host, opts, (q, &k, &v), (out_ptr, lse_ptr), task, scratch)
             }
         },
     );
@@ -185,7 +185,7 @@ unsafe fn forward_task(
     shape: &AttnShape,
     host: &HostData,
     opts: &FlashAttnOptions,
-    (q, k, v): (&[f32], &KvRows, &KvRows),
+    ((q, q_bf16), k, v): ((&[f32], Option<&KvRows>), &KvRows, &KvRows),
     (out, lse): (SharedMut, SharedMut),
     Task { isa, bf16_pairs, amx, k_cols, b, kv_head, i0, q_rows, rows_per_head }: Task,
     scratch: &mut Scratch,
@@ -194,8 +194,7 @@ unsafe fn forward_task(
     let seq = &host.seqs[b];
     let q_rs = h * d;
     let d2 = d.div_ceil(2);
-    let Scratch { tiles, k_tile, v_tile, scores_t, column, q_pairs, k_pairs, p_pairs, v_pairs, vt_pairs, k_raw, v_raw } =
-        scratch;
+    let Scratch { tiles, k_tile, v_tile, scores_t, column, q_pairs, k_pairs, p_pairs, v_pairs, vt_pairs } = scratch;
     let tiles = &mut tiles[..q_rows.div_ceil(rows_per_head)];
     let row_of = |t: &QueryTile, p: usize| (kv_head * group + p / t.q_rows, t.i0 + p % t.q_rows);
     for (n, t) in tiles.iter_mut().enumerate() {
@@ -209,7 +208,14 @@ unsafe fn forward_task(
             let (head, i) = (kv_head * group + p / t_rows, t_i0 + p % t_rows);
             &q[(seq.q_start + i) * q_rs + head * d..][..d]
         };
-        if bf16_pairs {
+        if let Some(q_bf16) = q_bf16 {
+            for p in 0..rows {
+                let (head, i) = (kv_head * group + p / t_rows, t_i0 + p % t_rows);
+                let row = q_bf16.bf16_row(host, (b, head, d), i).unwrap_or_default();
+                bf16_row_pairs(row, &mut q_pairs[p * d2..(p + 1) * d2]);
+            }
+            transpose_rows(|p| &q_pairs[p * d2..(p + 1) * d2], (rows, d2), &mut t.q_t_pairs, rows);
+        } else if bf16_pairs {
             for p in 0..rows {
                 pack_row_pairs(isa, q_row(p), d, &mut q_pairs[p * d2..(p + 1) * d2]);
             }
@@ -249,38 +255,46 @@ unsafe fn forward_task(
     for j0 in (k_lo..k_hi).step_by(k_cols) {
         let cols = k_cols.min(k_hi - j0);
         let k2 = cols.div_ceil(2);
-        // AMX on bf16 rows: K's bf16 rows are its pairs along d as they are (even element in
-        // the low half), V's pairs along keys interleave two rows; nothing is widened.
-        let raw = amx
-            && d % 2 == 0
-            && k.tile_bf16(host, (b, kv_head, d), (j0, cols), k_raw)
-            && v.tile_bf16(host, (b, kv_head, d), (j0, cols), v_raw);
-        let (k_rows, v_rows): (&[f32], &[f32]) = if raw {
-            (&[], &[])
+        // AMX on bf16 K/V: K's rows read in place (bf16 rows are their pairs along d, even
+        // element in the low half) and Vᵀ transposed straight from V's rows; nothing widened.
+        let k_in_place = if amx && d % 2 == 0 {
+            k.bf16_rows_in_place(host, (b, kv_head, d), (j0, cols)).filter(|&(_, stride)| stride % 2 == 0)
         } else {
-            (k.tile(host, (b, kv_head, d), (j0, cols), k_tile), v.tile(host, (b, kv_head, d), (j0, cols), v_tile))
+            None
         };
-        if raw {
-            for (dst, src) in k_pairs[..cols * d2].iter_mut().zip(k_raw[..cols * d].chunks_exact(2)) {
-                *dst = src[0] as u32 | (src[1] as u32) << 16;
-            }
-            for j2 in 0..k2 {
-                let even = &v_raw[2 * j2 * d..][..d];
-                let odd = (2 * j2 + 1 < cols).then(|| &v_raw[(2 * j2 + 1) * d..][..d]);
-                interleave_bf16(isa, even, odd, &mut v_pairs[j2 * d..(j2 + 1) * d]);
-            }
-        } else if bf16_pairs {
+        let v_direct = amx && v.is_bf16();
+        let k_rows: &[f32] = if k_in_place.is_none() { k.tile(host, (b, kv_head, d), (j0, cols), k_tile) } else { &[] };
+        let v_rows: &[f32] = if !v_direct { v.tile(host, (b, kv_head, d), (j0, cols), v_tile) } else { &[] };
+        if bf16_pairs && k_in_place.is_none() {
             pack_row_pairs(isa, k_rows, d, &mut k_pairs[..cols * d2]);
+        }
+        if bf16_pairs && !v_direct {
             for j2 in 0..k2 {
                 let (j, next) = (2 * j2, (2 * j2 + 1 < cols).then_some(2 * j2 + 1));
                 let v_pair = (&v_rows[j * d..(j + 1) * d], next.map(|n| &v_rows[n * d..(n + 1) * d]));
                 pack_pairs(isa, v_pair.0, v_pair.1, &mut v_pairs[j2 * d..(j2 + 1) * d]);
             }
         }
+        // The K operand of Sᵀ = K Qᵀ on bf16 pairs: in place, or the packed pairs.
+        let k_operand = match k_in_place {
+            Some((ptr, stride)) => MatRef::rows(ptr.cast(), stride / 2),
+            None => MatRef::rows(k_pairs.as_ptr().cast(), d2),
+        };
         if amx {
             // Vᵀ paired along keys (d × k_cols/2): the A operand of Oᵀ += Vᵀ Pᵀ, for every
-            // query tile of the task.
-            transpose_rows(|j2| &v_pairs[j2 * d..(j2 + 1) * d], (k2, d), vt_pairs, k_cols.div_ceil(2));
+            // query tile of the task. As bf16 values, row e of Vᵀ is column e of V, so the
+            // pairs along keys are a plain transpose of V's bf16 rows.
+            let ld = k_cols.div_ceil(2);
+            if v_direct {
+                let vt16: &mut [u16] = std::slice::from_raw_parts_mut(vt_pairs.as_mut_ptr().cast(), 2 * vt_pairs.len());
+                let row = |j: usize| v.bf16_row(host, (b, kv_head, d), j0 + j).unwrap_or_default();
+                transpose_rows(row, (cols, d), vt16, 2 * ld);
+                if cols % 2 == 1 {
+                    (0..d).for_each(|e| vt16[e * 2 * ld + cols] = 0);
+                }
+            } else {
+                transpose_rows(|j2| &v_pairs[j2 * d..(j2 + 1) * d], (k2, d), vt_pairs, ld);
+            }
         }
         for t in tiles.iter_mut().filter(|t| t.keys.0 < j0 + cols && j0 < t.keys.1) {
             let rows = t.q_rows * group;
@@ -293,8 +307,8 @@ unsafe fn forward_task(
             // applies the scale (`fused`).
             if bf16_pairs {
                 let alpha = if fused { 1.0 } else { opts.softmax_scale };
-                let (k2v, q2) = (MatRef::rows(k_pairs.as_ptr().cast(), d2), (t.q_t_pairs.as_ptr().cast(), rows));
-                tile_matmul_bf16_pairs(isa, (cols, rows, d2), s_t.as_mut_ptr(), rows, false, k2v, q2, alpha);
+                let q2 = (t.q_t_pairs.as_ptr().cast(), rows);
+                tile_matmul_bf16_pairs(isa, (cols, rows, d2), s_t.as_mut_ptr(), rows, false, k_operand, q2, alpha);
             } else {
                 let (kv, qt) = (MatRef::rows(k_rows.as_ptr(), d), (t.q_t.as_ptr(), rows));
                 tile_matmul(isa, (cols, rows, d), s_t.as_mut_ptr(), rows, false, kv, qt, opts.softmax_scale);
@@ -505,14 +519,15 @@ super::simd::multiversion! {
     }
 }
 
-super::simd::multiversion! {
-    /// bf16 pairs of two raw bf16 rows side by side (`dst[i] = (even[i], odd[i])`, a zero half
-    /// without `odd`): V's pairs along keys, without widening.
-    fn interleave_bf16(even: &[u16], odd: Option<&[u16]>, dst: &mut [u32]) {
-        match odd {
-            Some(odd) => dst.iter_mut().zip(even.iter().zip(odd)).for_each(|(o, (&lo, &hi))| *o = lo as u32 | (hi as u32) << 16),
-            None => dst.iter_mut().zip(even).for_each(|(o, &lo)| *o = lo as u32),
-        }
+/// A raw bf16 row's pairs along it (`dst[i]` = elements 2i, 2i + 1; a zero half after an odd
+/// length): the bits as stored, two at a time.
+fn bf16_row_pairs(row: &[u16], dst: &mut [u32]) {
+    let mut pairs = row.chunks_exact(2);
+    for (o, pair) in dst.iter_mut().zip(&mut pairs) {
+        *o = pair[0] as u32 | (pair[1] as u32) << 16;
+    }
+    if let [last] = pairs.remainder() {
+        dst[row.len() / 2] = *last as u32;
     }
 }
 

@@ -135,21 +135,37 @@ impl<'a> KvRows<'a> {
         tile
     }
 
-    /// As [`KvRows::tile`], but the rows' raw bf16 bits into `scratch` (u16), for bf16 data
-    /// only: returns false, doing nothing, for other element types.
-    pub fn tile_bf16(
+    /// Whether the rows are bf16 (then [`KvRows::bf16_row`] reads them).
+    pub fn is_bf16(&self) -> bool {
+        matches!(self.data, Elems::BF16(_))
+    }
+
+    /// Row `j` of sequence `b`, head `head`, as its raw bf16 bits (`d` values), read in place:
+    /// None unless the data is bf16.
+    pub fn bf16_row(&self, host: &HostData, (b, head, d): (usize, usize, usize), j: usize) -> Option<&[u16]> {
+        let Elems::BF16(x) = &self.data else { return None };
+        let first = self.offset(host, b, head, j);
+        Some(x[first..first + d].reinterpret_cast())
+    }
+
+    /// Rows `j0..j0 + cols` as raw bf16 in place, when they are equally spaced (packed rows of
+    /// one batch; not a paged cache): a pointer to row `j0` and the distance between rows in
+    /// elements. None for other element types and layouts.
+    pub fn bf16_rows_in_place(
         &self,
         host: &HostData,
-        (b, kv_head, d): (usize, usize, usize),
+        (b, head, d): (usize, usize, usize),
         (j0, cols): (usize, usize),
-        scratch: &mut [u16],
-    ) -> bool {
-        let Elems::BF16(x) = &self.data else { return false };
-        for (r, dst) in scratch[..cols * d].chunks_exact_mut(d).enumerate() {
-            let first = self.offset(host, b, kv_head, j0 + r);
-            dst.iter_mut().zip(&x[first..first + d]).for_each(|(o, v)| *o = v.to_bits());
+    ) -> Option<(*const u16, usize)> {
+        let RowAddr::Packed { per_batch, row_stride, .. } = self.rows else { return None };
+        let seq = &host.seqs[b];
+        let r0 = if self.queries { seq.q_start } else { seq.k_start } + j0;
+        if cols == 0 || r0 / per_batch != (r0 + cols - 1) / per_batch {
+            return None;
         }
-        true
+        // Every row of the range lies inside the tensor (validate), so its slice exists.
+        self.bf16_row(host, (b, head, d), j0 + cols - 1)?;
+        Some((self.bf16_row(host, (b, head, d), j0)?.as_ptr(), row_stride))
     }
 
     /// Element offset of row `j` (a key, or a query for [`KvRows::queries`]) of sequence `b`,
