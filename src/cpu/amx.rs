@@ -325,12 +325,49 @@ pub(crate) unsafe fn softmax_to_pairs(
         31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
         16, 0,
     );
-    let s = s_t.as_ptr();
+    let (s, p_out) = (s_t.as_ptr(), p_pairs.as_mut_ptr());
+    let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
     for c0 in (0..rows).step_by(16) {
         let lanes = 16.min(rows - c0);
         let m: __mmask16 = ((1u32 << lanes) - 1) as __mmask16;
         let at = |j: usize| _mm512_maskz_loadu_ps(m, s.add(j * rows + c0));
-        // `_mm512_max_ps(x, acc)` returns acc where either is NaN: NaN logits do not set the max.
+        let pairs_at = |j2: usize| p_out.add(j2 * rows + c0);
+        // exp(x · scale − shift) of every key, written as pairs; returns the sum and the max
+        // of the unscaled logits. `_mm512_max_ps(x, acc)` returns acc where either is NaN:
+        // NaN logits do not set the max (they reach the sum, hence their row, as NaN).
+        let exp_pass = |bias: __m512| {
+            let (mut sum0, mut sum1, mut max0, mut max1) = (_mm512_setzero_ps(), _mm512_setzero_ps(), neg_inf, neg_inf);
+            for j2 in 0..cols.div_ceil(2) {
+                let x0 = at(2 * j2);
+                let x1 = if 2 * j2 + 1 < cols { at(2 * j2 + 1) } else { neg_inf };
+                max0 = _mm512_max_ps(x0, max0);
+                max1 = _mm512_max_ps(x1, max1);
+                let (e0, e1) = (exp2(_mm512_fmadd_ps(x0, c, bias)), exp2(_mm512_fmadd_ps(x1, c, bias)));
+                sum0 = _mm512_add_ps(sum0, e0);
+                sum1 = _mm512_add_ps(sum1, e1);
+                let halves = _mm512_cvtne2ps_pbh(e1, e0);
+                let pairs = _mm512_permutexvar_epi16(interleave, std::mem::transmute::<__m512bh, __m512i>(halves));
+                _mm512_mask_storeu_epi32(pairs_at(j2).cast(), m, pairs);
+            }
+            (_mm512_add_ps(sum0, sum1), _mm512_max_ps(max0, max1))
+        };
+        let old = _mm512_mask_loadu_ps(neg_inf, m, row_max.as_ptr().add(c0));
+        let old_sum = _mm512_maskz_loadu_ps(m, row_sum.as_ptr().add(c0));
+        // One pass with the running max as it stands (a stale max is exact: any shift gives
+        // the same softmax), kept when no row's tile max exceeds it by more than STALE (P stays
+        // below e^STALE, far from overflow); the max moves only then. Rows that have seen no
+        // key yet (max -inf) take the two passes.
+        const STALE: f32 = 8.0;
+        if _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(m, old, neg_inf) == 0 {
+            let (sum, raw_max) = exp_pass(_mm512_mul_ps(old, _mm512_set1_ps(-std::f32::consts::LOG2_E)));
+            let limit = _mm512_add_ps(old, _mm512_set1_ps(STALE));
+            if _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(m, _mm512_mul_ps(raw_max, _mm512_set1_ps(scale)), limit) == 0 {
+                _mm512_mask_storeu_ps(row_sum.as_mut_ptr().add(c0), m, _mm512_add_ps(old_sum, sum));
+                _mm512_mask_storeu_ps(correction.as_mut_ptr().add(c0), m, _mm512_set1_ps(1.0));
+                continue;
+            }
+        }
+        // Two passes: the tile's max first, then exp against the new running max.
         let mut mx = [neg_inf; 4];
         let mut j = 0;
         while j + 4 <= cols {
@@ -344,28 +381,13 @@ pub(crate) unsafe fn softmax_to_pairs(
             j += 1;
         }
         let raw_max = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
-        let old = _mm512_maskz_loadu_ps(m, row_max.as_ptr().add(c0));
         let new = _mm512_max_ps(_mm512_mul_ps(raw_max, _mm512_set1_ps(scale)), old);
         let visible = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(new, neg_inf);
-        let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
         let corr =
             _mm512_mask_blend_ps(visible, _mm512_set1_ps(1.0), exp2(_mm512_mul_ps(_mm512_sub_ps(old, new), log2e)));
+        // t = x · scale · log2e − shift · log2e (shift 0 for a row that still sees nothing).
         let shift = _mm512_maskz_mov_ps(visible, new);
-        // t = x · scale · log2e − shift · log2e.
-        let bias = _mm512_mul_ps(shift, _mm512_set1_ps(-std::f32::consts::LOG2_E));
-        let (mut sum0, mut sum1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-        for j2 in 0..cols.div_ceil(2) {
-            let e0 = exp2(_mm512_fmadd_ps(at(2 * j2), c, bias));
-            let e1 =
-                if 2 * j2 + 1 < cols { exp2(_mm512_fmadd_ps(at(2 * j2 + 1), c, bias)) } else { _mm512_setzero_ps() };
-            sum0 = _mm512_add_ps(sum0, e0);
-            sum1 = _mm512_add_ps(sum1, e1);
-            let halves = _mm512_cvtne2ps_pbh(e1, e0);
-            let pairs = _mm512_permutexvar_epi16(interleave, std::mem::transmute::<__m512bh, __m512i>(halves));
-            _mm512_mask_storeu_epi32(p_pairs.as_mut_ptr().add(j2 * rows + c0).cast(), m, pairs);
-        }
-        let sum = _mm512_add_ps(sum0, sum1);
-        let old_sum = _mm512_maskz_loadu_ps(m, row_sum.as_ptr().add(c0));
+        let (sum, _) = exp_pass(_mm512_mul_ps(shift, _mm512_set1_ps(-std::f32::consts::LOG2_E)));
         _mm512_mask_storeu_ps(row_sum.as_mut_ptr().add(c0), m, _mm512_fmadd_ps(old_sum, corr, sum));
         _mm512_mask_storeu_ps(row_max.as_mut_ptr().add(c0), m, new);
         _mm512_mask_storeu_ps(correction.as_mut_ptr().add(c0), m, corr);
@@ -393,43 +415,93 @@ unsafe fn exp2(t: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
 }
 
 #[cfg(test)]
-mod timing_tmp {
+mod tests {
     use super::*;
+
+    /// The fused softmax across several key tiles, as the forward uses it (O = O · correction
+    /// + P V, with the bf16 pairs it writes), against f64 softmax-weighted sums and the
+    /// log-sum-exp: the first tile's two passes, a stale max kept, a max that jumps by more
+    /// than the stale margin (the redo), rows that see nothing for a while or ever, a row
+    /// with a NaN logit, partial column blocks and an odd key count.
     #[test]
-    #[ignore]
-    fn amx_timing() {
-        if !os_grants() {
+    fn fused_softmax_matches_f64() {
+        if !(super::super::CpuIsa::detected() == super::super::CpuIsa::Amx) {
+            println!("skipping: no AMX on this CPU / OS");
             return;
         }
-        for &(m, n, k2, acc, alpha) in &[
-            (256usize, 64usize, 32usize, false, 1.0f32),
-            (64, 64, 128, true, 1.0),
-            (256, 64, 32, false, 0.125),
-            (128, 128, 128, true, 1.0),
-        ] {
-            let a = vec![0x3f803f80u32; m * k2];
-            let b = vec![0x3f803f80u32; k2 * n];
-            let mut c = vec![0f32; m * n];
-            let iters = 20000;
-            let t = std::time::Instant::now();
-            for _ in 0..iters {
-                unsafe {
-                    matmul_bf16(
-                        (m, n, k2),
-                        (c.as_mut_ptr(), n, acc, alpha),
-                        MatRef::rows(a.as_ptr().cast(), k2),
-                        (b.as_ptr(), n),
-                    )
-                };
+        let mut seed = 7u64;
+        let mut rand = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        let scale = 0.7f32;
+        for (rows, tiles, cols) in [(20usize, 4usize, 33usize), (64, 3, 256), (5, 3, 1)] {
+            // logits[tile][key][row]: row 0 jumps by 200 in tile 2 (e^140 would overflow
+            // without the redo); in the last column block (so that rows 0-15 take the one-pass
+            // path after tile 0), one row is masked in tile 0 and sees keys later, one sees
+            // nothing, one has a NaN in tile 1.
+            let (late, never, nan_row) = (rows - 3, rows - 2, rows - 1);
+            let mut logits = vec![vec![0f32; cols * rows]; tiles];
+            for (t, tile) in logits.iter_mut().enumerate() {
+                for j in 0..cols {
+                    for r in 0..rows {
+                        let mut x = 6.0 * rand();
+                        if r == 0 && t >= 2 {
+                            x += 200.0;
+                        }
+                        if (r == late && t == 0) || r == never {
+                            x = f32::NEG_INFINITY;
+                        }
+                        if r == nan_row && t == 1 && j == 0 {
+                            x = f32::NAN;
+                        }
+                        tile[j * rows + r] = x;
+                    }
+                }
             }
-            let s = t.elapsed().as_secs_f64();
-            let macs = (m * n * k2 * 2) as f64 * iters as f64;
-            println!(
-                "{m}x{n}x{k2} acc={acc} alpha={alpha}: {:.1} GMAC/s, {:.0} ns/call, ideal {:.0} ns at 3.5GHz",
-                macs / s / 1e9,
-                s / iters as f64 * 1e9,
-                macs / iters as f64 / 512.0 / 3.5
-            );
+            let v: Vec<Vec<f64>> = (0..tiles).map(|_| (0..cols).map(|_| rand() as f64).collect()).collect();
+            let (mut max, mut sum, mut corr) = (vec![f32::NEG_INFINITY; rows], vec![0f32; rows], vec![0f32; rows]);
+            let mut acc = vec![0f64; rows];
+            let mut pairs = vec![0u32; cols.div_ceil(2) * rows];
+            for t in 0..tiles {
+                // SAFETY: AMX implies AVX-512 BF16; the slices have the sizes named.
+                unsafe {
+                    softmax_to_pairs(&logits[t], (cols, rows), scale, (&mut max, &mut sum, &mut corr), &mut pairs)
+                };
+                for r in 0..rows {
+                    let p: f64 = (0..cols)
+                        .map(|j| {
+                            let pair = pairs[j / 2 * rows + r];
+                            let bits = if j % 2 == 0 { pair & 0xffff } else { pair >> 16 };
+                            f32::from_bits(bits << 16) as f64 * v[t][j]
+                        })
+                        .sum();
+                    acc[r] = acc[r] * corr[r] as f64 + p;
+                }
+            }
+            for r in 0..rows {
+                let all: Vec<(f64, f64)> = (0..tiles)
+                    .flat_map(|t| (0..cols).map(move |j| (t, j)))
+                    .map(|(t, j)| (scale as f64 * logits[t][j * rows + r] as f64, v[t][j]))
+                    .collect();
+                let m = all.iter().map(|x| x.0).fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = all.iter().map(|x| (x.0 - m).exp()).sum();
+                let want = all.iter().map(|x| (x.0 - m).exp() * x.1).sum::<f64>() / z;
+                let got = acc[r] / sum[r] as f64;
+                let lse = max[r] as f64 + (sum[r] as f64).ln();
+                if r == nan_row {
+                    assert!(got.is_nan(), "{rows}x{cols}: the NaN row gave {got}");
+                } else if r == never {
+                    assert!(sum[r] == 0.0 && max[r] == f32::NEG_INFINITY, "{rows}x{cols}: a row with no key");
+                } else {
+                    assert!((got - want).abs() <= 1e-2 * (1.0 + want.abs()), "{rows}x{cols} row {r}: {got} vs {want}");
+                    let lse_want = m + z.ln();
+                    assert!(
+                        (lse - lse_want).abs() <= 1e-5 * (1.0 + lse_want.abs()),
+                        "{rows}x{cols} row {r}: lse {lse} vs {lse_want}"
+                    );
+                }
+            }
         }
     }
 }
