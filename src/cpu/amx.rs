@@ -418,8 +418,8 @@ unsafe fn exp2(t: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
 mod tests {
     use super::*;
 
-    /// The fused softmax across several key tiles, as the forward uses it (O = O · correction
-    /// + P V, with the bf16 pairs it writes), against f64 softmax-weighted sums and the
+    /// The fused softmax across several key tiles, as the forward uses it (O becomes
+    /// O · correction plus P V, with the bf16 pairs it writes), against f64 softmax-weighted sums and the
     /// log-sum-exp: the first tile's two passes, a stale max kept, a max that jumps by more
     /// than the stale margin (the redo), rows that see nothing for a while or ever, a row
     /// with a NaN logit, partial column blocks and an odd key count.
