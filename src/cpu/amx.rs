@@ -425,7 +425,7 @@ mod tests {
     /// with a NaN logit, partial column blocks and an odd key count.
     #[test]
     fn fused_softmax_matches_f64() {
-        if !(super::super::CpuIsa::detected() == super::super::CpuIsa::Amx) {
+        if super::super::CpuIsa::detected() != super::super::CpuIsa::Amx {
             println!("skipping: no AMX on this CPU / OS");
             return;
         }
