@@ -92,7 +92,8 @@ macro_rules! tile_dp {
 
 thread_local! {
     /// Zero-padded copies of A and B for the calls that need them (transposed A, edges):
-    /// per thread, grown to the largest call and reused.
+    /// per thread, grown to the largest call and reused (16 spare elements: the panels start
+    /// on a 64-byte line).
     static PANELS: RefCell<(Vec<u32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
@@ -126,7 +127,9 @@ pub(crate) unsafe fn matmul_bf16(
         } else {
             let ld = kt * T;
             a_panel.clear();
-            a_panel.resize(mt * T * ld, 0);
+            a_panel.resize(mt * T * ld + T, 0);
+            let skip = a_panel.as_ptr().align_offset(64).min(T);
+            let a_panel = &mut a_panel[skip..];
             let src = a.ptr.cast::<u32>();
             for r in 0..m {
                 let dst = &mut a_panel[r * ld..r * ld + k2];
@@ -142,7 +145,9 @@ pub(crate) unsafe fn matmul_bf16(
         } else {
             let ld = nt * T;
             b_panel.clear();
-            b_panel.resize(kt * T * ld, 0);
+            b_panel.resize(kt * T * ld + T, 0);
+            let skip = b_panel.as_ptr().align_offset(64).min(T);
+            let b_panel = &mut b_panel[skip..];
             for p in 0..k2 {
                 // (Byte copies: no alignment assumed.)
                 std::ptr::copy_nonoverlapping(
@@ -394,8 +399,8 @@ pub(crate) unsafe fn softmax_to_pairs(
     }
 }
 
-/// 2^t, ~1e-7 relative error: t = n + f with n = round(t), f in [-1/2, 1/2], 2^f by a
-/// degree-6 Taylor polynomial, then `vscalefps` multiplies by 2^n. t is clamped below at -200
+/// 2^t, ~1.5e-7 relative error: t = n + f with n = round(t), f in [-1/2, 1/2], 2^f by a
+/// degree-5 polynomial, then `vscalefps` multiplies by 2^n. t is clamped below at -200
 /// (2^-200 is 0 in f32), which also turns -inf into 0; NaN stays NaN (`max(lo, t)` returns t
 /// when t is NaN).
 #[inline(always)]
@@ -404,11 +409,11 @@ unsafe fn exp2(t: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     let t = _mm512_max_ps(_mm512_set1_ps(-200.0), t);
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
     let f = _mm512_sub_ps(t, n);
-    // ln2^k / k!, k = 0..6.
-    const L: [f32; 7] =
-        [1.0, std::f32::consts::LN_2, 0.240_226_5, 0.055_504_11, 0.009_618_129, 0.001_333_355_8, 0.000_154_035_3];
-    let mut p = _mm512_set1_ps(L[6]);
-    for &coef in L[..6].iter().rev() {
+    // 2^f on [-1/2, 1/2], degree 5, fitted for relative error (1.5e-7 at most, measured on
+    // 200001 points; the degree-6 Taylor series it replaced was no better and one FMA longer).
+    const C: [f32; 6] = [1.000_000_1, 0.693_146_94, 0.240_221_2, 0.055_507_135, 0.009_675_542, 0.001_327_645_3];
+    let mut p = _mm512_set1_ps(C[5]);
+    for &coef in C[..5].iter().rev() {
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coef));
     }
     _mm512_scalef_ps(p, n)

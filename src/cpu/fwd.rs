@@ -8,7 +8,7 @@
 
 use super::kv::KvRows;
 use super::simd::{bf16_pair, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
-use super::{dense_f32, exp_poly, logits_row, transpose_rows, CpuTiles, SharedMut};
+use super::{dense_f32, exp_poly, logits_row, transpose_rows, AlignedVec, CpuTiles, OutBuf, OutPtr, SharedMut};
 use crate::params::{AttnShape, FlashAttnOptions, HostData, RowKeys};
 use candle_core::{CpuStorage, DType, Layout, Result};
 use rayon::prelude::*;
@@ -22,9 +22,9 @@ struct QueryTile {
     q_rows: usize,
     q_t: Vec<f32>,
     /// Qᵀ as bf16 pairs along d (AVX-512 BF16 on bf16 inputs only, else empty).
-    q_t_pairs: Vec<u32>,
+    q_t_pairs: AlignedVec<u32>,
     /// The output accumulator: rows × d, or d × rows (Oᵀ) on AMX tiles (see `Task::amx`).
-    acc: Vec<f32>,
+    acc: AlignedVec<f32>,
     row_max: Vec<f32>,
     row_sum: Vec<f32>,
     correction: Vec<f32>,
@@ -45,8 +45,8 @@ impl QueryTile {
             i0: 0,
             q_rows: 0,
             q_t: vec![0.0; d * rows],
-            q_t_pairs: if bf16_pairs { vec![0; d.div_ceil(2) * rows] } else { vec![] },
-            acc: vec![0.0; rows * d],
+            q_t_pairs: AlignedVec::new(if bf16_pairs { d.div_ceil(2) * rows } else { 0 }),
+            acc: AlignedVec::new(rows * d),
             row_max: vec![0.0; rows],
             row_sum: vec![0.0; rows],
             correction: vec![0.0; rows],
@@ -68,31 +68,37 @@ struct Scratch {
     tiles: Vec<QueryTile>,
     k_tile: Vec<f32>,
     v_tile: Vec<f32>,
-    scores_t: Vec<f32>,
+    scores_t: AlignedVec<f32>,
     column: Vec<f32>,
     q_pairs: Vec<u32>,
-    k_pairs: Vec<u32>,
-    p_pairs: Vec<u32>,
+    k_pairs: AlignedVec<u32>,
+    p_pairs: AlignedVec<u32>,
     v_pairs: Vec<u32>,
     /// Vᵀ as bf16 pairs along keys (d × k_cols/2), the A operand of Oᵀ += Vᵀ Pᵀ on AMX tiles.
-    vt_pairs: Vec<u32>,
+    vt_pairs: AlignedVec<u32>,
+    /// The output rows of a query tile (rows × d; Oᵀ transposed back on AMX) before they are
+    /// normalised and narrowed into the output.
+    out_rows: Vec<f32>,
 }
 
 impl Scratch {
     fn new(d: usize, (rows, tiles_per_task): (usize, usize), k_cols: usize, bf16_pairs: bool) -> Self {
         let (d2, k2) = (d.div_ceil(2), k_cols.div_ceil(2));
         let pairs = |n: usize| if bf16_pairs { vec![0; n] } else { vec![] };
+        let aligned_pairs = |n: usize| AlignedVec::new(if bf16_pairs { n } else { 0 });
         Self {
             tiles: (0..tiles_per_task).map(|_| QueryTile::new(d, rows, bf16_pairs)).collect(),
             k_tile: vec![0.0; k_cols * d],
             v_tile: vec![0.0; k_cols * d],
-            scores_t: vec![0.0; k_cols * rows],
-            column: vec![0.0; k_cols],
+            scores_t: AlignedVec::new(k_cols * rows),
+            // (Also the output row buffer of the epilogue: d values.)
+            column: vec![0.0; k_cols.max(d)],
             q_pairs: pairs(d2 * rows),
-            k_pairs: pairs(k_cols * d2),
-            p_pairs: pairs(k2 * rows),
+            k_pairs: aligned_pairs(k_cols * d2),
+            p_pairs: aligned_pairs(k2 * rows),
             v_pairs: pairs(k2 * d),
-            vt_pairs: pairs(d * k2),
+            vt_pairs: aligned_pairs(d * k2),
+            out_rows: vec![0.0; rows * d],
         }
     }
 }
@@ -124,8 +130,8 @@ pub(crate) fn forward(
     let q = if q_bf16.is_some() { Cow::Borrowed(&[][..]) } else { dense_f32(q, q_l)? };
     let (k, v) = (KvRows::new(isa, shape, host, k, k_l)?, KvRows::new(isa, shape, host, v, v_l)?);
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
-    // NaN until written: every (row, head) slot is written below, masked rows included.
-    let mut out = vec![f32::NAN; shape.total_q * h * d];
+    // Every (row, head) slot is written below, masked rows included.
+    let mut out = OutBuf::zeroed(shape.dtype, shape.total_q * h * d)?;
     let mut lse = vec![f32::NEG_INFINITY; shape.lse_dims().iter().product()];
 
     let rows_per_head = (tiles.q_rows / group).max(1);
@@ -142,11 +148,11 @@ pub(crate) fn forward(
             (0..shape.num_kv_heads).flat_map(move |kvh| (0..seq.q_len).step_by(task_rows).map(move |i0| (b, kvh, i0)))
         })
         .collect();
-    let (out_ptr, lse_ptr) = (SharedMut(out.as_mut_ptr()), SharedMut(lse.as_mut_ptr()));
-    tasks.par_iter().for_each_init(
-        || Scratch::new(d, (rows_per_head * group, per_task), tiles.k_cols, bf16_pairs),
-        |scratch, &(b, kv_head, i0)| {
-            let q_rows = task_rows.min(host.seqs[b].q_len - i0);
+    let (out_ptr, lse_ptr) = (out.ptr(), SharedMut(lse.as_mut_ptr()));
+    let key = ScratchKey { d, rows: rows_per_head * group, per_task, k_cols: tiles.k_cols, bf16_pairs };
+    tasks.par_iter().for_each(|&(b, kv_head, i0)| {
+        let q_rows = task_rows.min(host.seqs[b].q_len - i0);
+        with_scratch(key, |scratch| {
             // SAFETY: the task (b, kv_head, i0) writes only the out and lse slots of rows
             // i0..i0+q_rows of sequence b for the query heads of `kv_head`; no two tasks share one.
             unsafe {
@@ -154,9 +160,9 @@ pub(crate) fn forward(
                 let q = (&q[..], q_bf16.as_ref());
                 forward_task(shape, host, opts, (q, &k, &v), (out_ptr, lse_ptr), task, scratch)
             }
-        },
-    );
-    Ok((super::storage_from_f32(out, shape.dtype)?, lse))
+        })
+    });
+    Ok((out.into_storage(), lse))
 }
 
 /// One forward task: query rows `i0..i0 + q_rows` of sequence `b`, for every query head of
@@ -186,7 +192,7 @@ unsafe fn forward_task(
     host: &HostData,
     opts: &FlashAttnOptions,
     ((q, q_bf16), k, v): ((&[f32], Option<&KvRows>), &KvRows, &KvRows),
-    (out, lse): (SharedMut, SharedMut),
+    (out, lse): (OutPtr, SharedMut),
     Task { isa, bf16_pairs, amx, k_cols, b, kv_head, i0, q_rows, rows_per_head }: Task,
     scratch: &mut Scratch,
 ) {
@@ -194,7 +200,8 @@ unsafe fn forward_task(
     let seq = &host.seqs[b];
     let q_rs = h * d;
     let d2 = d.div_ceil(2);
-    let Scratch { tiles, k_tile, v_tile, scores_t, column, q_pairs, k_pairs, p_pairs, v_pairs, vt_pairs } = scratch;
+    let Scratch { tiles, k_tile, v_tile, scores_t, column, q_pairs, k_pairs, p_pairs, v_pairs, vt_pairs, out_rows } =
+        scratch;
     let tiles = &mut tiles[..q_rows.div_ceil(rows_per_head)];
     let row_of = |t: &QueryTile, p: usize| (kv_head * group + p / t.q_rows, t.i0 + p % t.q_rows);
     for (n, t) in tiles.iter_mut().enumerate() {
@@ -257,16 +264,27 @@ unsafe fn forward_task(
         let k2 = cols.div_ceil(2);
         // AMX on bf16 K/V: K's rows read in place (bf16 rows are their pairs along d, even
         // element in the low half) and Vᵀ transposed straight from V's rows; nothing widened.
-        let k_in_place = if amx && d % 2 == 0 {
-            k.bf16_rows_in_place(host, (b, kv_head, d), (j0, cols)).filter(|&(_, stride)| stride % 2 == 0)
+        let k_raw = amx && k.is_bf16();
+        let k_in_place = if k_raw && d % 2 == 0 {
+            // (Only on 64-byte lines: rows that straddle lines load at half speed; then K's
+            // rows are copied into the aligned pairs below.)
+            k.bf16_rows_in_place(host, (b, kv_head, d), (j0, cols))
+                .filter(|&(ptr, stride)| (2 * stride).is_multiple_of(64) && (ptr as usize).is_multiple_of(64))
         } else {
             None
         };
         let v_direct = amx && v.is_bf16();
-        let k_rows: &[f32] = if k_in_place.is_none() { k.tile(host, (b, kv_head, d), (j0, cols), k_tile) } else { &[] };
+        let k_rows: &[f32] = if !k_raw { k.tile(host, (b, kv_head, d), (j0, cols), k_tile) } else { &[] };
         let v_rows: &[f32] = if !v_direct { v.tile(host, (b, kv_head, d), (j0, cols), v_tile) } else { &[] };
         if bf16_pairs && k_in_place.is_none() {
-            pack_row_pairs(isa, k_rows, d, &mut k_pairs[..cols * d2]);
+            if k_raw {
+                for j in 0..cols {
+                    let row = k.bf16_row(host, (b, kv_head, d), j0 + j).unwrap_or_default();
+                    bf16_row_pairs(row, &mut k_pairs[j * d2..(j + 1) * d2]);
+                }
+            } else {
+                pack_row_pairs(isa, k_rows, d, &mut k_pairs[..cols * d2]);
+            }
         }
         if bf16_pairs && !v_direct {
             for j2 in 0..k2 {
@@ -377,26 +395,60 @@ unsafe fn forward_task(
     }
 
     for t in tiles.iter() {
-        for r in 0..t.q_rows * group {
+        let rows = t.q_rows * group;
+        let acc: &[f32] = if amx {
+            // Oᵀ (d × rows) back to rows.
+            transpose_rows(|e| &t.acc[e * rows..(e + 1) * rows], (d, rows), out_rows, d);
+            &out_rows[..rows * d]
+        } else {
+            &t.acc[..rows * d]
+        };
+        for r in 0..rows {
             let (head, i) = row_of(t, r);
-            let dst = out.0.add((seq.q_start + i) * q_rs + head * d);
-            let dst = std::slice::from_raw_parts_mut(dst, d);
             let (sum, max) = (t.row_sum[r], t.row_max[r]);
+            let row = &mut column[..d];
             if sum > 0.0 {
                 let inv = 1.0 / sum;
-                if amx {
-                    let rows = t.q_rows * group;
-                    dst.iter_mut().enumerate().for_each(|(c, o)| *o = t.acc[c * rows + r] * inv);
-                } else {
-                    dst.iter_mut().zip(&t.acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
-                }
+                row.iter_mut().zip(&acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
                 *lse.0.add(shape.lse_index(seq, head, i)) = max + sum.ln();
             } else {
                 // A row that sees no key: output 0, lse -inf (already filled).
-                dst.fill(0.0);
+                row.fill(0.0);
             }
+            out.write(isa, (seq.q_start + i) * q_rs + head * d, row);
         }
     }
+}
+
+/// What a forward scratch was sized for: a thread's scratch is kept across calls and reused
+/// while the call's key matches (a fresh one per rayon split cost a tenth of a bf16 call at
+/// N = 1024 in zeroing and page faults).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct ScratchKey {
+    d: usize,
+    rows: usize,
+    per_task: usize,
+    k_cols: usize,
+    bf16_pairs: bool,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Option<(ScratchKey, Scratch)>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's forward scratch for `key` (made, or remade, as needed; a fresh
+/// one if the thread's is in use further up its stack).
+fn with_scratch<R>(key: ScratchKey, f: impl FnOnce(&mut Scratch) -> R) -> R {
+    let make = || Scratch::new(key.d, (key.rows, key.per_task), key.k_cols, key.bf16_pairs);
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut slot) => {
+            if slot.as_ref().is_none_or(|(k, _)| *k != key) {
+                *slot = Some((key, make()));
+            }
+            f(&mut slot.as_mut().expect("just filled").1)
+        }
+        Err(_) => f(&mut make()),
+    })
 }
 
 super::simd::multiversion! {
@@ -522,12 +574,23 @@ super::simd::multiversion! {
 /// A raw bf16 row's pairs along it (`dst[i]` = elements 2i, 2i + 1; a zero half after an odd
 /// length): the bits as stored, two at a time.
 fn bf16_row_pairs(row: &[u16], dst: &mut [u32]) {
-    let mut pairs = row.chunks_exact(2);
-    for (o, pair) in dst.iter_mut().zip(&mut pairs) {
+    let even = row.len() / 2;
+    // SAFETY: little-endian x86 (the only target with bf16 pairs): the pair (a, b) is the u32
+    // a | b << 16, i.e. the two u16 as they lie in memory; `dst` holds at least `even` pairs.
+    #[cfg(target_endian = "little")]
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            row.as_ptr().cast::<u8>(),
+            dst.as_mut_ptr().cast::<u8>(),
+            4 * even.min(dst.len()),
+        );
+    }
+    #[cfg(not(target_endian = "little"))]
+    for (o, pair) in dst.iter_mut().zip(row.chunks_exact(2)) {
         *o = pair[0] as u32 | (pair[1] as u32) << 16;
     }
-    if let [last] = pairs.remainder() {
-        dst[row.len() / 2] = *last as u32;
+    if let [.., last] = row[2 * even..] {
+        dst[even] = last as u32;
     }
 }
 

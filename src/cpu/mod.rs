@@ -21,6 +21,7 @@ pub use simd::{with_cpu_isa, CpuIsa};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Layout, Result};
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use std::borrow::Cow;
 use std::sync::OnceLock;
@@ -206,6 +207,100 @@ simd::multiversion! {
             let quiet_nan = ((bits >> 16) as u16) | 0x40;
             *o = bf16::from_bits(if x.is_nan() { quiet_nan } else { rounded });
         });
+    }
+}
+
+/// A vector whose elements start on a 64-byte (cache line) boundary: AMX tile rows are 64
+/// bytes, and a row that straddles two lines costs two (the forward's products measured ~15%
+/// slower when the allocator happened to place their operands off the line).
+pub(crate) struct AlignedVec<T> {
+    buf: Vec<T>,
+    start: usize,
+    len: usize,
+}
+
+impl<T: Copy + Default> AlignedVec<T> {
+    pub fn new(len: usize) -> Self {
+        let spare = 64 / std::mem::size_of::<T>().max(1);
+        let buf = vec![T::default(); len + spare];
+        let start = buf.as_ptr().align_offset(64).min(spare);
+        Self { buf, start, len }
+    }
+}
+
+impl<T> std::ops::Deref for AlignedVec<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl<T> std::ops::DerefMut for AlignedVec<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
+/// A call's output in its final dtype, zero-initialised by the allocator (pages mapped as the
+/// tasks first write them, in parallel: no serial fill and no f32 copy narrowed at the end).
+/// Tasks write disjoint rows through [`OutPtr`].
+pub(crate) enum OutBuf {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+impl OutBuf {
+    pub fn zeroed(dtype: DType, len: usize) -> Result<Self> {
+        use half::vec::HalfBitsVecExt;
+        Ok(match dtype {
+            DType::F32 => OutBuf::F32(vec![0f32; len]),
+            DType::F16 => OutBuf::F16(vec![0u16; len].reinterpret_into()),
+            DType::BF16 => OutBuf::BF16(vec![0u16; len].reinterpret_into()),
+            dt => bail!("candle-flash: unsupported dtype {dt:?} on cpu"),
+        })
+    }
+
+    pub fn ptr(&mut self) -> OutPtr {
+        match self {
+            OutBuf::F32(v) => OutPtr::F32(v.as_mut_ptr()),
+            OutBuf::F16(v) => OutPtr::F16(v.as_mut_ptr()),
+            OutBuf::BF16(v) => OutPtr::BF16(v.as_mut_ptr()),
+        }
+    }
+
+    pub fn into_storage(self) -> CpuStorage {
+        match self {
+            OutBuf::F32(v) => CpuStorage::F32(v),
+            OutBuf::F16(v) => CpuStorage::F16(v),
+            OutBuf::BF16(v) => CpuStorage::BF16(v),
+        }
+    }
+}
+
+/// Where the tasks write an [`OutBuf`]'s rows.
+#[derive(Clone, Copy)]
+pub(crate) enum OutPtr {
+    F32(*mut f32),
+    F16(*mut f16),
+    BF16(*mut bf16),
+}
+
+// SAFETY: as `SharedMut`: each task writes a disjoint set of elements.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// `out[offset..offset + src.len()] = src`, narrowed to the buffer's dtype.
+    ///
+    /// # Safety
+    /// The range must lie inside the buffer and belong to the calling task alone.
+    pub unsafe fn write(self, isa: CpuIsa, offset: usize, src: &[f32]) {
+        match self {
+            OutPtr::F32(p) => std::slice::from_raw_parts_mut(p.add(offset), src.len()).copy_from_slice(src),
+            OutPtr::F16(p) => std::slice::from_raw_parts_mut(p.add(offset), src.len()).convert_from_f32_slice(src),
+            OutPtr::BF16(p) => narrow_bf16(isa, src, std::slice::from_raw_parts_mut(p.add(offset), src.len())),
+        }
     }
 }
 
