@@ -7,7 +7,7 @@
 use super::fwd::{pack_pairs, pack_row_pairs};
 use super::kv::KvRows;
 use super::simd::{multiversion, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
-use super::{dense_f32, exp_shifted_sum, logits_row, transpose_rows, CpuTiles, SharedMut};
+use super::{dense_f32, exp_shifted_sum, logits_row, transpose_rows, AlignedVec, CpuTiles, SharedMut};
 use crate::op::BwdInputs;
 use crate::params::{AttnShape, FlashAttnOptions, HostData};
 use candle_core::{CpuStorage, DType, Layout, Result};
@@ -27,13 +27,16 @@ struct Scratch {
     v_tile: Vec<f32>,
     k_t: Vec<f32>,
     v_t: Vec<f32>,
-    probs: Vec<f32>,
-    dprobs: Vec<f32>,
+    probs: AlignedVec<f32>,
+    dprobs: AlignedVec<f32>,
     /// 1 - tanh² of the softcapped logits (only with softcap).
     dtanh: Vec<f32>,
-    dk: Vec<f32>,
-    dv: Vec<f32>,
+    dk: AlignedVec<f32>,
+    dv: AlignedVec<f32>,
     delta: Vec<f32>,
+    /// AMX only: the head's dQ, unscaled, in aligned rows (q_len × d): its tiles are loaded and
+    /// stored in place, and the softmax scale is applied once when it is written out.
+    dq_head: AlignedVec<f32>,
     /// The bf16-pair operands (AVX-512 BF16 on bf16 inputs, else empty), pairs along the
     /// reduction axis of the product that reads them: [`Pairs`].
     pairs: Pairs,
@@ -46,44 +49,43 @@ struct Scratch {
 /// paired along keys (A of dQ). Query tiles start at even rows, so a tile's row pairs are a
 /// slice of the task's; an odd end pairs with zero. `tile_d`: the K or V tile's rows paired
 /// along d, before their transpose.
-#[derive(Default)]
 struct Pairs {
-    q_d: Vec<u32>,
-    do_d: Vec<u32>,
-    q_rows: Vec<u32>,
-    do_rows: Vec<u32>,
-    tile_d: Vec<u32>,
-    kt_d: Vec<u32>,
-    vt_d: Vec<u32>,
-    k_keys: Vec<u32>,
-    p_rows: Vec<u32>,
-    ds_rows: Vec<u32>,
-    ds_keys: Vec<u32>,
+    q_d: AlignedVec<u32>,
+    do_d: AlignedVec<u32>,
+    q_rows: AlignedVec<u32>,
+    do_rows: AlignedVec<u32>,
+    tile_d: AlignedVec<u32>,
+    kt_d: AlignedVec<u32>,
+    vt_d: AlignedVec<u32>,
+    k_keys: AlignedVec<u32>,
+    p_rows: AlignedVec<u32>,
+    ds_rows: AlignedVec<u32>,
+    ds_keys: AlignedVec<u32>,
     /// AMX only: Qᵀ and dOᵀ paired along query rows (d × max_q/2), the A operands of
     /// dKᵀ += Qᵀ dS and dVᵀ += dOᵀ P, whose B operands (dS and P paired along rows) are the
     /// pair layout as built: the K-tile accumulators are then kept transposed (d × keys) and
     /// no P or dS tile is transposed.
-    qt_rows: Vec<u32>,
-    dot_rows: Vec<u32>,
+    qt_rows: AlignedVec<u32>,
+    dot_rows: AlignedVec<u32>,
 }
 
 impl Pairs {
     fn new(d: usize, (q, k): (usize, usize), max_q: usize, amx: bool) -> Self {
         let (d2, q2, k2, max_q2) = (d.div_ceil(2), q.div_ceil(2), k.div_ceil(2), max_q.div_ceil(2));
         Self {
-            q_d: vec![0; max_q * d2],
-            do_d: vec![0; max_q * d2],
-            q_rows: vec![0; max_q2 * d],
-            do_rows: vec![0; max_q2 * d],
-            tile_d: vec![0; k * d2],
-            kt_d: vec![0; d2 * k],
-            vt_d: vec![0; d2 * k],
-            k_keys: vec![0; k2 * d],
-            p_rows: vec![0; q2 * k],
-            ds_rows: vec![0; q2 * k],
-            ds_keys: vec![0; q * k2],
-            qt_rows: if amx { vec![0; d * max_q2] } else { vec![] },
-            dot_rows: if amx { vec![0; d * max_q2] } else { vec![] },
+            q_d: AlignedVec::new(max_q * d2),
+            do_d: AlignedVec::new(max_q * d2),
+            q_rows: AlignedVec::new(max_q2 * d),
+            do_rows: AlignedVec::new(max_q2 * d),
+            tile_d: AlignedVec::new(k * d2),
+            kt_d: AlignedVec::new(d2 * k),
+            vt_d: AlignedVec::new(d2 * k),
+            k_keys: AlignedVec::new(k2 * d),
+            p_rows: AlignedVec::new(q2 * k),
+            ds_rows: AlignedVec::new(q2 * k),
+            ds_keys: AlignedVec::new(q * k2),
+            qt_rows: AlignedVec::new(if amx { d * max_q2 } else { 0 }),
+            dot_rows: AlignedVec::new(if amx { d * max_q2 } else { 0 }),
         }
     }
 }
@@ -99,13 +101,14 @@ impl Scratch {
             v_tile: vec![0.0; k * d],
             k_t: vec![0.0; d * k],
             v_t: vec![0.0; d * k],
-            probs: vec![0.0; q * k],
-            dprobs: vec![0.0; q * k],
+            probs: AlignedVec::new(q * k),
+            dprobs: AlignedVec::new(q * k),
             dtanh: vec![0.0; q * k],
-            dk: vec![0.0; k * d],
-            dv: vec![0.0; k * d],
+            dk: AlignedVec::new(k * d),
+            dv: AlignedVec::new(k * d),
             delta: vec![0.0; max_q],
-            pairs: if bf16_pairs { Pairs::new(d, (q, k), max_q, amx) } else { Pairs::default() },
+            dq_head: AlignedVec::new(if amx { max_q * d } else { 0 }),
+            pairs: if bf16_pairs { Pairs::new(d, (q, k), max_q, amx) } else { Pairs::new(0, (0, 0), 0, false) },
         }
     }
 }
@@ -223,6 +226,7 @@ unsafe fn backward_head(
         dk: dk_acc,
         dv: dv_acc,
         delta,
+        dq_head,
         pairs,
     } = scratch;
 
@@ -248,6 +252,9 @@ unsafe fn backward_head(
             transpose_rows(|i2| &pairs.q_rows[i2 * d..(i2 + 1) * d], (q2, d), &mut pairs.qt_rows, ld);
             transpose_rows(|i2| &pairs.do_rows[i2 * d..(i2 + 1) * d], (q2, d), &mut pairs.dot_rows, ld);
         }
+    }
+    if amx {
+        dq_head[..seq.q_len * d].fill(0.0);
     }
     // D_i = rowsum(dO ∘ O).
     for ((di, o), g) in delta[..seq.q_len].iter_mut().zip(o_rows.chunks_exact(d)).zip(do_head.chunks_exact(d)) {
@@ -308,11 +315,14 @@ unsafe fn backward_head(
             let (q_tile_rows, do_tile_rows) = (q_head[i0 * d..].as_ptr(), do_head[i0 * d..].as_ptr());
             // The tile's columns c_lo..c_hi of P, dP and dS (rows k_tile apart).
             let (probs_c, dprobs_c) = (probs.as_mut_ptr().add(c_lo), dprobs.as_mut_ptr().add(c_lo));
-            // P = exp(scale · Q Kᵀ - lse), recomputed.
+            // P = exp(scale · Q Kᵀ - lse), recomputed. (On AMX, Q Kᵀ is stored unscaled, straight
+            // from the tiles, and `logits_scale` applies the scale in the row pass.)
+            let logits_scale = if amx { scale } else { 1.0 };
             if bf16_pairs {
                 let a = MatRef::rows(pairs.q_d[i0 * d2..].as_ptr().cast(), d2);
                 let b = (pairs.kt_d[c_lo..].as_ptr().cast(), cols);
-                tile_matmul_bf16_pairs(isa, (rows, n, d2), probs_c, k_tile, false, a, b, scale);
+                let alpha = if amx { 1.0 } else { scale };
+                tile_matmul_bf16_pairs(isa, (rows, n, d2), probs_c, k_tile, false, a, b, alpha);
             } else {
                 let b = (k_t[c_lo..].as_ptr(), cols);
                 tile_matmul(isa, (rows, n, d), probs_c, k_tile, false, MatRef::rows(q_tile_rows, d), b, scale);
@@ -323,12 +333,13 @@ unsafe fn backward_head(
                 let row = &mut probs[span.clone()];
                 if let Some(c) = opts.softcap {
                     for (t, x) in dtanh[span].iter_mut().zip(row.iter()) {
-                        let th = (x / c).tanh();
+                        let th = (x * logits_scale / c).tanh();
                         *t = 1.0 - th * th;
                     }
                 }
                 let pos = i as isize + seq.diag_offset();
-                logits_row(row, j0 + c_lo, shape.key_range(opts, seq, i), 1.0, opts.softcap, alibi.map(|s| (s, pos)));
+                let keys = shape.key_range(opts, seq, i);
+                logits_row(row, j0 + c_lo, keys, logits_scale, opts.softcap, alibi.map(|s| (s, pos)));
                 let row_lse = lse[shape.lse_index(seq, head, i)];
                 if row_lse == f32::NEG_INFINITY {
                     row.fill(0.0); // the row saw no key: no gradient flows through it
@@ -388,13 +399,19 @@ unsafe fn backward_head(
                     pack_pairs(isa, part(dprobs, 2 * r2, cut), odd, &mut pairs.ds_rows[r2 * k_tile..][..n]);
                 }
                 let (a, b) = (MatRef::rows(pairs.ds_keys.as_ptr().cast(), n2), pairs.k_keys[c_lo / 2 * d..].as_ptr());
-                tile_matmul_bf16_pairs(isa, (rows, d, n2), dq_rows, q_rs, true, a, (b.cast(), d), scale);
                 if amx {
-                    // dKᵀ (d × keys) += scale · Qᵀ dS.
+                    // dQ += dS K into the head's aligned rows, unscaled (scaled when written).
+                    let dq_tile = dq_head[i0 * d..].as_mut_ptr();
+                    tile_matmul_bf16_pairs(isa, (rows, d, n2), dq_tile, d, true, a, (b.cast(), d), 1.0);
+                } else {
+                    tile_matmul_bf16_pairs(isa, (rows, d, n2), dq_rows, q_rs, true, a, (b.cast(), d), scale);
+                }
+                if amx {
+                    // dKᵀ (d × keys) += Qᵀ dS, unscaled (scaled when written).
                     let ld = pairs.qt_rows.len() / d;
                     let a = MatRef::rows(pairs.qt_rows[i0 / 2..].as_ptr().cast(), ld);
                     let b = (pairs.ds_rows.as_ptr().cast(), k_tile);
-                    tile_matmul_bf16_pairs(isa, (d, n, rows2), dk_acc[c_lo..].as_mut_ptr(), k_tile, true, a, b, scale);
+                    tile_matmul_bf16_pairs(isa, (d, n, rows2), dk_acc[c_lo..].as_mut_ptr(), k_tile, true, a, b, 1.0);
                 } else {
                     let (a, b) = (
                         MatRef::transposed(pairs.ds_rows.as_ptr().cast(), k_tile),
@@ -414,13 +431,19 @@ unsafe fn backward_head(
             let (dk_dst, dv_dst) =
                 (std::slice::from_raw_parts_mut(dk_dst, d), std::slice::from_raw_parts_mut(dv_dst, d));
             if amx {
-                // The accumulators are dKᵀ and dVᵀ (d × k_tile).
-                dk_dst.iter_mut().enumerate().for_each(|(e, x)| *x = dk_acc[e * k_tile + c]);
+                // The accumulators are dKᵀ (unscaled) and dVᵀ (d × k_tile).
+                dk_dst.iter_mut().enumerate().for_each(|(e, x)| *x = scale * dk_acc[e * k_tile + c]);
                 dv_dst.iter_mut().enumerate().for_each(|(e, x)| *x = dv_acc[e * k_tile + c]);
             } else {
                 dk_dst.copy_from_slice(&dk_acc[c * d..(c + 1) * d]);
                 dv_dst.copy_from_slice(&dv_acc[c * d..(c + 1) * d]);
             }
+        }
+    }
+    if amx {
+        for (i, row) in dq_head[..seq.q_len * d].chunks_exact(d).enumerate() {
+            let dst = std::slice::from_raw_parts_mut(dq.0.add(q_off(i)), d);
+            dst.iter_mut().zip(row).for_each(|(o, x)| *o = scale * x);
         }
     }
 }
