@@ -325,11 +325,7 @@ pub(crate) unsafe fn softmax_to_pairs(
     debug_assert!(s_t.len() >= cols * rows && p_pairs.len() >= cols.div_ceil(2) * rows);
     let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
     let c = _mm512_set1_ps(scale * std::f32::consts::LOG2_E);
-    // Interleave the two halves of a cvtne2ps result: word 2i from word i, 2i+1 from 16+i.
-    let interleave = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-        16, 0,
-    );
+    let interleave = interleave_halves();
     let (s, p_out) = (s_t.as_ptr(), p_pairs.as_mut_ptr());
     let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
     for c0 in (0..rows).step_by(16) {
@@ -397,6 +393,119 @@ pub(crate) unsafe fn softmax_to_pairs(
         _mm512_mask_storeu_ps(row_max.as_mut_ptr().add(c0), m, new);
         _mm512_mask_storeu_ps(correction.as_mut_ptr().add(c0), m, corr);
     }
+}
+
+/// The AMX backward's P tile, fused: for query rows `0..rows` (row r at `probs[r * ld..]`,
+/// columns `0..n`, holding the *unscaled* logits), P = exp(scale · x − lse) where the row
+/// sees the key (`vis[r]`, columns relative to the tile), else 0 (all of a row whose lse is
+/// -inf), written over the logits as f32 (for dS) and as bf16 pairs of row pairs,
+/// `p_rows[r2 * ld + j]` = (P[2·r2][j], P[2·r2 + 1][j]) (zero past an odd `rows`): the B operand
+/// of dVᵀ += dOᵀ P. Replaces the row pass (scale, mask), the exp pass and the pair packing.
+///
+/// # Safety
+/// AVX-512 F/BW/VL and BF16; `probs` holds `rows` rows of `ld` (>= n) values, `p_rows`
+/// `rows.div_ceil(2)` rows of `ld` pairs; `lse` and `vis` have `rows` entries.
+#[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(crate) unsafe fn bwd_probs(
+    (probs, ld): (*mut f32, usize),
+    (rows, n): (usize, usize),
+    scale: f32,
+    (lse, vis): (&[f32], &[(usize, usize)]),
+    p_rows: *mut u32,
+) {
+    use std::arch::x86_64::*;
+    let c = _mm512_set1_ps(scale * std::f32::consts::LOG2_E);
+    let lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    let interleave = interleave_halves();
+    // exp2(x · c − lse · log2e) on the visible lanes of row r, columns j..j + 16 (mask m).
+    let row_probs = |r: usize, j: usize, m: __mmask16| {
+        if r >= rows || lse[r] == f32::NEG_INFINITY {
+            return _mm512_setzero_ps();
+        }
+        let col = _mm512_add_epi32(lanes, _mm512_set1_epi32(j as i32));
+        let (lo, hi) = (vis[r].0.min(n) as i32, vis[r].1.min(n) as i32);
+        let seen =
+            _mm512_cmpge_epi32_mask(col, _mm512_set1_epi32(lo)) & _mm512_cmplt_epi32_mask(col, _mm512_set1_epi32(hi));
+        let x = _mm512_maskz_loadu_ps(m, probs.add(r * ld + j));
+        let bias = _mm512_set1_ps(-lse[r] * std::f32::consts::LOG2_E);
+        _mm512_maskz_mov_ps(seen & m, exp2(_mm512_fmadd_ps(x, c, bias)))
+    };
+    for r2 in 0..rows.div_ceil(2) {
+        let r = 2 * r2;
+        for j in (0..n).step_by(16) {
+            let m: __mmask16 = ((1u32 << 16.min(n - j)) - 1) as __mmask16;
+            let (p0, p1) = (row_probs(r, j, m), row_probs(r + 1, j, m));
+            _mm512_mask_storeu_ps(probs.add(r * ld + j), m, p0);
+            if r + 1 < rows {
+                _mm512_mask_storeu_ps(probs.add((r + 1) * ld + j), m, p1);
+            }
+            let pairs = _mm512_permutexvar_epi16(
+                interleave,
+                std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(p1, p0)),
+            );
+            _mm512_mask_storeu_epi32(p_rows.add(r2 * ld + j).cast(), m, pairs);
+        }
+    }
+}
+
+/// The AMX backward's dS tile, fused: dS = P ∘ (dP − D) for rows `0..rows` (P at
+/// `probs[r * ld..]`, dP at `dprobs[r * ld..]`, columns `0..n`), written only as bf16 pairs:
+/// along keys, `ds_keys[r * n.div_ceil(2) + j2]` (the A operand of dQ += dS K), and of row
+/// pairs, `ds_rows[r2 * ld + j]` (the B operand of dKᵀ += Qᵀ dS); zero halves past odd ends.
+/// Replaces the dS pass and two packing passes (dS in f32 is not needed on AMX).
+///
+/// # Safety
+/// AVX-512 F/BW/VL and BF16; `probs`/`dprobs` hold `rows` rows of `ld` (>= n) values,
+/// `ds_keys` `rows · n.div_ceil(2)` pairs, `ds_rows` `rows.div_ceil(2)` rows of `ld` pairs;
+/// `delta` has `rows` entries.
+#[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(crate) unsafe fn bwd_score_grads(
+    (probs, dprobs, ld): (*const f32, *const f32, usize),
+    (rows, n): (usize, usize),
+    delta: &[f32],
+    (ds_keys, ds_rows): (*mut u32, *mut u32),
+) {
+    use std::arch::x86_64::*;
+    let interleave = interleave_halves();
+    let n2 = n.div_ceil(2);
+    let grads = |r: usize, j: usize, m: __mmask16| {
+        if r >= rows {
+            return _mm512_setzero_ps();
+        }
+        let p = _mm512_maskz_loadu_ps(m, probs.add(r * ld + j));
+        let dp = _mm512_maskz_loadu_ps(m, dprobs.add(r * ld + j));
+        _mm512_mul_ps(p, _mm512_sub_ps(dp, _mm512_set1_ps(delta[r])))
+    };
+    for r2 in 0..rows.div_ceil(2) {
+        let r = 2 * r2;
+        for j in (0..n).step_by(16) {
+            let m: __mmask16 = ((1u32 << 16.min(n - j)) - 1) as __mmask16;
+            let (g0, g1) = (grads(r, j, m), grads(r + 1, j, m));
+            // Along keys: 16 consecutive bf16 are 8 pairs (a masked-off lane is 0: the zero half).
+            let words: __mmask16 = ((1u32 << (16.min(n - j).div_ceil(2) * 2)) - 1) as __mmask16;
+            let keys0 = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(g0));
+            _mm256_mask_storeu_epi16(ds_keys.add(r * n2 + j / 2).cast(), words, keys0);
+            if r + 1 < rows {
+                let keys1 = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(g1));
+                _mm256_mask_storeu_epi16(ds_keys.add((r + 1) * n2 + j / 2).cast(), words, keys1);
+            }
+            let pairs = _mm512_permutexvar_epi16(
+                interleave,
+                std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(g1, g0)),
+            );
+            _mm512_mask_storeu_epi32(ds_rows.add(r2 * ld + j).cast(), m, pairs);
+        }
+    }
+}
+
+/// The word permutation that interleaves the two halves of a `cvtne2ps` result (word 2i from
+/// word i, 2i + 1 from 16 + i): two rows of 16 values into 16 bf16 pairs.
+#[inline(always)]
+unsafe fn interleave_halves() -> std::arch::x86_64::__m512i {
+    std::arch::x86_64::_mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+        16, 0,
+    )
 }
 
 /// 2^t, ~1.5e-7 relative error: t = n + f with n = round(t), f in [-1/2, 1/2], 2^f by a

@@ -37,6 +37,10 @@ struct Scratch {
     /// AMX only: the head's dQ, unscaled, in aligned rows (q_len × d): its tiles are loaded and
     /// stored in place, and the softmax scale is applied once when it is written out.
     dq_head: AlignedVec<f32>,
+    /// AMX with plain logits: each query row's visible keys within the tile and its lse, for
+    /// the fused P and dS passes.
+    row_vis: Vec<(usize, usize)>,
+    row_lse: Vec<f32>,
     /// The bf16-pair operands (AVX-512 BF16 on bf16 inputs, else empty), pairs along the
     /// reduction axis of the product that reads them: [`Pairs`].
     pairs: Pairs,
@@ -108,6 +112,8 @@ impl Scratch {
             dv: AlignedVec::new(k * d),
             delta: vec![0.0; max_q],
             dq_head: AlignedVec::new(if amx { max_q * d } else { 0 }),
+            row_vis: vec![(0, 0); q],
+            row_lse: vec![0.0; q],
             pairs: if bf16_pairs { Pairs::new(d, (q, k), max_q, amx) } else { Pairs::new(0, (0, 0), 0, false) },
         }
     }
@@ -227,6 +233,8 @@ unsafe fn backward_head(
         dv: dv_acc,
         delta,
         dq_head,
+        row_vis,
+        row_lse,
         pairs,
     } = scratch;
 
@@ -327,7 +335,24 @@ unsafe fn backward_head(
                 let b = (k_t[c_lo..].as_ptr(), cols);
                 tile_matmul(isa, (rows, n, d), probs_c, k_tile, false, MatRef::rows(q_tile_rows, d), b, scale);
             }
-            for r in 0..rows {
+            // AMX with plain logits: P (f32 and its row pairs) in one fused pass.
+            let fused = amx && opts.softcap.is_none() && alibi.is_none();
+            for r in (0..rows).filter(|_| fused) {
+                let (lo, hi) = shape.key_range(opts, seq, i0 + r);
+                row_vis[r] = (lo.saturating_sub(j0 + c_lo), hi.saturating_sub(j0 + c_lo));
+                row_lse[r] = lse[shape.lse_index(seq, head, i0 + r)];
+            }
+            if fused {
+                #[cfg(target_arch = "x86_64")]
+                super::amx::bwd_probs(
+                    (probs_c, k_tile),
+                    (rows, n),
+                    scale,
+                    (row_lse, row_vis),
+                    pairs.p_rows.as_mut_ptr(),
+                );
+            }
+            for r in (0..rows).filter(|_| !fused) {
                 let i = i0 + r;
                 let span = r * k_tile + c_lo..r * k_tile + c_hi;
                 let row = &mut probs[span.clone()];
@@ -354,7 +379,7 @@ unsafe fn backward_head(
             let cut = (k_tile, c_lo, c_hi);
             // dV += Pᵀ dO.
             if bf16_pairs {
-                for r2 in 0..rows2 {
+                for r2 in (0..rows2).filter(|_| !fused) {
                     let odd = (2 * r2 + 1 < rows).then(|| part(probs, 2 * r2 + 1, cut));
                     pack_pairs(isa, part(probs, 2 * r2, cut), odd, &mut pairs.p_rows[r2 * k_tile..][..n]);
                 }
@@ -382,8 +407,18 @@ unsafe fn backward_head(
                 let b = (v_t[c_lo..].as_ptr(), cols);
                 tile_matmul(isa, (rows, n, d), dprobs_c, k_tile, false, MatRef::rows(do_tile_rows, d), b, 1.0);
             }
-            // dS = P ∘ (dP − D) (∘ tanh' under softcap), stored over dP.
-            for r in 0..rows {
+            // dS = P ∘ (dP − D) (∘ tanh' under softcap), stored over dP (fused on AMX: straight
+            // into its two pair layouts).
+            if fused {
+                #[cfg(target_arch = "x86_64")]
+                super::amx::bwd_score_grads(
+                    (probs_c, dprobs_c, k_tile),
+                    (rows, n),
+                    &delta[i0..i0 + rows],
+                    (pairs.ds_keys.as_mut_ptr(), pairs.ds_rows.as_mut_ptr()),
+                );
+            }
+            for r in (0..rows).filter(|_| !fused) {
                 let span = r * k_tile + c_lo..r * k_tile + c_hi;
                 let tanh_grad = opts.softcap.map(|_| &dtanh[span.clone()]);
                 probs_to_score_grads(isa, &probs[span.clone()], &mut dprobs[span], delta[i0 + r], tanh_grad);
@@ -391,10 +426,10 @@ unsafe fn backward_head(
             // dQ += scale · dS K ; dK += scale · dSᵀ Q.
             let (dq_rows, dk_rows) = (dq.0.add(q_off(i0)), dk_acc[c_lo * d..].as_mut_ptr());
             if bf16_pairs {
-                for r in 0..rows {
+                for r in (0..rows).filter(|_| !fused) {
                     pack_row_pairs(isa, part(dprobs, r, cut), n, &mut pairs.ds_keys[r * n2..(r + 1) * n2]);
                 }
-                for r2 in 0..rows2 {
+                for r2 in (0..rows2).filter(|_| !fused) {
                     let odd = (2 * r2 + 1 < rows).then(|| part(dprobs, 2 * r2 + 1, cut));
                     pack_pairs(isa, part(dprobs, 2 * r2, cut), odd, &mut pairs.ds_rows[r2 * k_tile..][..n]);
                 }
