@@ -19,14 +19,14 @@ use rayon::prelude::*;
 /// S = Q Kᵀ and dP = dO Vᵀ), P and dP/dS (query rows × keys), tanh′ under softcap, the tile's
 /// dK/dV accumulators and D = rowsum(dO ∘ O) of the head.
 struct Scratch {
-    k_head: Vec<f32>,
-    q_head: Vec<f32>,
-    do_head: Vec<f32>,
+    k_head: AlignedVec<f32>,
+    q_head: AlignedVec<f32>,
+    do_head: AlignedVec<f32>,
     /// O's rows of the head (for D) and the K tile's V rows.
-    o_head: Vec<f32>,
-    v_tile: Vec<f32>,
-    k_t: Vec<f32>,
-    v_t: Vec<f32>,
+    o_head: AlignedVec<f32>,
+    v_tile: AlignedVec<f32>,
+    k_t: AlignedVec<f32>,
+    v_t: AlignedVec<f32>,
     probs: AlignedVec<f32>,
     dprobs: AlignedVec<f32>,
     /// 1 - tanh² of the softcapped logits (only with softcap).
@@ -98,13 +98,13 @@ impl Scratch {
     fn new(d: usize, tiles: CpuTiles, (max_q, max_k): (usize, usize), (bf16_pairs, amx): (bool, bool)) -> Self {
         let (q, k) = (query_tile(tiles), tiles.k_cols);
         Self {
-            k_head: vec![0.0; max_k * d],
-            q_head: vec![0.0; max_q * d],
-            do_head: vec![0.0; max_q * d],
-            o_head: vec![0.0; max_q * d],
-            v_tile: vec![0.0; k * d],
-            k_t: vec![0.0; d * k],
-            v_t: vec![0.0; d * k],
+            k_head: AlignedVec::new(max_k * d),
+            q_head: AlignedVec::new(max_q * d),
+            do_head: AlignedVec::new(max_q * d),
+            o_head: AlignedVec::new(max_q * d),
+            v_tile: AlignedVec::new(k * d),
+            k_t: AlignedVec::new(d * k),
+            v_t: AlignedVec::new(d * k),
             probs: AlignedVec::new(q * k),
             dprobs: AlignedVec::new(q * k),
             dtanh: vec![0.0; q * k],
@@ -344,7 +344,7 @@ unsafe fn backward_head(
             }
             if fused {
                 #[cfg(target_arch = "x86_64")]
-                super::amx::bwd_probs(
+                super::fused::bwd_probs(
                     (probs_c, k_tile),
                     (rows, n),
                     scale,
@@ -411,7 +411,7 @@ unsafe fn backward_head(
             // into its two pair layouts).
             if fused {
                 #[cfg(target_arch = "x86_64")]
-                super::amx::bwd_score_grads(
+                super::fused::bwd_score_grads(
                     (probs_c, dprobs_c, k_tile),
                     (rows, n),
                     &delta[i0..i0 + rows],

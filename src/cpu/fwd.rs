@@ -6,6 +6,8 @@
 //! task and K is read in place, so no K tile is ever transposed; the softmax then runs down the
 //! columns, vectorised across query rows, and O += P V reads Pᵀ's columns as P's rows.
 
+#[cfg(target_arch = "x86_64")]
+use super::fused::ProbsOut;
 use super::kv::KvRows;
 use super::simd::{bf16_pair, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
 use super::{dense_f32, exp_poly, logits_row, transpose_rows, AlignedVec, CpuTiles, OutBuf, OutPtr, SharedMut};
@@ -20,7 +22,7 @@ use std::borrow::Cow;
 struct QueryTile {
     i0: usize,
     q_rows: usize,
-    q_t: Vec<f32>,
+    q_t: AlignedVec<f32>,
     /// Qᵀ as bf16 pairs along d (AVX-512 BF16 on bf16 inputs only, else empty).
     q_t_pairs: AlignedVec<u32>,
     /// The output accumulator: rows × d, or d × rows (Oᵀ) on AMX tiles (see `Task::amx`).
@@ -44,7 +46,7 @@ impl QueryTile {
         Self {
             i0: 0,
             q_rows: 0,
-            q_t: vec![0.0; d * rows],
+            q_t: AlignedVec::new(d * rows),
             q_t_pairs: AlignedVec::new(if bf16_pairs { d.div_ceil(2) * rows } else { 0 }),
             acc: AlignedVec::new(rows * d),
             row_max: vec![0.0; rows],
@@ -66,8 +68,8 @@ impl QueryTile {
 /// reduction axis of each product.
 struct Scratch {
     tiles: Vec<QueryTile>,
-    k_tile: Vec<f32>,
-    v_tile: Vec<f32>,
+    k_tile: AlignedVec<f32>,
+    v_tile: AlignedVec<f32>,
     scores_t: AlignedVec<f32>,
     column: Vec<f32>,
     q_pairs: Vec<u32>,
@@ -76,6 +78,8 @@ struct Scratch {
     v_pairs: Vec<u32>,
     /// Vᵀ as bf16 pairs along keys (d × k_cols/2), the A operand of Oᵀ += Vᵀ Pᵀ on AMX tiles.
     vt_pairs: AlignedVec<u32>,
+    /// P in f32 (keys × rows, as the scores) from the fused softmax step of the f32 products.
+    probs: AlignedVec<f32>,
     /// The output rows of a query tile (rows × d; Oᵀ transposed back on AMX) before they are
     /// normalised and narrowed into the output.
     out_rows: Vec<f32>,
@@ -88,8 +92,8 @@ impl Scratch {
         let aligned_pairs = |n: usize| AlignedVec::new(if bf16_pairs { n } else { 0 });
         Self {
             tiles: (0..tiles_per_task).map(|_| QueryTile::new(d, rows, bf16_pairs)).collect(),
-            k_tile: vec![0.0; k_cols * d],
-            v_tile: vec![0.0; k_cols * d],
+            k_tile: AlignedVec::new(k_cols * d),
+            v_tile: AlignedVec::new(k_cols * d),
             scores_t: AlignedVec::new(k_cols * rows),
             // (Also the output row buffer of the epilogue: d values.)
             column: vec![0.0; k_cols.max(d)],
@@ -99,6 +103,7 @@ impl Scratch {
             v_pairs: pairs(k2 * d),
             vt_pairs: aligned_pairs(d * k2),
             out_rows: vec![0.0; rows * d],
+            probs: AlignedVec::new(if bf16_pairs { 0 } else { k_cols * rows }),
         }
     }
 }
@@ -200,8 +205,20 @@ unsafe fn forward_task(
     let seq = &host.seqs[b];
     let q_rs = h * d;
     let d2 = d.div_ceil(2);
-    let Scratch { tiles, k_tile, v_tile, scores_t, column, q_pairs, k_pairs, p_pairs, v_pairs, vt_pairs, out_rows } =
-        scratch;
+    let Scratch {
+        tiles,
+        k_tile,
+        v_tile,
+        scores_t,
+        column,
+        q_pairs,
+        k_pairs,
+        p_pairs,
+        v_pairs,
+        vt_pairs,
+        out_rows,
+        probs,
+    } = scratch;
     let tiles = &mut tiles[..q_rows.div_ceil(rows_per_head)];
     let row_of = |t: &QueryTile, p: usize| (kv_head * group + p / t.q_rows, t.i0 + p % t.q_rows);
     for (n, t) in tiles.iter_mut().enumerate() {
@@ -256,6 +273,8 @@ unsafe fn forward_task(
     // AMX with plain logits and a positive scale: Sᵀ stays unscaled (stored straight from the
     // tiles) and one fused softmax scales it, exponentiates and writes P's pairs.
     let fused = amx && plain_logits && opts.softmax_scale > 0.0;
+    // The fused AVX-512 softmax step (any logits: it exponentiates what Sᵀ holds).
+    let fused_softmax = cfg!(target_arch = "x86_64") && isa >= CpuIsa::Avx512Bf16;
     let k_lo = tiles.iter().filter(|t| t.keys.1 > t.keys.0).map(|t| t.keys.0).min().unwrap_or(0);
     let k_hi = tiles.iter().map(|t| t.keys.1).max().unwrap_or(0);
 
@@ -355,40 +374,49 @@ unsafe fn forward_task(
                 }
             }
             let (max, sum, correction) = (&mut t.row_max[..rows], &mut t.row_sum[..rows], &mut t.correction[..rows]);
-            #[cfg(target_arch = "x86_64")]
-            if fused {
-                // SAFETY: `fused` implies AMX, so AVX-512 BF16; the slices have the sizes named.
-                super::amx::softmax_to_pairs(s_t, (cols, rows), opts.softmax_scale, (max, sum, correction), p_pairs);
-                rescale_columns(isa, &mut t.acc[..rows * d], rows, correction);
-                let (vt2, p2) =
-                    (MatRef::rows(vt_pairs.as_ptr().cast(), k_cols.div_ceil(2)), (p_pairs.as_ptr().cast(), rows));
-                tile_matmul_bf16_pairs(isa, (d, rows, k2), t.acc.as_mut_ptr(), rows, true, vt2, p2, 1.0);
-                continue;
-            }
-            online_softmax_columns(isa, s_t, rows, max, sum, correction);
+            // The softmax step writes P where the product reads it: with AVX-512 BF16 in one
+            // fused pass (`fused::online_softmax`: bf16 pairs, or f32 into `probs`), else
+            // in place over Sᵀ, packed into pairs for the bf16 products.
+            let probs_at: *const f32 = if fused_softmax {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    let scale = if fused { opts.softmax_scale } else { 1.0 };
+                    let out = if bf16_pairs {
+                        ProbsOut::Pairs(p_pairs.as_mut_ptr())
+                    } else {
+                        ProbsOut::F32(probs.as_mut_ptr())
+                    };
+                    // SAFETY: `fused_softmax` implies AVX-512 BF16; the buffers hold the tile.
+                    super::fused::online_softmax(s_t, (cols, rows), scale, (max, sum, correction), out);
+                }
+                probs.as_ptr()
+            } else {
+                online_softmax_columns(isa, s_t, rows, max, sum, correction);
+                if bf16_pairs {
+                    for j2 in 0..k2 {
+                        let (j, next) = (2 * j2, (2 * j2 + 1 < cols).then_some(2 * j2 + 1));
+                        let p_rows = (&s_t[j * rows..(j + 1) * rows], next.map(|n| &s_t[n * rows..(n + 1) * rows]));
+                        pack_pairs(isa, p_rows.0, p_rows.1, &mut p_pairs[j2 * rows..(j2 + 1) * rows]);
+                    }
+                }
+                s_t.as_ptr()
+            };
             if amx {
                 rescale_columns(isa, &mut t.acc[..rows * d], rows, correction);
             } else {
                 rescale_rows(isa, &mut t.acc[..rows * d], d, correction);
             }
-            // O += P V, P = (Sᵀ)ᵀ read in place (or as bf16 pairs of consecutive keys).
-            if bf16_pairs {
-                for j2 in 0..k2 {
-                    let (j, next) = (2 * j2, (2 * j2 + 1 < cols).then_some(2 * j2 + 1));
-                    let p_rows = (&s_t[j * rows..(j + 1) * rows], next.map(|n| &s_t[n * rows..(n + 1) * rows]));
-                    pack_pairs(isa, p_rows.0, p_rows.1, &mut p_pairs[j2 * rows..(j2 + 1) * rows]);
-                }
-                if amx {
-                    // Oᵀ (d × rows) += Vᵀ Pᵀ: Pᵀ's pairs along keys are the B layout.
-                    let (vt2, p2) =
-                        (MatRef::rows(vt_pairs.as_ptr().cast(), k_cols.div_ceil(2)), (p_pairs.as_ptr().cast(), rows));
-                    tile_matmul_bf16_pairs(isa, (d, rows, k2), t.acc.as_mut_ptr(), rows, true, vt2, p2, 1.0);
-                } else {
-                    let (p2, v2) = (MatRef::transposed(p_pairs.as_ptr().cast(), rows), (v_pairs.as_ptr().cast(), d));
-                    tile_matmul_bf16_pairs(isa, (rows, d, k2), t.acc.as_mut_ptr(), d, true, p2, v2, 1.0);
-                }
+            // O += P V (P = (Pᵀ)ᵀ read in place, or as bf16 pairs of consecutive keys), or on AMX
+            // Oᵀ (d × rows) += Vᵀ Pᵀ (Pᵀ's pairs along keys are the B layout).
+            if amx {
+                let (vt2, p2) =
+                    (MatRef::rows(vt_pairs.as_ptr().cast(), k_cols.div_ceil(2)), (p_pairs.as_ptr().cast(), rows));
+                tile_matmul_bf16_pairs(isa, (d, rows, k2), t.acc.as_mut_ptr(), rows, true, vt2, p2, 1.0);
+            } else if bf16_pairs {
+                let (p2, v2) = (MatRef::transposed(p_pairs.as_ptr().cast(), rows), (v_pairs.as_ptr().cast(), d));
+                tile_matmul_bf16_pairs(isa, (rows, d, k2), t.acc.as_mut_ptr(), d, true, p2, v2, 1.0);
             } else {
-                let p = MatRef::transposed(s_t.as_ptr(), rows);
+                let p = MatRef::transposed(probs_at, rows);
                 tile_matmul(isa, (rows, d, cols), t.acc.as_mut_ptr(), d, true, p, (v_rows.as_ptr(), d), 1.0);
             }
         }

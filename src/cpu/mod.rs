@@ -11,6 +11,8 @@
 #[cfg(target_arch = "x86_64")]
 mod amx;
 mod bwd;
+#[cfg(target_arch = "x86_64")]
+mod fused;
 mod fwd;
 mod kv;
 pub mod simd;
