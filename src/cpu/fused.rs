@@ -220,6 +220,22 @@ pub(crate) unsafe fn bwd_score_grads(
     }
 }
 
+/// `dst[..src.len()]` = `scale · src` rounded to bf16 (nearest even, `vcvtneps2bf16`; NaN
+/// stays NaN), 16 at a time: the forward's output rows.
+///
+/// # Safety
+/// AVX-512 F/BW/VL and BF16; `dst` is valid for `src.len()` u16 writes.
+#[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(crate) unsafe fn narrow_bf16_row(src: &[f32], scale: f32, dst: *mut u16) {
+    let s = _mm512_set1_ps(scale);
+    for j in (0..src.len()).step_by(16) {
+        let m: __mmask16 = ((1u32 << 16.min(src.len() - j)) - 1) as __mmask16;
+        let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(j)), s);
+        let words = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x));
+        _mm256_mask_storeu_epi16(dst.add(j).cast(), m, words);
+    }
+}
+
 /// The word permutation that interleaves the two halves of a `cvtne2ps` result (word 2i from
 /// word i, 2i + 1 from 16 + i): two rows of 16 values into 16 bf16 pairs.
 #[inline(always)]

@@ -95,8 +95,7 @@ impl Scratch {
             k_tile: AlignedVec::new(k_cols * d),
             v_tile: AlignedVec::new(k_cols * d),
             scores_t: AlignedVec::new(k_cols * rows),
-            // (Also the output row buffer of the epilogue: d values.)
-            column: vec![0.0; k_cols.max(d)],
+            column: vec![0.0; k_cols],
             q_pairs: pairs(d2 * rows),
             k_pairs: aligned_pairs(k_cols * d2),
             p_pairs: aligned_pairs(k2 * rows),
@@ -434,16 +433,14 @@ unsafe fn forward_task(
         for r in 0..rows {
             let (head, i) = row_of(t, r);
             let (sum, max) = (t.row_sum[r], t.row_max[r]);
-            let row = &mut column[..d];
+            let at = (seq.q_start + i) * q_rs + head * d;
             if sum > 0.0 {
-                let inv = 1.0 / sum;
-                row.iter_mut().zip(&acc[r * d..(r + 1) * d]).for_each(|(o, a)| *o = a * inv);
+                out.write_scaled(isa, at, &acc[r * d..(r + 1) * d], 1.0 / sum);
                 *lse.0.add(shape.lse_index(seq, head, i)) = max + sum.ln();
             } else {
                 // A row that sees no key: output 0, lse -inf (already filled).
-                row.fill(0.0);
+                out.write_zeros(at, d);
             }
-            out.write(isa, (seq.q_start + i) * q_rs + head * d, row);
         }
     }
 }
