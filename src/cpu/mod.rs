@@ -34,6 +34,11 @@ pub struct CpuTiles {
     /// Query rows per tile (per worker task in the forward; GQA packs the heads of a group
     /// into these rows).
     pub q_rows: usize,
+    /// Query rows per tile when the products run on AMX tiles (bf16 on [`CpuIsa::Amx`]):
+    /// larger, because each (query tile, key tile) pair pays fixed costs (tile configuration,
+    /// the softmax state, the accumulator's tile loads and stores) that the AMX products no
+    /// longer hide (bench/NOTES.md, issue 15 on AMX).
+    pub q_rows_amx: usize,
     /// Key rows per tile.
     pub k_cols: usize,
     /// At most this many query tiles per forward task, run together against each K/V tile so
@@ -48,7 +53,8 @@ pub struct CpuTiles {
 impl CpuTiles {
     /// This machine's tiles, chosen once from its cache sizes (read from
     /// /sys/devices/system/cpu/cpu0/cache; 32 KiB L1 and 512 KiB L2 assumed where absent).
-    /// `CANDLE_FLASH_CPU_TILES=q,k` overrides them (for measuring alternatives).
+    /// `CANDLE_FLASH_CPU_TILES=q,k` overrides them (for measuring alternatives; q sets both
+    /// query tile sizes).
     pub fn get() -> CpuTiles {
         static TILES: OnceLock<CpuTiles> = OnceLock::new();
         *TILES.get_or_init(|| {
@@ -60,9 +66,11 @@ impl CpuTiles {
                 Some((q.trim().parse().ok()?, k.trim().parse().ok()?))
             }) {
                 tiles.q_rows = q;
+                tiles.q_rows_amx = q;
                 tiles.k_cols = k;
             }
             tiles.q_rows = tiles.q_rows.max(1);
+            tiles.q_rows_amx = tiles.q_rows_amx.max(1);
             tiles.k_cols = tiles.k_cols.max(1);
             tiles
         })
@@ -84,7 +92,10 @@ impl CpuTiles {
         let d = 128;
         let bytes = |k: usize| 4 * (2 * k * d + k * q_rows + 2 * q_rows * d);
         let k_cols = [256, 128, 64].into_iter().find(|&k| bytes(k) <= l2 / 2).unwrap_or(64);
-        CpuTiles { q_rows, k_cols, q_tiles_per_task: 8, l1_bytes: l1, l2_bytes: l2 }
+        // AMX: 192 query rows measured 1.07-1.18x the forward of 64 and 1.07-1.09x the fwd+bwd
+        // (N = 1024 / 4096, one thread, Xeon with 2 MiB L2); the tile's scores (192 × 256
+        // floats) and pairs still fit L2 with room.
+        CpuTiles { q_rows, q_rows_amx: 192, k_cols, q_tiles_per_task: 8, l1_bytes: l1, l2_bytes: l2 }
     }
 }
 
