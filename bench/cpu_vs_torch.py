@@ -68,12 +68,20 @@ def ours_ms(bench, dtype, n, causal, mode, iters, b, h, d, threads):
     raise RuntimeError(f"no result from {' '.join(cmd)}:\n{res.stdout}\n{res.stderr}")
 
 
+def iters_for(iters, n):
+    """Runs per point: `iters` from N = 2048 up, more below (the work falls as N^2), so that a
+    point of a fraction of a millisecond is not timed on its first, cold calls."""
+    return min(200, max(iters, round(iters * (2048 / n) ** 2)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bench", default="target/release/examples/bench")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=3,
+                    help="runs per point at N >= 2048; shorter points get iters * (2048/N)^2 (at most 200),"
+                         " the same on both sides, so that each point is timed in steady state")
     ap.add_argument("--dtypes", default="f32,bf16")
     ap.add_argument("--seqlens", default="256,1024,2048,4096")
     ap.add_argument("--modes", default="fwd,fwd_bwd")
@@ -91,8 +99,9 @@ def main():
     with open(a.out + ".jsonl", "w") as log:
         for rnd in range(a.rounds):
             for dt, n, causal, mode in points:
-                ours = ours_ms(a.bench, dt, n, causal, mode, a.iters, a.b, a.h, a.d, a.threads)
-                theirs = torch_ms(dt, n, causal, mode, a.iters, a.b, a.h, a.d)
+                iters = iters_for(a.iters, n)
+                ours = ours_ms(a.bench, dt, n, causal, mode, iters, a.b, a.h, a.d, a.threads)
+                theirs = torch_ms(dt, n, causal, mode, iters, a.b, a.h, a.d)
                 flops = 4.0 * a.b * a.h * n * n * a.d * (0.5 if causal else 1.0) * (3.5 if mode == "fwd_bwd" else 1.0)
                 row = {"round": rnd, "dtype": dt, "n": n, "causal": causal, "mode": mode, "ours_ms": ours,
                        "torch_ms": theirs, "ratio": theirs / ours, "ours_gflops": flops / ours / 1e6,
@@ -118,7 +127,7 @@ def summarise(rows):
 
 def ratio_table(rows, a):
     lines = [f"torch {torch.__version__} CPU SDPA (flash backend) vs ours, {a.threads} threads, B={a.b}, H={a.h}, "
-             f"D={a.d}, {a.rounds} rounds back to back, median of {a.iters} runs each{', ' + a.label if a.label else ''}."
+             f"D={a.d}, {a.rounds} rounds back to back, median of {a.iters} runs each (more below N = 2048: iters_for){', ' + a.label if a.label else ''}."
              " ratio = torch time / our time (> 1: ours faster): median over rounds [min-max].", "",
              "| dtype | mode | causal | N | ours GFLOP/s | torch GFLOP/s | ratio | range | target |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -96,7 +96,7 @@ impl Pairs {
 
 impl Scratch {
     fn new(d: usize, tiles: CpuTiles, (max_q, max_k): (usize, usize), (bf16_pairs, amx): (bool, bool)) -> Self {
-        let (q, k) = (query_tile(tiles, amx), tiles.k_cols);
+        let (q, k) = (query_tile(tiles, amx, max_q), tiles.k_cols);
         Self {
             k_head: AlignedVec::new(max_k * d),
             q_head: AlignedVec::new(max_q * d),
@@ -188,8 +188,8 @@ pub(crate) fn backward(
 
 /// Query rows per backward tile: the configured tile kept even, so that tiles start at even
 /// rows (row pairs are slices of the task's).
-fn query_tile(tiles: CpuTiles, amx: bool) -> usize {
-    (if amx { tiles.q_rows_amx } else { tiles.q_rows }).next_multiple_of(2)
+fn query_tile(tiles: CpuTiles, amx: bool, max_q: usize) -> usize {
+    tiles.q_rows_for(amx, max_q).next_multiple_of(2)
 }
 
 type Inputs<'a> = (&'a KvRows<'a>, &'a KvRows<'a>, &'a KvRows<'a>, &'a KvRows<'a>, &'a KvRows<'a>, &'a [f32]);
@@ -209,7 +209,8 @@ unsafe fn backward_head(
     scratch: &mut Scratch,
 ) {
     let (h, d) = (shape.num_heads, shape.head_dim);
-    let (q_tile, k_tile) = (query_tile(tiles, amx), tiles.k_cols);
+    let max_q = host.seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
+    let (q_tile, k_tile) = (query_tile(tiles, amx, max_q), tiles.k_cols);
     let d2 = d.div_ceil(2);
     let seq = &host.seqs[b];
     let kv_head = head / shape.group_size();

@@ -138,7 +138,8 @@ pub(crate) fn forward(
     let mut out = OutBuf::zeroed(shape.dtype, shape.total_q * h * d)?;
     let mut lse = vec![f32::NEG_INFINITY; shape.lse_dims().iter().product()];
 
-    let rows_per_head = ((if amx { tiles.q_rows_amx } else { tiles.q_rows }) / group).max(1);
+    let max_q = host.seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
+    let rows_per_head = (tiles.q_rows_for(amx, max_q) / group).max(1);
     // Query tiles per task: as many as allowed while leaving every thread four tasks or more.
     let query_tiles: usize =
         host.seqs.iter().map(|s| s.q_len.div_ceil(rows_per_head)).sum::<usize>() * shape.num_kv_heads;
