@@ -323,12 +323,13 @@ unsafe fn forward_task(
             // pairs along keys are a plain transpose of V's bf16 rows.
             let ld = k_cols.div_ceil(2);
             if v_direct {
-                let vt16: &mut [u16] = std::slice::from_raw_parts_mut(vt_pairs.as_mut_ptr().cast(), 2 * vt_pairs.len());
-                let row = |j: usize| v.bf16_row(host, (b, kv_head, d), j0 + j).unwrap_or_default();
-                transpose_rows(row, (cols, d), vt16, 2 * ld);
-                if cols % 2 == 1 {
-                    (0..d).for_each(|e| vt16[e * 2 * ld + cols] = 0);
+                // V's pairs along keys interleave two bf16 rows; then one 4-byte transpose.
+                for j2 in 0..k2 {
+                    let row = |j: usize| v.bf16_row(host, (b, kv_head, d), j0 + j).unwrap_or_default();
+                    let odd = (2 * j2 + 1 < cols).then(|| row(2 * j2 + 1));
+                    interleave_bf16(isa, row(2 * j2), odd, &mut v_pairs[j2 * d..(j2 + 1) * d]);
                 }
+                transpose_rows(|j2| &v_pairs[j2 * d..(j2 + 1) * d], (k2, d), vt_pairs, ld);
             } else {
                 transpose_rows(|j2| &v_pairs[j2 * d..(j2 + 1) * d], (k2, d), vt_pairs, ld);
             }
@@ -617,6 +618,17 @@ fn bf16_row_pairs(row: &[u16], dst: &mut [u32]) {
     }
     if let [.., last] = row[2 * even..] {
         dst[even] = last as u32;
+    }
+}
+
+super::simd::multiversion! {
+    /// bf16 pairs of two raw bf16 rows side by side (`dst[i] = (even[i], odd[i])`, a zero half
+    /// without `odd`): V's pairs along keys, without widening.
+    fn interleave_bf16(even: &[u16], odd: Option<&[u16]>, dst: &mut [u32]) {
+        match odd {
+            Some(odd) => dst.iter_mut().zip(even.iter().zip(odd)).for_each(|(o, (&lo, &hi))| *o = lo as u32 | (hi as u32) << 16),
+            None => dst.iter_mut().zip(even).for_each(|(o, &lo)| *o = lo as u32),
+        }
     }
 }
 

@@ -205,11 +205,25 @@ pub(crate) fn transpose_rows<'a, T: Copy + Default + 'a>(
     ld: usize,
 ) {
     const BLOCK: usize = 16;
+    // Whole 16 × 16 blocks of 4-byte elements (f32, bf16 pairs) on AVX-512: 16 loads, 64
+    // shuffles, 16 stores (the element-wise block moves below took 15% of a bf16 forward at
+    // N = 256, where three transposes run per query tile).
+    #[cfg(target_arch = "x86_64")]
+    let simd = std::mem::size_of::<T>() == 4 && CpuIsa::detected() >= CpuIsa::Avx512;
     for p0 in (0..n).step_by(BLOCK) {
         let pn = BLOCK.min(n - p0);
         let src: [&[T]; BLOCK] = std::array::from_fn(|u| row(p0 + u.min(pn - 1)));
         for c0 in (0..d).step_by(BLOCK) {
             let cn = BLOCK.min(d - c0);
+            #[cfg(target_arch = "x86_64")]
+            if simd && pn == BLOCK && cn == BLOCK {
+                let rows: [*const u32; BLOCK] = std::array::from_fn(|u| src[u][c0..c0 + BLOCK].as_ptr().cast());
+                let out = dst[c0 * ld + p0..(c0 + BLOCK - 1) * ld + p0 + BLOCK].as_mut_ptr().cast::<u32>();
+                // SAFETY: the CPU has AVX-512 F (checked above); 16 rows of 16 elements are read
+                // from `src` and 16 runs of 16, `ld` apart, written inside the slice just taken.
+                unsafe { simd::transpose16_u32(rows, out, ld) };
+                continue;
+            }
             let mut block = [[T::default(); BLOCK]; BLOCK];
             // Whole blocks with fixed-size copies (inlined as vector moves; a variable-length
             // copy is a memmove call per 16 elements).

@@ -285,6 +285,56 @@ pub(crate) fn bf16_pair(lo: f32, hi: f32) -> u32 {
     round(lo) | (round(hi) << 16)
 }
 
+/// The transpose of a 16 × 16 block of 4-byte elements: `out[c * ld + r] = rows[r][c]`, in the
+/// four shuffle stages of the classic 16 × 16 transpose (pairs of 32-bit, then 64-bit, then
+/// 128-bit lanes twice).
+///
+/// # Safety
+/// The CPU has AVX-512 F; each `rows[r]` is valid for 16 reads and `out` for 16 runs of 16
+/// writes, `ld` apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn transpose16_u32(rows: [*const u32; 16], out: *mut u32, ld: usize) {
+    use std::arch::x86_64::*;
+    let r: [__m512i; 16] = std::array::from_fn(|i| _mm512_loadu_si512(rows[i].cast()));
+    // Stage 1: 32-bit interleave of rows 2k, 2k + 1.
+    let t: [__m512i; 16] = std::array::from_fn(|i| {
+        let (x, y) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_epi32(x, y)
+        } else {
+            _mm512_unpackhi_epi32(x, y)
+        }
+    });
+    // Stage 2, per group of four: (t0, t2) low and high, then (t1, t3) low and high.
+    let u: [__m512i; 16] = std::array::from_fn(|i| {
+        let (g, k) = (i / 4 * 4, i % 4);
+        let (x, y) = (t[g + k / 2], t[g + k / 2 + 2]);
+        if k % 2 == 0 {
+            _mm512_unpacklo_epi64(x, y)
+        } else {
+            _mm512_unpackhi_epi64(x, y)
+        }
+    });
+    // Stage 3, per half of eight: 128-bit lanes 0 and 2 (0x88), then 1 and 3 (0xdd), of rows k
+    // and k + 4.
+    let v: [__m512i; 16] = std::array::from_fn(|i| {
+        let (h, k) = (i / 8 * 8, i % 8);
+        let (x, y) = (u[h + k % 4], u[h + k % 4 + 4]);
+        if k < 4 {
+            _mm512_shuffle_i32x4::<0x88>(x, y)
+        } else {
+            _mm512_shuffle_i32x4::<0xdd>(x, y)
+        }
+    });
+    // Stage 4: the same across the halves; result i is column i.
+    for i in 0..16 {
+        let (x, y) = (v[i % 8], v[i % 8 + 8]);
+        let col = if i < 8 { _mm512_shuffle_i32x4::<0x88>(x, y) } else { _mm512_shuffle_i32x4::<0xdd>(x, y) };
+        _mm512_storeu_si512(out.add(i * ld).cast(), col);
+    }
+}
+
 /// Where and how a product's result is stored.
 #[derive(Clone, Copy)]
 struct Out {
@@ -728,6 +778,22 @@ mod tests {
                             }
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 block transpose against the definition, through `transpose_rows` (whole
+    /// blocks and ragged edges, an output stride wider than the block).
+    #[test]
+    fn transpose_rows_matches_definition() {
+        for (n, d, ld) in [(16usize, 16usize, 16usize), (32, 48, 40), (19, 33, 21), (1, 5, 1), (64, 32, 70)] {
+            let src: Vec<u32> = (0..n * d).map(|i| i as u32 * 7 + 3).collect();
+            let mut dst = vec![0u32; d * ld];
+            crate::cpu::transpose_rows(|p| &src[p * d..(p + 1) * d], (n, d), &mut dst, ld);
+            for p in 0..n {
+                for c in 0..d {
+                    assert_eq!(dst[c * ld + p], src[p * d + c], "{n}x{d} ld {ld} at ({p}, {c})");
                 }
             }
         }
