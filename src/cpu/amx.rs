@@ -210,6 +210,12 @@ pub(crate) unsafe fn matmul_bf16(
                 }
             }
         };
+        // The C tiles of a block present at its edges: (accumulator, row block, column block).
+        let block = |two_i: bool, two_j: bool| {
+            [(0u8, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+                .into_iter()
+                .filter(move |&(_, ii, jj)| (ii == 0 || two_i) && (jj == 0 || two_j))
+        };
         if kt <= 2 {
             // Shallow products (Sᵀ = K Qᵀ at d <= 64): a tile load costs about three
             // `tdpbf16ps` here (measured: ~16 ns per 1 KiB tile against 5 ns per product), so
@@ -228,10 +234,7 @@ pub(crate) unsafe fn matmul_bf16(
                     }
                 }
                 for i in 0..mt {
-                    start(0, i, j);
-                    if two_j {
-                        start(1, i, j + 1);
-                    }
+                    block(false, two_j).for_each(|(tmm, _, jj)| start(tmm, i, j + jj));
                     tile_load!("2", a_tile(i, 0), a_bytes);
                     tile_dp!("0", "2", "4");
                     if two_j {
@@ -244,10 +247,7 @@ pub(crate) unsafe fn matmul_bf16(
                             tile_dp!("1", "3", "7");
                         }
                     }
-                    finish(0, i, j);
-                    if two_j {
-                        finish(1, i, j + 1);
-                    }
+                    block(false, two_j).for_each(|(tmm, _, jj)| finish(tmm, i, j + jj));
                 }
             }
             return;
@@ -258,16 +258,7 @@ pub(crate) unsafe fn matmul_bf16(
             let two_i = i + 1 < mt;
             for j in (0..nt).step_by(2) {
                 let two_j = j + 1 < nt;
-                start(0, i, j);
-                if two_j {
-                    start(1, i, j + 1);
-                }
-                if two_i {
-                    start(2, i + 1, j);
-                }
-                if two_i && two_j {
-                    start(3, i + 1, j + 1);
-                }
+                block(two_i, two_j).for_each(|(tmm, ii, jj)| start(tmm, i + ii, j + jj));
                 for k in 0..kt {
                     tile_load!("4", a_tile(i, k), a_bytes);
                     tile_load!("6", b_tile(k, j), b_bytes);
@@ -284,16 +275,7 @@ pub(crate) unsafe fn matmul_bf16(
                         }
                     }
                 }
-                finish(0, i, j);
-                if two_j {
-                    finish(1, i, j + 1);
-                }
-                if two_i {
-                    finish(2, i + 1, j);
-                }
-                if two_i && two_j {
-                    finish(3, i + 1, j + 1);
-                }
+                block(two_i, two_j).for_each(|(tmm, ii, jj)| finish(tmm, i + ii, j + jj));
             }
         }
     });

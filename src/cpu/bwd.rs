@@ -386,10 +386,8 @@ unsafe fn backward_head(
                 }
                 if amx {
                     // dVᵀ (d × keys) += dOᵀ P.
-                    let ld = pairs.dot_rows.len() / d;
-                    let a = MatRef::rows(pairs.dot_rows[i0 / 2..].as_ptr().cast(), ld);
-                    let b = (pairs.p_rows.as_ptr().cast(), k_tile);
-                    tile_matmul_bf16_pairs(isa, (d, n, rows2), dv_acc[c_lo..].as_mut_ptr(), k_tile, true, a, b, 1.0);
+                    let dv_t = dv_acc[c_lo..].as_mut_ptr();
+                    add_transposed_product(isa, (&pairs.dot_rows, &pairs.p_rows), (i0, d, n, rows2, k_tile), dv_t);
                 } else {
                     let a = MatRef::transposed(pairs.p_rows.as_ptr().cast(), k_tile);
                     let b = (pairs.do_rows[i0 / 2 * d..].as_ptr().cast(), d);
@@ -444,10 +442,8 @@ unsafe fn backward_head(
                 }
                 if amx {
                     // dKᵀ (d × keys) += Qᵀ dS, unscaled (scaled when written).
-                    let ld = pairs.qt_rows.len() / d;
-                    let a = MatRef::rows(pairs.qt_rows[i0 / 2..].as_ptr().cast(), ld);
-                    let b = (pairs.ds_rows.as_ptr().cast(), k_tile);
-                    tile_matmul_bf16_pairs(isa, (d, n, rows2), dk_acc[c_lo..].as_mut_ptr(), k_tile, true, a, b, 1.0);
+                    let dk_t = dk_acc[c_lo..].as_mut_ptr();
+                    add_transposed_product(isa, (&pairs.qt_rows, &pairs.ds_rows), (i0, d, n, rows2, k_tile), dk_t);
                 } else {
                     let (a, b) = (
                         MatRef::transposed(pairs.ds_rows.as_ptr().cast(), k_tile),
@@ -482,6 +478,22 @@ unsafe fn backward_head(
             dst.iter_mut().zip(row).for_each(|(o, x)| *o = scale * x);
         }
     }
+}
+
+/// On AMX, `c_t` (d rows, `k_tile` apart) += Xᵀ Y over the query row pairs of the tile at `i0`:
+/// `x_t` is X's rows paired along query rows and transposed (d × its length / d), `y` the
+/// tile's row pairs of Y (`rows2` rows of `k_tile`, `n` keys used). dVᵀ += dOᵀ P, dKᵀ += Qᵀ dS.
+///
+/// # Safety
+/// As `tile_matmul_bf16_pairs`: `c_t` valid for d rows of `n` keys, `k_tile` apart.
+unsafe fn add_transposed_product(
+    isa: CpuIsa,
+    (x_t, y): (&[u32], &[u32]),
+    (i0, d, n, rows2, k_tile): (usize, usize, usize, usize, usize),
+    c_t: *mut f32,
+) {
+    let a = MatRef::rows(x_t[i0 / 2..].as_ptr().cast(), x_t.len() / d);
+    tile_matmul_bf16_pairs(isa, (d, n, rows2), c_t, k_tile, true, a, (y.as_ptr().cast(), k_tile), 1.0);
 }
 
 multiversion! {
