@@ -15,6 +15,7 @@
 //! once, and the ISA is not offered without that permission.
 
 use super::simd::MatRef;
+use super::AlignedVec;
 use std::arch::asm;
 use std::cell::RefCell;
 
@@ -92,9 +93,8 @@ macro_rules! tile_dp {
 
 thread_local! {
     /// Zero-padded copies of A and B for the calls that need them (transposed A, edges):
-    /// per thread, grown to the largest call and reused (16 spare elements: the panels start
-    /// on a 64-byte line).
-    static PANELS: RefCell<(Vec<u32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// per thread, on 64-byte lines, grown to the largest call and reused.
+    static PANELS: RefCell<(AlignedVec<u32>, AlignedVec<u32>)> = RefCell::new(Default::default());
 }
 
 /// `c (m×n, rows ldc apart) = [c +] alpha · a · b` on bf16 pairs, `k2` pairs deep: `a` is an
@@ -126,10 +126,7 @@ pub(crate) unsafe fn matmul_bf16(
             (a.ptr.cast::<u32>(), a.row_stride as usize)
         } else {
             let ld = kt * T;
-            a_panel.clear();
-            a_panel.resize(mt * T * ld + T, 0);
-            let skip = a_panel.as_ptr().align_offset(64).min(T);
-            let a_panel = &mut a_panel[skip..];
+            let a_panel = a_panel.zeroed_prefix(mt * T * ld);
             let src = a.ptr.cast::<u32>();
             for r in 0..m {
                 let dst = &mut a_panel[r * ld..r * ld + k2];
@@ -144,10 +141,7 @@ pub(crate) unsafe fn matmul_bf16(
             (b, ldb)
         } else {
             let ld = nt * T;
-            b_panel.clear();
-            b_panel.resize(kt * T * ld + T, 0);
-            let skip = b_panel.as_ptr().align_offset(64).min(T);
-            let b_panel = &mut b_panel[skip..];
+            let b_panel = b_panel.zeroed_prefix(kt * T * ld);
             for p in 0..k2 {
                 // (Byte copies: no alignment assumed.)
                 std::ptr::copy_nonoverlapping(

@@ -53,6 +53,7 @@ struct Scratch {
 /// paired along keys (A of dQ). Query tiles start at even rows, so a tile's row pairs are a
 /// slice of the task's; an odd end pairs with zero. `tile_d`: the K or V tile's rows paired
 /// along d, before their transpose.
+#[derive(Default)]
 struct Pairs {
     q_d: AlignedVec<u32>,
     do_d: AlignedVec<u32>,
@@ -95,8 +96,7 @@ impl Pairs {
 }
 
 impl Scratch {
-    fn new(d: usize, tiles: CpuTiles, (max_q, max_k): (usize, usize), (bf16_pairs, amx): (bool, bool)) -> Self {
-        let (q, k) = (query_tile(tiles, amx, max_q), tiles.k_cols);
+    fn new(d: usize, (q, k): (usize, usize), (max_q, max_k): (usize, usize), (bf16_pairs, amx): (bool, bool)) -> Self {
         Self {
             k_head: AlignedVec::new(max_k * d),
             q_head: AlignedVec::new(max_q * d),
@@ -114,7 +114,7 @@ impl Scratch {
             dq_head: AlignedVec::new(if amx { max_q * d } else { 0 }),
             row_vis: vec![(0, 0); q],
             row_lse: vec![0.0; q],
-            pairs: if bf16_pairs { Pairs::new(d, (q, k), max_q, amx) } else { Pairs::new(0, (0, 0), 0, false) },
+            pairs: if bf16_pairs { Pairs::new(d, (q, k), max_q, amx) } else { Pairs::default() },
         }
     }
 }
@@ -150,13 +150,15 @@ pub(crate) fn backward(
     let ptrs = (SharedMut(dq.as_mut_ptr()), SharedMut(dk_heads.as_mut_ptr()), SharedMut(dv_heads.as_mut_ptr()));
     let max_q = host.seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
     let max_k = host.seqs.iter().map(|s| s.k_len).max().unwrap_or(0);
+    let q_tile = query_tile(tiles, amx, max_q);
     let inputs = (&q, &k, &v, &out, &dout, &lse[..]);
     tasks.par_iter().for_each_init(
-        || Scratch::new(d, tiles, (max_q, max_k), (bf16_pairs, amx)),
+        || Scratch::new(d, (q_tile, tiles.k_cols), (max_q, max_k), (bf16_pairs, amx)),
         |scratch, &(b, head)| {
+            let task = (isa, bf16_pairs, amx, (q_tile, tiles.k_cols));
             // SAFETY: task (b, head) writes only the (row, head) slots of sequence b and
             // head `head` in dq, dk_heads and dv_heads; no two tasks share one.
-            unsafe { backward_head(shape, host, opts, inputs, ptrs, (isa, bf16_pairs, amx, tiles), (b, head), scratch) }
+            unsafe { backward_head(shape, host, opts, inputs, ptrs, task, (b, head), scratch) }
         },
     );
 
@@ -204,13 +206,11 @@ unsafe fn backward_head(
     opts: &FlashAttnOptions,
     (q, k, v, out, dout, lse): Inputs,
     (dq, dk, dv): (SharedMut, SharedMut, SharedMut),
-    (isa, bf16_pairs, amx, tiles): (CpuIsa, bool, bool, CpuTiles),
+    (isa, bf16_pairs, amx, (q_tile, k_tile)): (CpuIsa, bool, bool, (usize, usize)),
     (b, head): (usize, usize),
     scratch: &mut Scratch,
 ) {
     let (h, d) = (shape.num_heads, shape.head_dim);
-    let max_q = host.seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
-    let (q_tile, k_tile) = (query_tile(tiles, amx, max_q), tiles.k_cols);
     let d2 = d.div_ceil(2);
     let seq = &host.seqs[b];
     let kv_head = head / shape.group_size();
@@ -437,14 +437,11 @@ unsafe fn backward_head(
                     // dQ += dS K into the head's aligned rows, unscaled (scaled when written).
                     let dq_tile = dq_head[i0 * d..].as_mut_ptr();
                     tile_matmul_bf16_pairs(isa, (rows, d, n2), dq_tile, d, true, a, (b.cast(), d), 1.0);
-                } else {
-                    tile_matmul_bf16_pairs(isa, (rows, d, n2), dq_rows, q_rs, true, a, (b.cast(), d), scale);
-                }
-                if amx {
                     // dKᵀ (d × keys) += Qᵀ dS, unscaled (scaled when written).
                     let dk_t = dk_acc[c_lo..].as_mut_ptr();
                     add_transposed_product(isa, (&pairs.qt_rows, &pairs.ds_rows), (i0, d, n, rows2, k_tile), dk_t);
                 } else {
+                    tile_matmul_bf16_pairs(isa, (rows, d, n2), dq_rows, q_rs, true, a, (b.cast(), d), scale);
                     let (a, b) = (
                         MatRef::transposed(pairs.ds_rows.as_ptr().cast(), k_tile),
                         pairs.q_rows[i0 / 2 * d..].as_ptr(),

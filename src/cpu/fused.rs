@@ -20,8 +20,8 @@ pub(crate) enum ProbsOut {
 /// `cols` keys × `rows` query rows, masked keys -inf; AMX stores them unscaled, the f32 kernel
 /// scaled, with `scale` 1), fused with the writing of P (`out`: bf16 pairs, rounded to nearest
 /// even with zero past an odd `cols`, or f32): the running max (in scaled units),
-/// `correction = exp(old max - new max)` and the running sum. `s_t` is left as it is. The exp is exp2 with `vscalefps` (2^n applied by the hardware, so -inf and
-/// deep underflow give 0 with no select); a column with no visible key keeps max -inf, sum 0.
+/// `correction = exp(old max - new max)` and the running sum. `s_t` is left as it is. The exp
+/// is [`exp2`] (masked keys give 0); a column with no visible key keeps max -inf, sum 0.
 /// NaN logits propagate into their rows, as in the generic path. Needs `scale > 0` (the max of
 /// the unscaled logits is then the max of the scaled ones).
 ///
@@ -46,7 +46,7 @@ pub(crate) unsafe fn online_softmax(
         let lanes = 16.min(rows - c0);
         let m: __mmask16 = ((1u32 << lanes) - 1) as __mmask16;
         let at = |j: usize| _mm512_maskz_loadu_ps(m, s.add(j * rows + c0));
-        // exp(x · scale − shift) of every key, written as pairs; returns the sum and the max
+        // exp(x · scale − shift) of every key, written to `out`; returns the sum and the max
         // of the unscaled logits. `_mm512_max_ps(x, acc)` returns acc where either is NaN:
         // NaN logits do not set the max (they reach the sum, hence their row, as NaN).
         let exp_pass = |bias: __m512| {

@@ -4,7 +4,9 @@
 //!
 //! The scores are computed transposed, Sᵀ = K Qᵀ (keys × query rows): Qᵀ is packed once per
 //! task and K is read in place, so no K tile is ever transposed; the softmax then runs down the
-//! columns, vectorised across query rows, and O += P V reads Pᵀ's columns as P's rows.
+//! columns, vectorised across query rows, and O += P V reads Pᵀ's columns as P's rows. On AMX
+//! tiles the output is accumulated transposed, Oᵀ += Vᵀ Pᵀ (AMX reads its A operand by rows
+//! only), and turned back once per query tile.
 
 #[cfg(target_arch = "x86_64")]
 use super::fused::ProbsOut;
@@ -282,7 +284,7 @@ unsafe fn forward_task(
         let cols = k_cols.min(k_hi - j0);
         let k2 = cols.div_ceil(2);
         // AMX on bf16 K/V: K's rows read in place (bf16 rows are their pairs along d, even
-        // element in the low half) and Vᵀ transposed straight from V's rows; nothing widened.
+        // element in the low half) and V's pairs built from its raw rows; nothing widened.
         let k_raw = amx && k.is_bf16();
         let k_in_place = if k_raw && d % 2 == 0 {
             // (Only on 64-byte lines: rows that straddle lines load at half speed; then K's
@@ -319,20 +321,16 @@ unsafe fn forward_task(
         };
         if amx {
             // Vᵀ paired along keys (d × k_cols/2): the A operand of Oᵀ += Vᵀ Pᵀ, for every
-            // query tile of the task. As bf16 values, row e of Vᵀ is column e of V, so the
-            // pairs along keys are a plain transpose of V's bf16 rows.
-            let ld = k_cols.div_ceil(2);
+            // query tile of the task: V's pairs along keys (two raw bf16 rows interleaved, or
+            // packed above from widened rows), then one 4-byte transpose.
             if v_direct {
-                // V's pairs along keys interleave two bf16 rows; then one 4-byte transpose.
                 for j2 in 0..k2 {
                     let row = |j: usize| v.bf16_row(host, (b, kv_head, d), j0 + j).unwrap_or_default();
                     let odd = (2 * j2 + 1 < cols).then(|| row(2 * j2 + 1));
                     interleave_bf16(isa, row(2 * j2), odd, &mut v_pairs[j2 * d..(j2 + 1) * d]);
                 }
-                transpose_rows(|j2| &v_pairs[j2 * d..(j2 + 1) * d], (k2, d), vt_pairs, ld);
-            } else {
-                transpose_rows(|j2| &v_pairs[j2 * d..(j2 + 1) * d], (k2, d), vt_pairs, ld);
             }
+            transpose_rows(|j2| &v_pairs[j2 * d..(j2 + 1) * d], (k2, d), vt_pairs, k_cols.div_ceil(2));
         }
         for t in tiles.iter_mut().filter(|t| t.keys.0 < j0 + cols && j0 < t.keys.1) {
             let rows = t.q_rows * group;

@@ -6,7 +6,9 @@
 //! exit: all accumulation is f32, as on the GPU. Work is spread over (sequence, head, tile) with
 //! rayon; every tile product is [`simd::tile_matmul`], a register-blocked kernel for the
 //! instruction set chosen at run time ([`CpuIsa`]), or [`simd::tile_matmul_bf16_pairs`] for bf16
-//! on AVX-512 BF16, and the exp and reductions are vectorised for the same set.
+//! on AVX-512 BF16 or AMX tiles, and the exp and reductions are vectorised for the same set (on
+//! AVX-512 BF16 CPUs fused into one pass around the products, `fused.rs`). On AMX, bf16 rows are
+//! read as they are, never widened.
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
@@ -276,6 +278,23 @@ impl<T: Copy + Default> AlignedVec<T> {
         let buf = vec![T::default(); len + spare];
         let start = buf.as_ptr().align_offset(64).min(spare);
         Self { buf, start, len }
+    }
+
+    /// The first `len` elements, zeroed (`T::default()`), the vector remade longer first if it
+    /// is shorter: a per-thread buffer reused across calls of varying size.
+    pub fn zeroed_prefix(&mut self, len: usize) -> &mut [T] {
+        if self.len < len {
+            *self = Self::new(len);
+        }
+        let prefix = &mut self[..len];
+        prefix.fill(T::default());
+        prefix
+    }
+}
+
+impl<T: Copy + Default> Default for AlignedVec<T> {
+    fn default() -> Self {
+        Self::new(0)
     }
 }
 
