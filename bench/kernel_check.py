@@ -81,6 +81,7 @@ def build(gencode, force=False):
         return
     nvcc = os.environ.get("NVCC", "nvcc")
     flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", "-Xptxas", "-v"] + gencode
+    flags += os.environ.get("CF_NVCC_FLAGS", "").split()  # build-time variants, e.g. -DCF_BWD_OVERLAP_P=1
 
     def stem(src):  # sm80/fwd.cu -> sm80_fwd (stems repeat across folders)
         return src[:-3].replace(os.sep, "_")
@@ -588,7 +589,10 @@ def matrix(quick):
                 C("quick-f16-varlen", "f16", h=2, d=40, varlen=[(17, 17), (0, 3), (5, 9)], wl=-1, wr=0),
                 C("quick-f32-window", "f32", b=1, h=2, sq=33, sk=20, d=32, wl=4, wr=2),
                 C("quick-bf16-det-d256", "bf16", b=1, h=2, hkv=1, sq=70, d=256, det=True),
-                C("quick-f16-d96-softcap-alibi", "f16", b=1, h=2, sq=65, d=96, softcap=3.0, alibi="h", qmul=3)]
+                C("quick-f16-d96-softcap-alibi", "f16", b=1, h=2, sq=65, d=96, softcap=3.0, alibi="h", qmul=3),
+                # several query blocks per backward CTA (the deferred dQ's barriers and ring over steps)
+                C("quick-bf16-d128-steps", "bf16", b=1, h=2, sq=300, d=128),
+                C("quick-f16-d64-gqa-causal-steps", "f16", b=1, h=4, hkv=2, sq=280, d=64, wl=-1, wr=0)]
     for dt in ("bf16", "f16", "f32"):
         for d in (32, 64, 96, 128, 192, 256, 40, 72):
             cases.append(C(f"{dt}-d{d}", dt, b=2, h=3, sq=113, d=d))

@@ -238,13 +238,34 @@ struct BwdDqTraits {
 // warpgroup). Shared (panel layout, wgmma.cuh): K, V [kBlockN][D]; Q, dO [2][kBlockM][D] (the
 // TMA ring); dS^T [2][kBlockN][kBlockM]; lse, dsum [2][kBlockM] (f32); dQ staging [2][64][64]
 // (f32, for the bulk reductions); the ring's 4 mbarriers. dK/dV staged through Q/dO at the end.
-template <typename T_, int kHeadDim_>
+// How far the plain-logit step overlaps its elementwise work with its own products (d = 128 /
+// d = 64 tiles; build-time, for A/B runs; bench/NOTES.md "Backward v6"): 0 = backward v5's
+// lockstep step (P^T and dS^T after both products), 1 = P^T while dP^T runs, 2 = also dS^T while
+// dV's product runs.
+#ifndef CF_BWD_OVERLAP_P
+#define CF_BWD_OVERLAP_P 2
+#endif
+#ifndef CF_BWD_OVERLAP_P64
+#define CF_BWD_OVERLAP_P64 0
+#endif
+// CF_BWD_DEFER_DQ=0 (build-time): each step's dQ in the same step, both warpgroups meeting at one
+// barrier per step (backward v5); 1: a step late, so that they need not run in lockstep (bwd.cuh).
+#ifndef CF_BWD_DEFER_DQ
+#define CF_BWD_DEFER_DQ 1
+#endif
+template <typename T_, int kHeadDim_, bool kGeneralLogits_>
 struct BwdSm90Traits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
+    // logits_general() of the call: the plain instance splits P^T from dS^T (kOverlapP), the
+    // general one keeps them fused (softcap's derivative needs the raw score, which P replaces)
+    static constexpr bool kGeneralLogits = kGeneralLogits_;
     static constexpr int kBlockN = 128;
     static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
     static constexpr int kNThreads = 256;
+    // 1: P^T computed while dP^T is in flight; 2: also dS^T while dV's product runs (bwd.cuh)
+    static constexpr int kOverlapP = kGeneralLogits ? 0 : kHeadDim == 64 ? CF_BWD_OVERLAP_P64 : CF_BWD_OVERLAP_P;
+    static constexpr bool kDeferDq = CF_BWD_DEFER_DQ;
     static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 4 * kBlockM * kHeadDim * 2 +
                                       2 * kBlockN * kBlockM * 2 + 4 * kBlockM * 4 + 2 * 64 * 64 * 4 + 4 * 8;
 

@@ -5,6 +5,8 @@
 # a baseline is carried (.baseline/kernels + .baseline/kernel_check_old.py: the previous
 # revision's kernels and harness), the timing grid of both builds side by side.
 #   run(command="bash scripts/gpu-kernels.sh [check|grid|all]", carry=[".baseline"])
+# Env: CF_PREBUILT=1 (libraries built here and carried: bench/out*, .baseline/out), VARIANTS (more
+# builds in the grid), POINTS / DIMS / REPS (bench/grid.py).
 # Making the baseline of revision REV (here, once; .baseline is listed in .git/info/exclude):
 #   mkdir -p .git/info && echo /.baseline/ >> .git/info/exclude && rm -rf .baseline && mkdir .baseline &&
 #   git archive REV kernels | tar -x -C .baseline && git show REV:bench/kernel_check.py > .baseline/kernel_check_old.py
@@ -17,14 +19,19 @@ what=${1:-all}
 summary=()
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
-# Both libraries, in parallel (each build is skipped when it is up to date).
-python3 bench/kernel_check.py --build-only > "$OUT/build.log" 2>&1 &
-if [ -d .baseline/kernels ]; then
-  CF_KDIR=.baseline/kernels CF_BUILD_DIR=.baseline/out python3 .baseline/kernel_check_old.py --build-only \
-    > "$OUT/build_baseline.log" 2>&1 &
+# Both libraries, in parallel (each build is skipped when it is up to date). CF_PREBUILT=1: the
+# libraries were built here (bench/kernel_check.py --build-only) and carried; no nvcc on the device.
+if [ "${CF_PREBUILT:-0}" = 1 ]; then
+  echo "prebuilt: $(ls -d bench/out*/ .baseline/out 2>/dev/null | tr '\n' ' ')" | tee "$OUT/build.log"
+else
+  python3 bench/kernel_check.py --build-only > "$OUT/build.log" 2>&1 &
+  if [ -d .baseline/kernels ]; then
+    CF_KDIR=.baseline/kernels CF_BUILD_DIR=.baseline/out python3 .baseline/kernel_check_old.py --build-only \
+      > "$OUT/build_baseline.log" 2>&1 &
+  fi
+  wait
+  tail -n 2 "$OUT/build.log"
 fi
-wait
-tail -n 2 "$OUT/build.log"
 
 if [ "$what" = check ] || [ "$what" = all ]; then
   python3 bench/kernel_check.py --no-build --inspect > "$OUT/check.log" 2>&1
@@ -46,7 +53,8 @@ if [ "$what" = check ] || [ "$what" = all ]; then
 fi
 
 if { [ "$what" = grid ] || [ "$what" = all ]; } && [ -d .baseline/out ]; then
-  python3 bench/grid.py new=bench/out old=.baseline/out=.baseline/kernel_check_old.py > "$OUT/grid.log" 2>&1
+  # VARIANTS="v1=bench/out_v1 ...": more builds of this revision (CF_NVCC_FLAGS) timed beside it
+  python3 bench/grid.py new=bench/out ${VARIANTS:-} old=.baseline/out=.baseline/kernel_check_old.py > "$OUT/grid.log" 2>&1
   summary+=("grid: rc=$?")
   cat "$OUT/grid.log"
 fi

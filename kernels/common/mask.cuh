@@ -52,6 +52,12 @@ struct MaskInfo {
         lo = l < 0 ? 0 : l;
         hi = h > sq ? sq : h;
     }
+    // visible() for one key column as limits: query i (< sq) sees key j iff lo <= i < hi (the
+    // transposed backward masks its columns of queries with two compares per element).
+    __device__ __forceinline__ void col_limits(int j, int& lo, int& hi) const {
+        query_range(j, j, lo, hi);
+        if (j >= sk) hi = lo;
+    }
     // True when every (i, j) of rows [r0, r0+nr) x keys [c0, c0+nc) passes the key-length and
     // window tests (the row-length test is the caller's business).
     __device__ __forceinline__ bool block_full(int r0, int nr, int c0, int nc) const {
@@ -65,6 +71,11 @@ struct MaskInfo {
 // raw q.k -> logit. The tensor-core kernels work in log2 units (x2 = logit * log2 e); on the
 // fast path (no softcap, no ALiBi, scale > 0) x2 = qk * c with c = scale * log2 e, which lets
 // the softmax use one FFMA + EX2 per element.
+// Whether any head's logits need the general path (softcap, ALiBi, a scale that is not
+// positive): a property of the call, so a kernel may also be chosen by it on the host.
+__host__ __device__ inline bool logits_general(const CfFwdParams& p) {
+    return p.softcap > 0.f || p.alibi_slopes != nullptr || !(p.softmax_scale > 0.f);
+}
 struct LogitInfo {
     float scale, softcap, inv_softcap, slope, c;
     bool general;
@@ -74,7 +85,7 @@ struct LogitInfo {
         softcap = p.softcap > 0.f ? p.softcap : 0.f;
         inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
         slope = p.alibi_slopes ? p.alibi_slopes[(int64_t)b * p.alibi_batch_stride + h] : 0.f;
-        general = softcap > 0.f || p.alibi_slopes != nullptr || !(scale > 0.f);
+        general = logits_general(p);
         c = scale * kLog2e;
     }
     // Logits of q.k * f instead of q.k (FP8 inputs: f = q descale * k descale).
@@ -207,23 +218,33 @@ struct NaturalUnits {
 struct PdS {
     float p, ds;
 };
+// The two halves of p_ds for plain logits (li.general false: no derivative factor), for kernels
+// that compute P while dP is still in flight and dS once it has landed; p_ds uses them too.
+template <typename Units = Log2Units, bool kPlainFull = false>
+__device__ __forceinline__ float p_plain(const LogitInfo& li, const MaskInfo& mk, float qk, float lse_u, int i, int j,
+                                         bool full) {
+    const float c = Units::kPerNat == kLog2e ? li.c : li.scale * Units::kPerNat;  // plain logit -> units
+    if constexpr (kPlainFull) {
+        return Units::exp(fmaf(qk, c, -lse_u));
+    } else {
+        const bool vis = full || (i < mk.sq && mk.visible(i, j));
+        return vis ? Units::exp(qk * c - lse_u) : 0.f;
+    }
+}
+__device__ __forceinline__ float ds_of(float p, float dp, float dsum) { return p * (dp - dsum); }
+
 template <typename Units = Log2Units, bool kPlainFull = false>
 __device__ __forceinline__ PdS p_ds(const LogitInfo& li, const MaskInfo& mk, float qk, float dp, float lse_u,
                                     float dsum, int i, int j, bool full) {
-    const float c = Units::kPerNat == kLog2e ? li.c : li.scale * Units::kPerNat;  // plain logit -> units
-    if constexpr (kPlainFull) {
-        const float pv = Units::exp(fmaf(qk, c, -lse_u));
-        return {pv, pv * (dp - dsum)};
+    if (kPlainFull || !li.general) {
+        const float pv = p_plain<Units, kPlainFull>(li, mk, qk, lse_u, i, j, full);
+        return {pv, ds_of(pv, dp, dsum)};
     } else {
-        float x, df = 1.f;
-        if (li.general) {
-            x = li.logit(qk, i, j, mk.off, &df) * Units::kPerNat;
-        } else {
-            x = qk * c;
-        }
+        float df;
+        const float x = li.logit(qk, i, j, mk.off, &df) * Units::kPerNat;
         const bool vis = full || (i < mk.sq && mk.visible(i, j));
         const float pv = vis ? Units::exp(x - lse_u) : 0.f;
-        return {pv, pv * (dp - dsum) * df};
+        return {pv, ds_of(pv, dp, dsum) * df};
     }
 }
 

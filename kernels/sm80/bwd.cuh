@@ -446,8 +446,11 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
     bool done = false;
     if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) {
         if (wgmma) {
-            using Kt = BwdSm90Traits<T, D>;
-            if ((e = launch_sm90(bwd_dkdv_sm90_kernel<Kt>, Kt{})) != cudaSuccess) return e;
+            using Plain = BwdSm90Traits<T, D, false>;
+            using General = BwdSm90Traits<T, D, true>;
+            e = logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General>, General{})
+                                  : launch_sm90(bwd_dkdv_sm90_kernel<Plain>, Plain{});
+            if (e != cudaSuccess) return e;
             done = true;
         }
     } else if constexpr (sizeof(T) == 2 && (D == 192 || D == 256)) {

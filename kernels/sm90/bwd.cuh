@@ -108,6 +108,53 @@ __device__ __forceinline__ void bwd_p_ds(const LogitInfo& li, const MaskInfo& mk
     }
 }
 
+// The split form of bwd_p_ds for plain logits (li.general false), so that P^T is computed while
+// dP^T is still in flight and dS^T while dV's product runs: bwd_p over s alone, then bwd_ds over
+// dp from s (which still holds P^T in f32). Same element layout as bwd_p_ds.
+template <int BM>
+__device__ __forceinline__ void bwd_p(const LogitInfo& li, const MaskInfo& mk, float (&s)[BM / 2], const float* cL,
+                                      bool full, int m0, int key0, int q4) {
+    if (full) {
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) {
+            const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * q4);
+            const float lse2[2] = {Log2Units::lse(l2.x), Log2Units::lse(l2.y)};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[4 * j + e] = p_plain<Log2Units, true>(li, mk, s[4 * j + e], lse2[e & 1], 0, 0, true);
+        }
+    } else {
+        // visible queries of this thread's two key rows as limits relative to its query columns
+        // (8 j + (e & 1)): two compares per element, no per-element index math
+        int lo[2], hi[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mk.col_limits(key0 + 8 * r, lo[r], hi[r]);
+            lo[r] -= m0 + 2 * q4;
+            hi[r] -= m0 + 2 * q4;
+        }
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) {
+            const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * q4);
+            const float lse2[2] = {Log2Units::lse(l2.x), Log2Units::lse(l2.y)};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 8 * j + (e & 1), r = e >> 1;
+                const float pv = p_plain<Log2Units, true>(li, mk, s[4 * j + e], lse2[e & 1], 0, 0, true);
+                s[4 * j + e] = (c >= lo[r] && c < hi[r]) ? pv : 0.f;
+            }
+        }
+    }
+}
+template <int BM>
+__device__ __forceinline__ void bwd_ds(const float (&p)[BM / 2], float (&dp)[BM / 2], const float* cD, int q4) {
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+        const float2 d2 = *reinterpret_cast<const float2*>(cD + 8 * j + 2 * q4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[4 * j + e] = ds_of(p[4 * j + e], dp[4 * j + e], (e & 1) ? d2.y : d2.x);
+    }
+}
+
 // The start of both sm_90a backward kernels: the ring's barriers, K / V once by every thread
 // (cp.async, zero-filled past the sequence), step 0 by warp 0, then one CTA barrier after which
 // K / V are visible to wgmma.
@@ -160,7 +207,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
     const int b = w.b, hkv_i = w.hkv_i, split = w.split, n0 = w.n0, dch = w.dch, total_it = w.total_it;
-    constexpr int kBarDs = 3;  // named barrier: dS^T published (1 + wg: one warpgroup's dQ staging)
+    // named barriers: 1 + wg one warpgroup's dQ staging; kBarDs dS^T published (lockstep dQ, and
+    // the deterministic mode); kBarFull / kBarEmpty + 2 b + w the deferred dQ's (dq_step)
+    constexpr int kBarDs = 3, kBarFull = 4, kBarEmpty = 8;
     const Pipeline<2> pipe(smem_addr(bars));
     auto load_step = [&](int it) { bwd_load_step<BM, D>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane); };
     bwd_start<NTH, D>(f, w, pipe, sK, sV, load_step, tid);
@@ -174,55 +223,124 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int key_l0 = 64 * wg + 16 * wq + g;  // local key of accumulator rows (e < 2); +8 for e >= 2
     const int wt = tid & 127;  // thread within the warpgroup
 
+    // dQ of step s: once both warpgroups' halves of dS^T(s) are in shared memory, dQ = dS K, then the
+    // tile -> shared -> one bulk reduction into the tiled dq_accum (d = 64: warpgroup w takes
+    // query rows 64w.. (panel w of dS^T) and all 64 columns, i.e. panel 0 of dq_accum; d = 128:
+    // all 64 query rows and columns 64w.. (panel w of K and of dq_accum)). Waits for every
+    // product this warpgroup has issued.
+    // kDeferDq: step s's dQ runs in step s + 1, after that step's dK is issued, so a warpgroup
+    // waits for the other's half of dS^T one step late and the two need not run in lockstep.
+    // Named barriers per dS^T buffer b and warpgroup w (arrive by w, sync by the other):
+    // kBarFull + 2b + w (w's half written) and kBarEmpty + 2b + w (w's dQ has read b; arrived only
+    // when a later step writes b again, so that no arrival is left pending at exit).
+    const bool defer_dq = Kt::kDeferDq && ws.dq_accum != nullptr;
+    auto dq_step = [&](int s) {
+        const int buf = s & 1;
+        if constexpr (Kt::kDeferDq) {
+            named_bar_sync(kBarFull + 2 * buf + (1 - wg), 256);
+            if (warp == 0 && s + 2 < total_it) load_step(s + 2);
+        }
+        const uint32_t tdSi = tdS + buf * BN * BM * 2;
+        const uint32_t tA = D == 64 ? tdSi + wg * BN * kPanelRowBytes : tdSi;
+        const uint32_t tB = D == 64 ? tK : tK + wg * BN * kPanelRowBytes;
+        float dq[NQ];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < NS; ++kk)
+            wgmma_ss<64, T, 1, 1>(dq, desc_mn_major(tA, BN, kk), desc_mn_major(tB, BN, kk), kk > 0);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(dq);
+        if (Kt::kDeferDq && s + 2 < total_it) named_bar_arrive(kBarEmpty + 2 * buf + wg, 256);
+        if (wt == 0) bulk_wait_read<0>();  // the previous reduction has read the staging tile
+        named_bar_sync(1 + wg, 128);
+        const int pnl = D == 64 ? 0 : wg, r0 = w.row0(s) + (D == 64 ? 64 * wg : 0);
+        reduce_dq_tile<NQ / 4>(dq, 0, sDq + wg * 64 * 64, ws.dq_tile_rows(f, si, w.head(s), pnl) + (int64_t)r0 * 64,
+                               1 + wg, wt, 16 * wq + g, q4);
+    };
+
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
         const int st = pipe.stage(it);
-        if (warp == 0 && it + 1 < total_it) load_step(it + 1);  // waits until step it - 1 released its stage
+        // warp 0 loads step it + 1 (waits until step it - 1 released its stage); with the deferred dQ,
+        // from step 1 on it does so in dq_step(it - 1), after the barrier that also orders the other
+        // warpgroup's lse / dsum reads of step it - 1 before these cp.async writes (for racecheck,
+        // which does not follow the ring's mbarriers)
+        if (warp == 0 && it + 1 < total_it && (!defer_dq || it == 0)) load_step(it + 1);
         pipe.consumer_wait(it);  // this step's tiles landed (and the fence for the cp.async part)
         const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
         const LogitInfo li(f, b, hq);
 
-        // ---- S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys x BM queries)
+        // ---- S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys x BM queries), two commit groups
         float sT[NA], dpT[NA];
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks)
             wgmma_ss<BM, T, 0, 0>(sT, desc_k_major(tKw, BN, ks), desc_k_major(tQ, BM, ks), ks > 0);
+        wg_commit();
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks)
             wgmma_ss<BM, T, 0, 0>(dpT, desc_k_major(tVw, BN, ks), desc_k_major(tdO, BM, ks), ks > 0);
         wg_commit();
-        wg_wait<0>();
-        reg_fence(sT);
-        reg_fence(dpT);
 
-        // ---- P^T, dS^T in registers (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1))
+        // ---- P^T, dS^T in registers (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1)),
+        //      then dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
         const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
-        bwd_p_ds<BM>(li, mk, sT, dpT, sL + st * BM, sD + st * BM, full, m0, n0 + key_l0, q4);
-
-        // ---- dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
+        const float* cL = sL + st * BM;
+        const float* cD = sD + st * BM;
         uint32_t pa[MS][4], dsa[MS][4];
+        auto pack_a = [&](uint32_t (&a)[MS][4], const float (&x)[NA]) {
 #pragma unroll
-        for (int kq = 0; kq < MS; ++kq) {
-            const int j0 = 8 * kq, j1 = 8 * kq + 4;  // accumulator index of n8 tiles 2kq, 2kq+1
-            pa[kq][0] = pack2<T>(sT[j0], sT[j0 + 1]);
-            pa[kq][1] = pack2<T>(sT[j0 + 2], sT[j0 + 3]);
-            pa[kq][2] = pack2<T>(sT[j1], sT[j1 + 1]);
-            pa[kq][3] = pack2<T>(sT[j1 + 2], sT[j1 + 3]);
-            dsa[kq][0] = pack2<T>(dpT[j0], dpT[j0 + 1]);
-            dsa[kq][1] = pack2<T>(dpT[j0 + 2], dpT[j0 + 3]);
-            dsa[kq][2] = pack2<T>(dpT[j1], dpT[j1 + 1]);
-            dsa[kq][3] = pack2<T>(dpT[j1 + 2], dpT[j1 + 3]);
+            for (int kq = 0; kq < MS; ++kq) {
+                const int j0 = 8 * kq, j1 = 8 * kq + 4;  // accumulator index of n8 tiles 2kq, 2kq+1
+                a[kq][0] = pack2<T>(x[j0], x[j0 + 1]);
+                a[kq][1] = pack2<T>(x[j0 + 2], x[j0 + 3]);
+                a[kq][2] = pack2<T>(x[j1], x[j1 + 1]);
+                a[kq][3] = pack2<T>(x[j1 + 2], x[j1 + 3]);
+            }
+        };
+        auto issue_rs = [&](float (&acc)[ND], uint32_t (&a)[MS][4], uint32_t tB) {
+            wg_fence();
+#pragma unroll
+            for (int kq = 0; kq < MS; ++kq) wgmma_rs<D, T, 1>(acc, a[kq], desc_mn_major(tB, BM, kq), 1);
+            wg_commit();
+        };
+        if constexpr (Kt::kOverlapP == 2) {
+            // P^T while dP^T runs, dS^T while dV's product runs (plain logits: no derivative factor)
+            wg_wait<1>();
+            reg_fence(sT);
+            bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
+            pack_a(pa, sT);
+            issue_rs(dv, pa, tdO);
+            wg_wait<1>();  // S^T and dP^T done (dV may still run)
+            reg_fence(dpT);
+            bwd_ds<BM>(sT, dpT, cD, q4);
+        } else if constexpr (Kt::kOverlapP == 1) {
+            // P^T while dP^T runs
+            wg_wait<1>();
+            reg_fence(sT);
+            bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
+            wg_wait<0>();
+            reg_fence(dpT);
+            bwd_ds<BM>(sT, dpT, cD, q4);
+            pack_a(pa, sT);
+            issue_rs(dv, pa, tdO);
+        } else {
+            wg_wait<0>();
+            reg_fence(sT);
+            reg_fence(dpT);
+            bwd_p_ds<BM>(li, mk, sT, dpT, cL, cD, full, m0, n0 + key_l0, q4);
+            pack_a(pa, sT);
+            issue_rs(dv, pa, tdO);
         }
-        wg_fence();
-#pragma unroll
-        for (int kq = 0; kq < MS; ++kq) wgmma_rs<D, T, 1>(dv, pa[kq], desc_mn_major(tdO, BM, kq), 1);
-#pragma unroll
-        for (int kq = 0; kq < MS; ++kq) wgmma_rs<D, T, 1>(dk, dsa[kq], desc_mn_major(tQ, BM, kq), 1);
-        wg_commit();
+        pack_a(dsa, dpT);
+        issue_rs(dk, dsa, tQ);
 
         if (ws.dq_accum != nullptr) {
-            // ---- dS^T -> shared (overlaps the dV / dK products), then dQ = dS K
+            // ---- dS^T -> shared (overlaps the dV / dK products); dQ = dS K of step it - 1 (kDeferDq)
+            //      or of this step
+            const int buf = it & 1;
+            if (Kt::kDeferDq && it >= 2) named_bar_sync(kBarEmpty + 2 * buf + (1 - wg), 256);  // dQ(it - 2) read it
 #pragma unroll
             for (int kq = 0; kq < MS; ++kq)
 #pragma unroll
@@ -230,36 +348,26 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {   // key row +8r
                         const int kl = key_l0 + 8 * r, ql = 16 * kq + 8 * h2 + 2 * q4;
-                        *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sdS + (it & 1) * BN * BM) +
+                        *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sdS + buf * BN * BM) +
                                                      panel_offset(BN, kl, ql)) = dsa[kq][2 * h2 + r];
                     }
             fence_async_smem();
-            named_bar_sync(kBarDs, 256);  // both warpgroups' dS^T rows are in place
-            // d = 64: warpgroup w takes query rows 64w.. (panel w of dS^T), all 64 columns;
-            // d = 128: all 64 query rows, columns 64w.. (panel w of K)
-            const uint32_t tdSi = tdS + (it & 1) * BN * BM * 2;
-            const uint32_t tA = D == 64 ? tdSi + wg * BN * kPanelRowBytes : tdSi;
-            const uint32_t tB = D == 64 ? tK : tK + wg * BN * kPanelRowBytes;
-            float dq[NQ];
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < NS; ++kk)
-                wgmma_ss<64, T, 1, 1>(dq, desc_mn_major(tA, BN, kk), desc_mn_major(tB, BN, kk), kk > 0);
-            wg_commit();
-            wg_wait<0>();
-            reg_fence(dq);
+            if constexpr (Kt::kDeferDq) {
+                named_bar_arrive(kBarFull + 2 * buf + wg, 256);  // this warpgroup's half of dS^T(it) is in place
+                if (it >= 1) {
+                    dq_step(it - 1);  // its wait covers this step's dV / dK products
+                } else {
+                    wg_wait<0>();
+                }
+            } else {
+                named_bar_sync(kBarDs, 256);  // both warpgroups' dS^T rows are in place
+                dq_step(it);
+            }
             reg_fence(dv);
             reg_fence(dk);
             reg_fence(pa);
             reg_fence(dsa);
             pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
-            // ---- dQ tile -> shared -> one bulk reduction into the tiled dq_accum (d = 64: this
-            //      warpgroup's 64 query rows of panel 0; d = 128: all 64 rows of panel wg)
-            if (wt == 0) bulk_wait_read<0>();  // the previous step's reduction has read the tile
-            named_bar_sync(1 + wg, 128);
-            const int pnl = D == 64 ? 0 : wg, r0 = m0 + (D == 64 ? 64 * wg : 0);
-            reduce_dq_tile<NQ / 4>(dq, 0, sDq + wg * 64 * 64, ws.dq_tile_rows(f, si, hq, pnl) + (int64_t)r0 * 64, 1 + wg, wt,
-                                   16 * wq + g, q4);
         } else {
             wg_wait<0>();
             reg_fence(dv);
@@ -274,6 +382,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         }
     }
 
+    if (Kt::kDeferDq && ws.dq_accum != nullptr && total_it > 0) dq_step(total_it - 1);
     if (ws.dq_accum != nullptr && wt == 0) bulk_wait<0>();  // the last reduction is done with shared memory
 
     // ---- write dK (scaled) and dV. Element 4j+e: key key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1).

@@ -1,0 +1,39 @@
+#!/usr/bin/env python3
+"""Where a kernel's warps stall, per SASS instruction, from an ncu report's source page:
+  ncu -k regex:bwd_dkdv_sm90 -c 1 --set full -o rep python3 bench/one_fwd.py --n 8192 --d 128 --bwd
+  ncu --import rep.ncu-rep --page source --csv --print-source sass > src.csv
+  python3 bench/ncu_source.py src.csv [top]
+Prints the stall-sample columns' totals, then the top instructions by samples with their
+neighbours' share grouped by opcode class (HGMMA, barriers, shared/global memory, MUFU, ...)."""
+import csv, re, sys
+from collections import defaultdict
+
+rows = list(csv.reader(open(sys.argv[1], errors="replace")))
+top = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+hdr_i = next(i for i, r in enumerate(rows) if any("Source" == c.strip() for c in r))
+hdr = [c.strip() for c in rows[hdr_i]]
+body = [r for r in rows[hdr_i + 1:] if len(r) == len(hdr)]
+src = hdr.index("Source")
+num = lambda x: float(x.replace(",", "")) if re.fullmatch(r"[-\d.,]+", x.strip() or "x") else 0.0
+samp = next(i for i, c in enumerate(hdr) if c.startswith("Warp Stall Sampling (All"))
+total = sum(num(r[samp]) for r in body) or 1.0
+print(f"{len(body)} SASS lines, {total:.0f} stall samples")
+cols = [i for i, c in enumerate(hdr) if c.startswith("stall_") or "Stall" in c and i != samp]
+sums = sorted(((sum(num(r[i]) for r in body), hdr[i]) for i in cols), reverse=True)
+for s, n in sums[:16]:
+    if s > 0:
+        print(f"  {n:60} {s:10.0f}")
+klass = defaultdict(float)
+def opclass(s):
+    op = s.strip().split()[0] if s.strip() else ""
+    if op.startswith("@"):
+        op = s.strip().split()[1]
+    return op.split(".")[0]
+for r in body:
+    klass[opclass(r[src])] += num(r[samp])
+print("by opcode: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(klass.items(), key=lambda x: -x[1])[:18]))
+print(f"top {top} instructions (share of samples):")
+order = sorted(range(len(body)), key=lambda i: -num(body[i][samp]))[:top]
+for i in sorted(order):
+    r = body[i]
+    print(f"  {i:5} {100 * num(r[samp]) / total:5.1f}%  {r[src].strip()[:110]}")
