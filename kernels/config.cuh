@@ -243,16 +243,12 @@ struct BwdDqTraits {
 // lockstep step (P^T and dS^T after both products), 1 = P^T while dP^T runs, 2 = also dS^T while
 // dV's product runs.
 #ifndef CF_BWD_OVERLAP_P
-#define CF_BWD_OVERLAP_P 2
+#define CF_BWD_OVERLAP_P 1
 #endif
 #ifndef CF_BWD_OVERLAP_P64
 #define CF_BWD_OVERLAP_P64 0
 #endif
-// CF_BWD_DEFER_DQ=0 (build-time): each step's dQ in the same step, both warpgroups meeting at one
-// barrier per step (backward v5); 1: a step late, so that they need not run in lockstep (bwd.cuh).
-#ifndef CF_BWD_DEFER_DQ
-#define CF_BWD_DEFER_DQ 1
-#endif
+
 template <typename T_, int kHeadDim_, bool kGeneralLogits_>
 struct BwdSm90Traits {
     using Elem = T_;
@@ -265,7 +261,6 @@ struct BwdSm90Traits {
     static constexpr int kNThreads = 256;
     // 1: P^T computed while dP^T is in flight; 2: also dS^T while dV's product runs (bwd.cuh)
     static constexpr int kOverlapP = kGeneralLogits ? 0 : kHeadDim == 64 ? CF_BWD_OVERLAP_P64 : CF_BWD_OVERLAP_P;
-    static constexpr bool kDeferDq = CF_BWD_DEFER_DQ;
     static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 4 * kBlockM * kHeadDim * 2 +
                                       2 * kBlockN * kBlockM * 2 + 4 * kBlockM * 4 + 2 * 64 * 64 * 4 + 4 * 8;
 

@@ -73,27 +73,78 @@ __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs&
     pipe.producer_commit_cp_async(it);
 }
 
-// P^T and dS^T in place over the m64 x BM accumulators of S^T (s) and dP^T (dp): element 4j + e
-// is key key0 + 8 (e >> 1), query m0 + 8j + 2 q4 + (e & 1); cL / cD are the step's lse / dsum.
-// Twice: the fast loop (every element visible, plain scale: no index math; a full block has no
-// row without keys, so lse is finite) and the general one.
+// P^T of plain logits (li.general false) over the m64 x BM accumulators of S^T (s): element
+// 4j + e is key key0 + 8 (e >> 1), query m0 + 8j + 2 q4 + (e & 1); cL is the step's lse. Calls
+// f(i, j, e, p) for every element i = 4j + e with its P^T value p. A full block (no row without
+// keys, so lse is finite) needs no index math; otherwise the mask is two compares per element
+// against the visible queries of the thread's two key rows (MaskInfo::col_limits).
+template <int BM, bool kFull, typename F>
+__device__ __forceinline__ void for_each_p(const LogitInfo& li, const MaskInfo& mk, const float (&s)[BM / 2],
+                                           const float* cL, int m0, int key0, int q4, F&& f) {
+    int lo[2] = {0, 0}, hi[2] = {8 * BM, 8 * BM};  // limits relative to the thread's query columns 8j + (e & 1)
+    if constexpr (!kFull) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mk.col_limits(key0 + 8 * r, lo[r], hi[r]);
+            lo[r] -= m0 + 2 * q4;
+            hi[r] -= m0 + 2 * q4;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+        const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * q4);
+        const float lse2[2] = {Log2Units::lse(l2.x), Log2Units::lse(l2.y)};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float pv = p_plain<Log2Units, true>(li, mk, s[4 * j + e], lse2[e & 1], 0, 0, true);
+            if constexpr (!kFull) {
+                const int c = 8 * j + (e & 1), r = e >> 1;
+                pv = (c >= lo[r] && c < hi[r]) ? pv : 0.f;
+            }
+            f(4 * j + e, j, e, pv);
+        }
+    }
+}
+template <int BM, typename F>
+__device__ __forceinline__ void for_each_p(const LogitInfo& li, const MaskInfo& mk, const float (&s)[BM / 2],
+                                           const float* cL, bool full, int m0, int key0, int q4, F&& f) {
+    if (full) for_each_p<BM, true>(li, mk, s, cL, m0, key0, q4, f);
+    else for_each_p<BM, false>(li, mk, s, cL, m0, key0, q4, f);
+}
+
+// The two passes of plain logits, so that a kernel can compute P^T while dP^T is still in
+// flight (and dS^T while dV's product runs): bwd_p in place over s, then bwd_ds over dp from s
+// (which still holds P^T in f32); cD is the step's dsum.
 template <int BM>
+__device__ __forceinline__ void bwd_p(const LogitInfo& li, const MaskInfo& mk, float (&s)[BM / 2], const float* cL,
+                                      bool full, int m0, int key0, int q4) {
+    for_each_p<BM>(li, mk, s, cL, full, m0, key0, q4, [&](int i, int, int, float p) { s[i] = p; });
+}
+template <int BM>
+__device__ __forceinline__ void bwd_ds(const float (&p)[BM / 2], float (&dp)[BM / 2], const float* cD, int q4) {
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+        const float2 d2 = *reinterpret_cast<const float2*>(cD + 8 * j + 2 * q4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[4 * j + e] = ds_of(p[4 * j + e], dp[4 * j + e], (e & 1) ? d2.y : d2.x);
+    }
+}
+
+// P^T and dS^T in one pass, in place over S^T (s) and dP^T (dp), same layout. kLogits: what the
+// caller knows of logits_general() (the sm_90a kernel instances are chosen by it on the host):
+// plain logits take for_each_p; general ones (softcap's derivative needs the raw score) a pass
+// with per-element index math.
+enum class Logits { kPlain, kGeneral, kEither };
+template <int BM, Logits kLogits = Logits::kEither>
 __device__ __forceinline__ void bwd_p_ds(const LogitInfo& li, const MaskInfo& mk, float (&s)[BM / 2], float (&dp)[BM / 2],
                                          const float* cL, const float* cD, bool full, int m0, int key0, int q4) {
-    if (full && !li.general) {
-#pragma unroll
-        for (int j = 0; j < BM / 8; ++j) {
-            const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * q4);
-            const float2 ds2 = *reinterpret_cast<const float2*>(cD + 8 * j + 2 * q4);
-            const float lse2[2] = {Log2Units::lse(l2.x), Log2Units::lse(l2.y)}, dsv[2] = {ds2.x, ds2.y};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const PdS x = p_ds<Log2Units, true>(li, mk, s[4 * j + e], dp[4 * j + e], lse2[e & 1], dsv[e & 1], 0, 0, true);
-                s[4 * j + e] = x.p;
-                dp[4 * j + e] = x.ds;
-            }
-        }
-    } else {
+    auto plain = [&] {
+        for_each_p<BM>(li, mk, s, cL, full, m0, key0, q4, [&](int i, int j, int e, float p) {
+            s[i] = p;
+            dp[i] = ds_of(p, dp[i], cD[8 * j + 2 * q4 + (e & 1)]);
+        });
+    };
+    auto general = [&] {
 #pragma unroll
         for (int j = 0; j < BM / 8; ++j) {
 #pragma unroll
@@ -105,54 +156,11 @@ __device__ __forceinline__ void bwd_p_ds(const LogitInfo& li, const MaskInfo& mk
                 dp[4 * j + e] = x.ds;
             }
         }
-    }
-}
-
-// The split form of bwd_p_ds for plain logits (li.general false), so that P^T is computed while
-// dP^T is still in flight and dS^T while dV's product runs: bwd_p over s alone, then bwd_ds over
-// dp from s (which still holds P^T in f32). Same element layout as bwd_p_ds.
-template <int BM>
-__device__ __forceinline__ void bwd_p(const LogitInfo& li, const MaskInfo& mk, float (&s)[BM / 2], const float* cL,
-                                      bool full, int m0, int key0, int q4) {
-    if (full) {
-#pragma unroll
-        for (int j = 0; j < BM / 8; ++j) {
-            const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * q4);
-            const float lse2[2] = {Log2Units::lse(l2.x), Log2Units::lse(l2.y)};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[4 * j + e] = p_plain<Log2Units, true>(li, mk, s[4 * j + e], lse2[e & 1], 0, 0, true);
-        }
-    } else {
-        // visible queries of this thread's two key rows as limits relative to its query columns
-        // (8 j + (e & 1)): two compares per element, no per-element index math
-        int lo[2], hi[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mk.col_limits(key0 + 8 * r, lo[r], hi[r]);
-            lo[r] -= m0 + 2 * q4;
-            hi[r] -= m0 + 2 * q4;
-        }
-#pragma unroll
-        for (int j = 0; j < BM / 8; ++j) {
-            const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * j + 2 * q4);
-            const float lse2[2] = {Log2Units::lse(l2.x), Log2Units::lse(l2.y)};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = 8 * j + (e & 1), r = e >> 1;
-                const float pv = p_plain<Log2Units, true>(li, mk, s[4 * j + e], lse2[e & 1], 0, 0, true);
-                s[4 * j + e] = (c >= lo[r] && c < hi[r]) ? pv : 0.f;
-            }
-        }
-    }
-}
-template <int BM>
-__device__ __forceinline__ void bwd_ds(const float (&p)[BM / 2], float (&dp)[BM / 2], const float* cD, int q4) {
-#pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
-        const float2 d2 = *reinterpret_cast<const float2*>(cD + 8 * j + 2 * q4);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[4 * j + e] = ds_of(p[4 * j + e], dp[4 * j + e], (e & 1) ? d2.y : d2.x);
-    }
+    };
+    if constexpr (kLogits == Logits::kPlain) plain();
+    else if constexpr (kLogits == Logits::kGeneral) general();
+    else if (li.general) general();
+    else plain();
 }
 
 // The start of both sm_90a backward kernels: the ring's barriers, K / V once by every thread
@@ -207,9 +215,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
     const int b = w.b, hkv_i = w.hkv_i, split = w.split, n0 = w.n0, dch = w.dch, total_it = w.total_it;
-    // named barriers: 1 + wg one warpgroup's dQ staging; kBarDs dS^T published (lockstep dQ, and
-    // the deterministic mode); kBarFull / kBarEmpty + 2 b + w the deferred dQ's (dq_step)
-    constexpr int kBarDs = 3, kBarFull = 4, kBarEmpty = 8;
+    constexpr int kBarDs = 3;  // named barrier: dS^T published (1 + wg: one warpgroup's dQ staging)
     const Pipeline<2> pipe(smem_addr(bars));
     auto load_step = [&](int it) { bwd_load_step<BM, D>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane); };
     bwd_start<NTH, D>(f, w, pipe, sK, sV, load_step, tid);
@@ -223,23 +229,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int key_l0 = 64 * wg + 16 * wq + g;  // local key of accumulator rows (e < 2); +8 for e >= 2
     const int wt = tid & 127;  // thread within the warpgroup
 
-    // dQ of step s: once both warpgroups' halves of dS^T(s) are in shared memory, dQ = dS K, then the
-    // tile -> shared -> one bulk reduction into the tiled dq_accum (d = 64: warpgroup w takes
-    // query rows 64w.. (panel w of dS^T) and all 64 columns, i.e. panel 0 of dq_accum; d = 128:
-    // all 64 query rows and columns 64w.. (panel w of K and of dq_accum)). Waits for every
-    // product this warpgroup has issued.
-    // kDeferDq: step s's dQ runs in step s + 1, after that step's dK is issued, so a warpgroup
-    // waits for the other's half of dS^T one step late and the two need not run in lockstep.
-    // Named barriers per dS^T buffer b and warpgroup w (arrive by w, sync by the other):
-    // kBarFull + 2b + w (w's half written) and kBarEmpty + 2b + w (w's dQ has read b; arrived only
-    // when a later step writes b again, so that no arrival is left pending at exit).
-    const bool defer_dq = Kt::kDeferDq && ws.dq_accum != nullptr;
+    // dQ of step s (both warpgroups' halves of dS^T(s) in shared memory): dQ = dS K, then the tile
+    // -> shared -> one bulk reduction into the tiled dq_accum (d = 64: warpgroup w takes query rows
+    // 64w.. (panel w of dS^T) and all 64 columns, i.e. panel 0 of dq_accum; d = 128: all 64 query
+    // rows and columns 64w.. (panel w of K and of dq_accum)). Waits for every product this
+    // warpgroup has issued.
     auto dq_step = [&](int s) {
         const int buf = s & 1;
-        if constexpr (Kt::kDeferDq) {
-            named_bar_sync(kBarFull + 2 * buf + (1 - wg), 256);
-            if (warp == 0 && s + 2 < total_it) load_step(s + 2);
-        }
         const uint32_t tdSi = tdS + buf * BN * BM * 2;
         const uint32_t tA = D == 64 ? tdSi + wg * BN * kPanelRowBytes : tdSi;
         const uint32_t tB = D == 64 ? tK : tK + wg * BN * kPanelRowBytes;
@@ -251,7 +247,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         wg_commit();
         wg_wait<0>();
         reg_fence(dq);
-        if (Kt::kDeferDq && s + 2 < total_it) named_bar_arrive(kBarEmpty + 2 * buf + wg, 256);
         if (wt == 0) bulk_wait_read<0>();  // the previous reduction has read the staging tile
         named_bar_sync(1 + wg, 128);
         const int pnl = D == 64 ? 0 : wg, r0 = w.row0(s) + (D == 64 ? 64 * wg : 0);
@@ -262,11 +257,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
         const int st = pipe.stage(it);
-        // warp 0 loads step it + 1 (waits until step it - 1 released its stage); with the deferred dQ,
-        // from step 1 on it does so in dq_step(it - 1), after the barrier that also orders the other
-        // warpgroup's lse / dsum reads of step it - 1 before these cp.async writes (for racecheck,
-        // which does not follow the ring's mbarriers)
-        if (warp == 0 && it + 1 < total_it && (!defer_dq || it == 0)) load_step(it + 1);
+        if (warp == 0 && it + 1 < total_it) load_step(it + 1);  // waits until step it - 1 released its stage
         pipe.consumer_wait(it);  // this step's tiles landed (and the fence for the cp.async part)
         const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
         const LogitInfo li(f, b, hq);
@@ -329,7 +320,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             wg_wait<0>();
             reg_fence(sT);
             reg_fence(dpT);
-            bwd_p_ds<BM>(li, mk, sT, dpT, cL, cD, full, m0, n0 + key_l0, q4);
+            bwd_p_ds<BM, Kt::kGeneralLogits ? Logits::kGeneral : Logits::kPlain>(li, mk, sT, dpT, cL, cD, full, m0,
+                                                                               n0 + key_l0, q4);
             pack_a(pa, sT);
             issue_rs(dv, pa, tdO);
         }
@@ -337,10 +329,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         issue_rs(dk, dsa, tQ);
 
         if (ws.dq_accum != nullptr) {
-            // ---- dS^T -> shared (overlaps the dV / dK products); dQ = dS K of step it - 1 (kDeferDq)
-            //      or of this step
+            // ---- dS^T -> shared (overlaps the dV / dK products), then dQ = dS K
             const int buf = it & 1;
-            if (Kt::kDeferDq && it >= 2) named_bar_sync(kBarEmpty + 2 * buf + (1 - wg), 256);  // dQ(it - 2) read it
 #pragma unroll
             for (int kq = 0; kq < MS; ++kq)
 #pragma unroll
@@ -352,17 +342,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                                                      panel_offset(BN, kl, ql)) = dsa[kq][2 * h2 + r];
                     }
             fence_async_smem();
-            if constexpr (Kt::kDeferDq) {
-                named_bar_arrive(kBarFull + 2 * buf + wg, 256);  // this warpgroup's half of dS^T(it) is in place
-                if (it >= 1) {
-                    dq_step(it - 1);  // its wait covers this step's dV / dK products
-                } else {
-                    wg_wait<0>();
-                }
-            } else {
-                named_bar_sync(kBarDs, 256);  // both warpgroups' dS^T rows are in place
-                dq_step(it);
-            }
+            named_bar_sync(kBarDs, 256);  // both warpgroups' dS^T rows are in place
+            dq_step(it);
             reg_fence(dv);
             reg_fence(dk);
             reg_fence(pa);
@@ -382,7 +363,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         }
     }
 
-    if (Kt::kDeferDq && ws.dq_accum != nullptr && total_it > 0) dq_step(total_it - 1);
     if (ws.dq_accum != nullptr && wt == 0) bulk_wait<0>();  // the last reduction is done with shared memory
 
     // ---- write dK (scaled) and dV. Element 4j+e: key key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1).
