@@ -241,7 +241,8 @@ struct BwdDqTraits {
 // How far the plain-logit step overlaps its elementwise work with its own products (d = 128 /
 // d = 64 tiles; build-time, for A/B runs; bench/NOTES.md "Backward v6"): 0 = backward v5's
 // lockstep step (P^T and dS^T after both products), 1 = P^T while dP^T runs, 2 = also dS^T while
-// dV's product runs.
+// dV's product runs. Defaults: 1 at d = 128 (2 measured no better); 0 at d = 64, whose 64-query
+// S^T and dP^T leave no room (1 / 2 spilled 76 / 20 bytes).
 #ifndef CF_BWD_OVERLAP_P
 #define CF_BWD_OVERLAP_P 1
 #endif
