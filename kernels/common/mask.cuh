@@ -68,14 +68,15 @@ struct MaskInfo {
     }
 };
 
-// raw q.k -> logit. The tensor-core kernels work in log2 units (x2 = logit * log2 e); on the
-// fast path (no softcap, no ALiBi, scale > 0) x2 = qk * c with c = scale * log2 e, which lets
-// the softmax use one FFMA + EX2 per element.
 // Whether any head's logits need the general path (softcap, ALiBi, a scale that is not
 // positive): a property of the call, so a kernel may also be chosen by it on the host.
 __host__ __device__ inline bool logits_general(const CfFwdParams& p) {
     return p.softcap > 0.f || p.alibi_slopes != nullptr || !(p.softmax_scale > 0.f);
 }
+
+// raw q.k -> logit. The tensor-core kernels work in log2 units (x2 = logit * log2 e); on the
+// fast path (no softcap, no ALiBi, scale > 0) x2 = qk * c with c = scale * log2 e, which lets
+// the softmax use one FFMA + EX2 per element.
 struct LogitInfo {
     float scale, softcap, inv_softcap, slope, c;
     bool general;
