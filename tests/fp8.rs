@@ -1,7 +1,7 @@
 //! FP8 (e4m3) attention (`candle_flash::fp8`): quantization round trips, attention on quantized
 //! inputs against the reference (on the dequantized inputs: the same function; on the original
 //! ones: the quantization error), the accuracy of per-tensor vs per-block vs per-block +
-//! Hadamard scaling on inputs with outlier channels, and the errors (dtypes, descale shapes,
+//! Hadamard scaling on inputs with outlier channels, per-block scales on a quiet prefix, and the errors (dtypes, descale shapes,
 //! paged, backward). CPU always; CUDA when a GPU is present.
 mod common;
 use candle_core::{DType, Device, Tensor, Var};
@@ -366,8 +366,49 @@ fn outliers_block_scales_and_hadamard() {
         results.push((per_tensor, per_block, block_hadamard));
     }
     for (per_tensor, per_block, block_hadamard) in results {
-        assert!(per_block <= per_tensor * 1.05, "per-block {per_block} vs per-tensor {per_tensor}");
+        // Blocks run along tokens and every block holds the outlier channels, so per-block scales
+        // cannot isolate them: per-block and per-tensor differ only by which maximum sets a
+        // scale (per-block / per-tensor 0.74-1.06 over 100 draws). The bound is loose on purpose;
+        // `per_block_scales_keep_a_quiet_prefix` is where per-block must win.
+        assert!(per_block <= per_tensor * 1.25, "per-block {per_block} vs per-tensor {per_tensor}");
         assert!(block_hadamard * 2.0 <= per_tensor, "per-block + Hadamard {block_hadamard} vs per-tensor {per_tensor}");
+        assert!(block_hadamard * 1.5 <= per_block, "per-block + Hadamard {block_hadamard} vs per-block {per_block}");
+    }
+}
+
+/// Where per-block scales matter: v's first 64 tokens are 1e6x quieter than the rest, and the
+/// causal mask makes the first 64 queries read only those. A per-tensor (or per-head) scale is
+/// set by the loud tokens (|v| ~ 4.5 onto 448), so the quiet ones land ~10 sigma below half of
+/// e4m3's smallest subnormal (2^-10), round to zero, and the first 64 outputs are lost;
+/// per-block(64) gives the quiet block its own scale.
+#[test]
+fn per_block_scales_keep_a_quiet_prefix() {
+    for device in common::devices() {
+        let (b, s, h, d) = (2, 256, 4, 64);
+        let opts = FlashAttnOptions::new(1.0 / (d as f32).sqrt()).causal(true);
+        let (q, k) = (randn((b, s, h, d), &device), randn((b, s, h, d), &device));
+        let quiet: Vec<f32> = (0..s).map(|t| if t < 64 { 1e-6 } else { 1.0 }).collect();
+        let quiet = Tensor::from_vec(quiet, (1, s, 1, 1), &device).unwrap();
+        let v = randn((b, s, h, d), &device).broadcast_mul(&quiet).unwrap();
+        let f64_ = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F64).unwrap();
+        let exact = reference::attention(&f64_(&q), &f64_(&k), &f64_(&v), &opts).unwrap();
+        let prefix_err = |scaling| {
+            let (q8, k8, v8) = quantize3([&q, &k, &v], scaling);
+            let out = f64_(&fp8::flash_attn_fp8(&q8, &k8, &v8, &opts, DType::F32).unwrap());
+            rel_err(&out.narrow(1, 0, 64).unwrap(), &exact.narrow(1, 0, 64).unwrap())
+        };
+        let (per_tensor, per_head) = (prefix_err(Fp8Scaling::PerTensor), prefix_err(Fp8Scaling::PerHead));
+        let per_block = prefix_err(Fp8Scaling::PerBlock(64));
+        println!(
+            "{:?} quiet prefix, first 64 outputs: per-tensor {per_tensor:.4}, per-head {per_head:.4}, per-block {per_block:.4}",
+            device.location()
+        );
+        // e4m3 keeps ~2^-4 relative per element: a few percent through attention
+        assert!(per_block < 0.08, "per-block {per_block}");
+        assert!(
+            per_tensor > 0.9 && per_head > 0.9,
+            "the quiet prefix survived a shared scale: {per_tensor}, {per_head}"
+        );
     }
 }
 
