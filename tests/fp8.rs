@@ -1,8 +1,8 @@
 //! FP8 (e4m3) attention (`candle_flash::fp8`): quantization round trips, attention on quantized
 //! inputs against the reference (on the dequantized inputs: the same function; on the original
 //! ones: the quantization error), the accuracy of per-tensor vs per-block vs per-block +
-//! Hadamard scaling on inputs with outlier channels, per-block scales on a quiet prefix, and the errors (dtypes, descale shapes,
-//! paged, backward). CPU always; CUDA when a GPU is present.
+//! Hadamard scaling on inputs with outlier channels, per-block scales on a quiet prefix, and the
+//! errors (dtypes, descale shapes, paged, backward). CPU always; CUDA when a GPU is present.
 mod common;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_flash::fp8::{self, Fp8Scaling, Fp8Tensor};
