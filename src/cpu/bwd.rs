@@ -152,9 +152,11 @@ pub(crate) fn backward(
     let max_k = host.seqs.iter().map(|s| s.k_len).max().unwrap_or(0);
     let q_tile = query_tile(tiles, amx, max_q);
     let inputs = (&q, &k, &v, &out, &dout, &lse[..]);
-    tasks.par_iter().for_each_init(
+    super::for_each_task(
+        tasks.len(),
         || Scratch::new(d, (q_tile, tiles.k_cols), (max_q, max_k), (bf16_pairs, amx)),
-        |scratch, &(b, head)| {
+        |scratch, i| {
+            let (b, head) = tasks[i];
             let task = (isa, bf16_pairs, amx, (q_tile, tiles.k_cols));
             // SAFETY: task (b, head) writes only the (row, head) slots of sequence b and
             // head `head` in dq, dk_heads and dv_heads; no two tasks share one.

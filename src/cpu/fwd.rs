@@ -15,7 +15,6 @@ use super::simd::{bf16_pair, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef
 use super::{dense_f32, exp_poly, logits_row, transpose_rows, AlignedVec, CpuTiles, OutBuf, OutPtr, SharedMut};
 use crate::params::{AttnShape, FlashAttnOptions, HostData, RowKeys};
 use candle_core::{CpuStorage, DType, Layout, Result};
-use rayon::prelude::*;
 use std::borrow::Cow;
 
 /// One query tile of a task: `q_rows` query rows from `i0` for every query head of the group
@@ -157,7 +156,7 @@ pub(crate) fn forward(
         .collect();
     let (out_ptr, lse_ptr) = (out.ptr(), SharedMut(lse.as_mut_ptr()));
     let key = ScratchKey { d, rows: rows_per_head * group, per_task, k_cols: tiles.k_cols, bf16_pairs };
-    tasks.par_iter().for_each(|&(b, kv_head, i0)| {
+    let run = |&(b, kv_head, i0): &(usize, usize, usize)| {
         let q_rows = task_rows.min(host.seqs[b].q_len - i0);
         with_scratch(key, |scratch| {
             // SAFETY: the task (b, kv_head, i0) writes only the out and lse slots of rows
@@ -168,7 +167,8 @@ pub(crate) fn forward(
                 forward_task(shape, host, opts, (q, &k, &v), (out_ptr, lse_ptr), task, scratch)
             }
         })
-    });
+    };
+    super::for_each_task(tasks.len(), || (), |(), i| run(&tasks[i]));
     Ok((out.into_storage(), lse))
 }
 

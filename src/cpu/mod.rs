@@ -28,6 +28,7 @@ use candle_core::{bail, CpuStorage, DType, Layout, Result};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 /// The CPU tile sizes: the one place they are chosen.
@@ -408,6 +409,72 @@ impl OutPtr {
     }
 }
 
+/// Runs `task(state, i)` for every `i` in `0..n`, on the calling thread and `threads − 1`
+/// rayon jobs, where `threads` is rayon's thread count (at most `n`): the work of one attention
+/// call. Each participant makes its `state` (scratch) with `init` before its first task.
+///
+/// Why not `par_iter`: called from outside the pool, `par_iter` parks the caller and wakes the
+/// pool's sleeping workers, and in a VM each futex wake-up and the caller's own wake-up at
+/// the end cost tens of microseconds (perf: half of a tiny call's time in the scheduler, and a
+/// fixed 30-100 µs per call). Here the caller starts on its share at once, so a late worker
+/// only shortens the call; the pool sees `threads − 1` jobs, so no more than `threads` threads
+/// run. Each participant owns a contiguous range of the tasks (neighbouring tasks share K/V
+/// rows, which stay in that core's L2), claims from it in order, and then helps the others
+/// through the same atomic cursors, so an unlucky split still ends together.
+pub(crate) fn for_each_task<S>(n: usize, init: impl Fn() -> S + Sync, task: impl Fn(&mut S, usize) + Sync) {
+    let threads = rayon::current_num_threads().min(n);
+    if threads <= 1 {
+        let mut state = init();
+        (0..n).for_each(|i| task(&mut state, i));
+        return;
+    }
+    let ranges: Vec<(AtomicUsize, usize)> =
+        (0..threads).map(|p| (AtomicUsize::new(p * n / threads), (p + 1) * n / threads)).collect();
+    let finished = AtomicUsize::new(0);
+    /// Counts a task as finished when it returns or unwinds, so the caller's wait below ends.
+    struct Finish<'a>(&'a AtomicUsize);
+    impl Drop for Finish<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::Release);
+        }
+    }
+    let drain = |me: usize| {
+        let mut state = None;
+        for (cursor, end) in ranges[me..].iter().chain(&ranges[..me]) {
+            loop {
+                // (A cursor passes its end at most once per participant: no overflow.)
+                let i = cursor.fetch_add(1, Ordering::Relaxed);
+                if i >= *end {
+                    break;
+                }
+                let _finish = Finish(&finished);
+                task(state.get_or_insert_with(&init), i);
+            }
+        }
+    };
+    let drain = &drain;
+    rayon::in_place_scope(|scope| {
+        for p in 1..threads {
+            scope.spawn(move |_| drain(p));
+        }
+        drain(0);
+        // Every task is claimed now; the last few are running elsewhere, each for at most one
+        // task's time. Spinning on them beats parking: the scope's own wait would put this
+        // thread to sleep and pay a wake-up (tens of µs in a VM) after the last one. Past
+        // ~50 µs the spin yields, so that an oversubscribed machine (tests in parallel) can
+        // run the thread that holds the last task.
+        let mut spins = 0u32;
+        while finished.load(Ordering::Acquire) < n {
+            if spins < 1 << 14 {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    });
+}
+
 /// A raw pointer that rayon tasks may share. Each task writes a disjoint set of elements:
 /// the (row, head) slots of its own sequence, head and tile.
 #[derive(Clone, Copy)]
@@ -523,6 +590,42 @@ pub(crate) fn row_max(row: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every task runs exactly once, each participant makes at most one state, and a task
+    /// that panics reaches the caller (no hang in the caller's wait): from outside the pool
+    /// and from inside pools of 1-4 threads, for fewer tasks than threads, and many more.
+    #[test]
+    fn for_each_task_runs_every_task_once() {
+        let check = |n: usize| {
+            let runs: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            let states = AtomicUsize::new(0);
+            let init = || {
+                states.fetch_add(1, Ordering::Relaxed);
+                std::thread::current().id()
+            };
+            for_each_task(n, init, |owner, i| {
+                assert_eq!(*owner, std::thread::current().id(), "a state crossed threads");
+                // uneven tasks, so that participants steal from each other
+                if i % 7 == 0 {
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+                runs[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(runs.iter().all(|r| r.load(Ordering::Relaxed) == 1), "n = {n}");
+            assert!(states.load(Ordering::Relaxed) <= rayon::current_num_threads().min(n.max(1)));
+            let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                for_each_task(n, || (), |(), i| assert!(i != n / 2, "task {i}"));
+            }));
+            assert_eq!(panicked.is_err(), n > 0, "n = {n}");
+        };
+        for n in [0, 1, 2, 3, 5, 64, 257] {
+            check(n);
+            for threads in 1..=4 {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                pool.install(|| check(n));
+            }
+        }
+    }
 
     /// The vectorised narrowing agrees with `bf16::from_f32` bit for bit on every ISA:
     /// ties, carries into the exponent, overflow to inf, subnormals, signed zeros, NaN.
