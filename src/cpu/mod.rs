@@ -475,6 +475,30 @@ pub(crate) fn for_each_task<S>(n: usize, init: impl Fn() -> S + Sync, task: impl
     });
 }
 
+/// `par_chunks_mut(chunk).enumerate().for_each(f)` through [`for_each_task`]: `f(c, part)` for
+/// each `chunk`-long part `c` of `data` (the last one shorter).
+pub(crate) fn for_each_chunk_mut<T: Send>(data: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    let (len, chunk) = (data.len(), chunk.max(1));
+    let base = SendPtr(data.as_mut_ptr());
+    let base = &base;
+    for_each_task(
+        len.div_ceil(chunk),
+        || (),
+        |(), c| {
+            let start = c * chunk;
+            // SAFETY: the parts are disjoint, lie inside `data` (start < len), and `data` is
+            // borrowed mutably for the whole call.
+            let part = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), chunk.min(len - start)) };
+            f(c, part)
+        },
+    );
+}
+
+/// A pointer handed to the tasks of [`for_each_chunk_mut`], each of which uses its own part.
+struct SendPtr<T>(*mut T);
+// SAFETY: see `for_each_chunk_mut`: every task touches a disjoint part, T is Send.
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+
 /// A raw pointer that rayon tasks may share. Each task writes a disjoint set of elements:
 /// the (row, head) slots of its own sequence, head and tile.
 #[derive(Clone, Copy)]

@@ -12,7 +12,6 @@ use super::qlinear::dot_f32;
 #[cfg(target_arch = "x86_64")]
 use super::qlinear::hsum;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Storage, Tensor};
-use rayon::prelude::*;
 
 /// `q (B, 1, H, D)` against `k`, `v` `(B, Sk, Hkv, D)` (GQA: query head `h` reads KV head
 /// `h / (H / Hkv)`), every key visible, f32 on the CPU → `(B, 1, H, D)`. `k` and `v` may be
@@ -135,7 +134,7 @@ fn attend_runs(
     let (b, row, group) = (runs.len(), hkv * d, h / hkv);
     let qd = &qd[ql.start_offset()..ql.start_offset() + b * h * d];
     let mut out = vec![0f32; b * h * d];
-    out.par_chunks_mut(d).enumerate().for_each(|(bh, o)| {
+    crate::cpu::for_each_chunk_mut(&mut out, d, |bh, o| {
         let (bi, kh) = (bh / h, bh % h / group);
         head(&qd[bh * d..(bh + 1) * d], kd, vd, &runs[bi], row, kh * d, scale, o);
     });
