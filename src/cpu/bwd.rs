@@ -119,6 +119,19 @@ impl Scratch {
     }
 }
 
+/// What a backward [`Scratch`] was made for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct ScratchKey {
+    d: usize,
+    tiles: (usize, usize),
+    max: (usize, usize),
+    pairs: (bool, bool),
+}
+
+thread_local! {
+    static SCRATCH: super::ScratchSlot<ScratchKey, Scratch> = const { std::cell::RefCell::new(None) };
+}
+
 /// Backward on the CPU: returns dq (q's layout), dk and dv (k's layout), contiguous, in the
 /// inputs' dtype.
 pub(crate) fn backward(
@@ -152,15 +165,21 @@ pub(crate) fn backward(
     let max_k = host.seqs.iter().map(|s| s.k_len).max().unwrap_or(0);
     let q_tile = query_tile(tiles, amx, max_q);
     let inputs = (&q, &k, &v, &out, &dout, &lse[..]);
+    let key = ScratchKey { d, tiles: (q_tile, tiles.k_cols), max: (max_q, max_k), pairs: (bf16_pairs, amx) };
+    // The scratch holds the head's Q, dO, O and K rows: kept between calls up to 16 MiB.
+    let keep = 4 * d * (4 * max_q + max_k) <= 16 << 20;
     super::for_each_task(
         tasks.len(),
-        || Scratch::new(d, (q_tile, tiles.k_cols), (max_q, max_k), (bf16_pairs, amx)),
-        |scratch, i| {
+        || (),
+        |(), i| {
             let (b, head) = tasks[i];
             let task = (isa, bf16_pairs, amx, (q_tile, tiles.k_cols));
-            // SAFETY: task (b, head) writes only the (row, head) slots of sequence b and
-            // head `head` in dq, dk_heads and dv_heads; no two tasks share one.
-            unsafe { backward_head(shape, host, opts, inputs, ptrs, task, (b, head), scratch) }
+            let make = || Scratch::new(d, key.tiles, key.max, key.pairs);
+            super::with_cached(&SCRATCH, key, keep, make, |scratch| {
+                // SAFETY: task (b, head) writes only the (row, head) slots of sequence b and
+                // head `head` in dq, dk_heads and dv_heads; no two tasks share one.
+                unsafe { backward_head(shape, host, opts, inputs, ptrs, task, (b, head), scratch) }
+            })
         },
     );
 

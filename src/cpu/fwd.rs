@@ -458,22 +458,13 @@ struct ScratchKey {
 }
 
 thread_local! {
-    static SCRATCH: std::cell::RefCell<Option<(ScratchKey, Scratch)>> = const { std::cell::RefCell::new(None) };
+    static SCRATCH: super::ScratchSlot<ScratchKey, Scratch> = const { std::cell::RefCell::new(None) };
 }
 
-/// Runs `f` with this thread's forward scratch for `key` (made, or remade, as needed; a fresh
-/// one if the thread's is in use further up its stack).
+/// Runs `f` with this thread's forward scratch for `key` ([`super::with_cached`]).
 fn with_scratch<R>(key: ScratchKey, f: impl FnOnce(&mut Scratch) -> R) -> R {
     let make = || Scratch::new(key.d, (key.rows, key.per_task), key.k_cols, key.bf16_pairs);
-    SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut slot) => {
-            if slot.as_ref().is_none_or(|(k, _)| *k != key) {
-                *slot = Some((key, make()));
-            }
-            f(&mut slot.as_mut().expect("just filled").1)
-        }
-        Err(_) => f(&mut make()),
-    })
+    super::with_cached(&SCRATCH, key, true, make, f)
 }
 
 super::simd::multiversion! {

@@ -475,6 +475,37 @@ pub(crate) fn for_each_task<S>(n: usize, init: impl Fn() -> S + Sync, task: impl
     });
 }
 
+/// A thread's cached scratch and the key it was made for.
+pub(crate) type ScratchSlot<K, S> = std::cell::RefCell<Option<(K, S)>>;
+
+/// Runs `f` with this thread's scratch in `slot` for `key`: made, or remade when the key
+/// changed, and kept for the next call when `keep` (callers pass false for scratch too large
+/// to hold on to between calls); a fresh one if the slot is in use further up the stack.
+/// Allocating per call cost page faults and zeroing (the forward: 10% at N = 1024; the
+/// backward: 3% at N = 256, perf).
+pub(crate) fn with_cached<K: PartialEq + Copy + 'static, S: 'static, R>(
+    slot: &'static std::thread::LocalKey<ScratchSlot<K, S>>,
+    key: K,
+    keep: bool,
+    make: impl FnOnce() -> S,
+    f: impl FnOnce(&mut S) -> R,
+) -> R {
+    slot.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut slot) if keep => {
+            if slot.as_ref().is_none_or(|(k, _)| *k != key) {
+                *slot = Some((key, make()));
+            }
+            f(&mut slot.as_mut().expect("just filled").1)
+        }
+        Ok(mut slot) => {
+            // (Too large to keep: release the thread's old one as well.)
+            *slot = None;
+            f(&mut make())
+        }
+        Err(_) => f(&mut make()),
+    })
+}
+
 /// `par_chunks_mut(chunk).enumerate().for_each(f)` through [`for_each_task`]: `f(c, part)` for
 /// each `chunk`-long part `c` of `data` (the last one shorter).
 pub(crate) fn for_each_chunk_mut<T: Send>(data: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
