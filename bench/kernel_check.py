@@ -77,11 +77,16 @@ def build(gencode, force=False):
     srcs = kernel_files(".cu")
     deps = [os.path.join(KDIR, f) for f in kernel_files((".cu", ".cuh", ".h"))]
     os.makedirs(BUILD, exist_ok=True)
-    if not force and os.path.exists(LIB) and os.path.getmtime(LIB) > max(os.path.getmtime(d) for d in deps):
-        return
     nvcc = os.environ.get("NVCC", "nvcc")
     flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", "-Xptxas", "-v"] + gencode
     flags += os.environ.get("CF_NVCC_FLAGS", "").split()  # build-time variants, e.g. -DCF_BWD_OVERLAP_P=1
+    # The library is current if it is newer than every source and was built with these flags
+    # (a variant build must not be mistaken for the default one, or the other way round).
+    stamp = os.path.join(BUILD, "nvcc-flags.txt")
+    same_flags = os.path.exists(stamp) and open(stamp).read() == " ".join(flags)
+    if (not force and same_flags and os.path.exists(LIB)
+            and os.path.getmtime(LIB) > max(os.path.getmtime(d) for d in deps)):
+        return
 
     def stem(src):  # sm80/fwd.cu -> sm80_fwd (stems repeat across folders)
         return src[:-3].replace(os.sep, "_")
@@ -111,6 +116,8 @@ def build(gencode, force=False):
         r = subprocess.run([nvcc, "-shared", "-cudart", "shared", "-o", LIB] + objs, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit("link failed:\n" + r.stderr)
+    with open(stamp, "w") as f:
+        f.write(" ".join(flags))
     print(f"  built {LIB} in {time.time() - t0:.0f}s", flush=True)
 
 

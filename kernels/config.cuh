@@ -249,6 +249,13 @@ struct BwdDqTraits {
 #ifndef CF_BWD_OVERLAP_P64
 #define CF_BWD_OVERLAP_P64 0
 #endif
+// A producer warpgroup (build-time, for A/B runs; not yet measured: bench/NOTES.md "Backward
+// v7"): 1 = a third warpgroup issues the Q / dO / lse / dsum loads (its first warp; setmaxnreg
+// lowers it to kProducerRegs) and the two consumer warpgroups take the registers it frees; 0 =
+// warp 0 of the consumers issues them between its products (backward v5-v6).
+#ifndef CF_BWD_PRODUCER
+#define CF_BWD_PRODUCER 0
+#endif
 
 template <typename T_, int kHeadDim_, bool kGeneralLogits_>
 struct BwdSm90Traits {
@@ -259,7 +266,15 @@ struct BwdSm90Traits {
     static constexpr bool kGeneralLogits = kGeneralLogits_;
     static constexpr int kBlockN = 128;
     static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
-    static constexpr int kNThreads = 256;
+    static constexpr int kNConsumerThreads = 256;
+    static constexpr bool kProducerWG = CF_BWD_PRODUCER != 0;
+    static constexpr int kNThreads = kNConsumerThreads + (kProducerWG ? 128 : 0);
+    // With the producer warpgroup: launch registers 168, the producer keeps kProducerRegs (TMA and
+    // the cp.async fallback of a varlen block's rows), the consumers get the rest, at most 240.
+    static constexpr int kLaunchRegs = (65536 / kNThreads) & ~7;
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
+    static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
     // 1: P^T computed while dP^T is in flight; 2: also dS^T while dV's product runs (bwd.cuh)
     static constexpr int kOverlapP = kGeneralLogits ? 0 : kHeadDim == 64 ? CF_BWD_OVERLAP_P64 : CF_BWD_OVERLAP_P;
     static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 4 * kBlockM * kHeadDim * 2 +
@@ -271,6 +286,7 @@ struct BwdSm90Traits {
     static_assert((kHeadDim == 64 && kBlockM == 128) || (kHeadDim == 128 && kBlockM == 64), "dQ split");
     static_assert(2 * kBlockM * kHeadDim >= kBlockN * kHeadDim, "dK/dV staging fits in Q / dO");
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 shared memory");
+    static_assert(!kProducerWG || kConsumerRegs > kLaunchRegs, "setmaxnreg: consumers gain what the producer gives up");
 };
 
 // sm_90a dK/dV kernel for the wide head-dim tiles 192 and 256 (sm90/bwd_wide.cuh): CTA = 2

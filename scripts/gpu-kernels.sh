@@ -6,7 +6,9 @@
 # revision's kernels and harness), the timing grid of both builds side by side.
 #   run(command="bash scripts/gpu-kernels.sh [check|grid|all]", carry=[".baseline"])
 # Env: CF_PREBUILT=1 (libraries built here and carried: bench/out*, .baseline/out), VARIANTS (more
-# builds in the grid), POINTS / DIMS / REPS (bench/grid.py).
+# builds, checked and timed in the grid: "name=dir ...", each built here with
+#   CF_BUILD_DIR=dir CF_NVCC_FLAGS="-DCF_BWD_PRODUCER=1" python3 bench/kernel_check.py --build-only
+# ), POINTS / DIMS / REPS (bench/grid.py).
 # Making the baseline of revision REV (here, once; .baseline is listed in .git/info/exclude):
 #   mkdir -p .git/info && echo /.baseline/ >> .git/info/exclude && rm -rf .baseline && mkdir .baseline &&
 #   git archive REV kernels | tar -x -C .baseline && git show REV:bench/kernel_check.py > .baseline/kernel_check_old.py
@@ -50,6 +52,16 @@ if [ "$what" = check ] || [ "$what" = all ]; then
   compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/kernel_check.py --no-build --quick \
     > "$OUT/racecheck.log" 2>&1
   summary+=("racecheck quick:   rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -n 1)")
+  # Each variant build (VARIANTS, below) is checked too before the grid times it: the same cases
+  # and the racecheck quick set.
+  for v in ${VARIANTS:-}; do
+    name=${v%%=*}; dir=${v#*=}; dir=${dir%%=*}
+    CF_BUILD_DIR=$dir python3 bench/kernel_check.py --no-build --inspect > "$OUT/check_$name.log" 2>&1
+    summary+=("check ($name):  rc=$? $(tail -n 1 "$OUT/check_$name.log")")
+    CF_BUILD_DIR=$dir compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/kernel_check.py --no-build \
+      --quick > "$OUT/racecheck_$name.log" 2>&1
+    summary+=("racecheck quick ($name): rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck_$name.log" | tail -n 1)")
+  done
 fi
 
 if { [ "$what" = grid ] || [ "$what" = all ]; } && [ -d .baseline/out ]; then

@@ -14,7 +14,9 @@
 // through shared memory only for dQ.
 // Loads (v5): Q / dO of step it + 1 go by TMA (tma.cuh; cp.async where TMA cannot: a varlen query
 // block crossing the sequence end, or no tensor map) into a 2-stage ring guarded by mbarriers
-// (pipeline.cuh), issued by warp 0 alone, which also copies lse / dsum with cp.async:
+// (pipeline.cuh), issued by warp 0 alone (or, built with CF_BWD_PRODUCER=1, by the first warp
+// of a third, producer warpgroup that setmaxnreg lowers to 24 registers, the consumers getting
+// 240), which also copies lse / dsum with cp.async:
 //   full[s]:  warp 0's 32 cp.async-tracking arrivals + the TMA bytes (expect_tx);
 //   empty[s]: one arrival per consumer warp (8) once its dV / dK products have read the stage.
 // There is no CTA-wide barrier per step: the warpgroups meet only at the named barrier that
@@ -33,7 +35,7 @@ namespace cf {
 // and lse / dsum (cp.async, zero past the sequence) into stage it % 2 of the ring, by one warp;
 // every lane then commits one cp.async-tracking arrival on the stage's full barrier. Waits until
 // the stage's previous step released it (pipe.producer_acquire).
-template <int BM, int D, typename T, typename Work>
+template <int BM, int D, bool kRolled, typename T, typename Work>
 __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs& ws, const BwdTmaMaps& maps,
                                               const Work& w, const Pipeline<2>& pipe, int it, T* sQ, T* sdO, float* sL,
                                               float* sD, int lane) {
@@ -57,9 +59,9 @@ __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs&
             }
         }
     } else {
-        load_panels_warp<BM, C>(q_dst, si.q<T>(f, hq) + (int64_t)m0 * f.q_row_stride, f.q_row_stride, si.sq - m0, w.dch,
+        load_panels_warp<BM, C, kRolled>(q_dst, si.q<T>(f, hq) + (int64_t)m0 * f.q_row_stride, f.q_row_stride, si.sq - m0, w.dch,
                                 lane, f.q);
-        load_panels_warp<BM, C>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride, si.sq - m0,
+        load_panels_warp<BM, C, kRolled>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride, si.sq - m0,
                                 w.dch, lane, p.dout);
     }
     const float* lp = si.lse(f, hq) + m0;
@@ -163,17 +165,19 @@ __device__ __forceinline__ void bwd_p_ds(const LogitInfo& li, const MaskInfo& mk
     else plain();
 }
 
-// The start of both sm_90a backward kernels: the ring's barriers, K / V once by every thread
-// (cp.async, zero-filled past the sequence), step 0 by warp 0, then one CTA barrier after which
-// K / V are visible to wgmma.
-template <int NTH, int D, typename T, typename Work, typename LoadStep>
+// The start of both sm_90a backward kernels: the ring's barriers, K / V once by the NCT consumer
+// threads (cp.async, zero-filled past the sequence), step 0 by the loading warp (threads
+// loader..loader + 31: warp 0, or the producer warpgroup's first warp), then one CTA barrier
+// after which K / V are visible to wgmma.
+template <int NCT, int D, bool kProducerWG = false, typename T, typename Work, typename LoadStep>
 __device__ __forceinline__ void bwd_start(const CfFwdParams& f, const Work& w, const Pipeline<2>& pipe, T* sK, T* sV,
                                           LoadStep load_step, int tid) {
+    constexpr int kLoader = kProducerWG ? NCT : 0;
     if (tid == 0) pipe.init(32, 8);
     __syncthreads();  // barrier initialisation published
-    w.template load_kv<PanelLoader<D / 8, NTH>>(f, sK, sV, tid);
+    if (!kProducerWG || tid < NCT) w.template load_kv<PanelLoader<D / 8, NCT>>(f, sK, sV, tid);
     cp_async_commit();
-    if (tid < 32 && w.total_it > 0) load_step(0);
+    if (tid >= kLoader && tid < kLoader + 32 && w.total_it > 0) load_step(0);
     cp_async_wait<0>();
     fence_async_smem();  // K / V (cp.async, generic proxy) -> wgmma (async proxy)
     __syncthreads();     // every thread's K / V rows landed
@@ -185,7 +189,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     bwd_dkdv_sm90_kernel(const CfBwdParams p, const BwdWs ws, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = typename Kt::Elem;
-    constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
+    constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NCT = Kt::kNConsumerThreads;
     constexpr int C = D / 8;     // chunks per Q/K/V/dO row
     constexpr int KS = D / 16;   // k16 steps of S^T and dP^T
     constexpr int MS = BM / 16;  // k16 steps of dV / dK (query rows)
@@ -215,10 +219,30 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
     const int b = w.b, hkv_i = w.hkv_i, split = w.split, n0 = w.n0, dch = w.dch, total_it = w.total_it;
-    constexpr int kBarDs = 3;  // named barrier: dS^T published (1 + wg: one warpgroup's dQ staging)
+    // Named barriers: 1 + wg one warpgroup's dQ staging; kBarDs dS^T published; kBarEpi the
+    // consumers' dK / dV staging (the producer warpgroup has left by then; without one, the
+    // whole CTA's barrier).
+    constexpr int kBarDs = 3, kBarEpi = 4;
+    auto consumers_sync = [] {
+        if constexpr (Kt::kProducerWG) named_bar_sync(kBarEpi, NCT);
+        else __syncthreads();
+    };
     const Pipeline<2> pipe(smem_addr(bars));
-    auto load_step = [&](int it) { bwd_load_step<BM, D>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane); };
-    bwd_start<NTH, D>(f, w, pipe, sK, sV, load_step, tid);
+    auto load_step = [&](int it) {
+        bwd_load_step<BM, D, Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
+    };
+    bwd_start<NCT, D, Kt::kProducerWG>(f, w, pipe, sK, sV, load_step, tid);
+    if constexpr (Kt::kProducerWG) {
+        if (tid >= NCT) {
+            // The producer warpgroup: its first warp loads steps 1.. as their stages free up.
+            setmaxnreg_dec<Kt::kProducerRegs>();
+            if (tid < NCT + 32)
+                for (int it = 1; it < total_it; ++it) load_step(it);
+            cp_async_wait<0>();
+            return;
+        }
+        setmaxnreg_inc<Kt::kConsumerRegs>();
+    }
     float dk[ND], dv[ND];
 #pragma unroll
     for (int i = 0; i < ND; ++i) dk[i] = dv[i] = 0.f;
@@ -257,7 +281,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
         const int st = pipe.stage(it);
-        if (warp == 0 && it + 1 < total_it) load_step(it + 1);  // waits until step it - 1 released its stage
+        if (!Kt::kProducerWG && warp == 0 && it + 1 < total_it)
+            load_step(it + 1);  // waits until step it - 1 released its stage
         pipe.consumer_wait(it);  // this step's tiles landed (and the fence for the cp.async part)
         const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
         const LogitInfo li(f, b, hq);
@@ -372,7 +397,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
     cp_async_wait<0>();
     if (ws.nsplit == 1) {
-        __syncthreads();  // all shared reads done: stage dK / dV in the Q / dO buffers
+        consumers_sync();  // all shared reads done: stage dK / dV in the Q / dO buffers
         unsigned char* sOk = reinterpret_cast<unsigned char*>(sQ);
         unsigned char* sOv = reinterpret_cast<unsigned char*>(sdO);
 #pragma unroll
@@ -383,10 +408,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 *reinterpret_cast<uint32_t*>(sOk + off) = pack2<T>(dk[4 * j + 2 * r], dk[4 * j + 2 * r + 1]);
                 *reinterpret_cast<uint32_t*>(sOv + off) = pack2<T>(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
             }
-        __syncthreads();
+        consumers_sync();
         T* dkg = si.dk<T>(p, hkv_i);
         T* dvg = si.dv<T>(p, hkv_i);
-        for (int idx = tid; idx < BN * C; idx += NTH) {
+        for (int idx = tid; idx < BN * C; idx += NCT) {
             const int r = idx / C, c = idx % C;
             if (n0 + r < si.sk && c < dch) {
                 const uint32_t off = panel_offset(BN, r, 8 * c);

@@ -186,13 +186,14 @@ __device__ __forceinline__ void load_panels(T* s, const T* g, int64_t row_stride
 }
 
 // load_panels by one warp (a producer warp's fallback when TMA cannot load a tile): chunk c of
-// row r at lane-strided positions; the same zero fill.
-template <int ROWS, int C, typename T>
+// row r at lane-strided positions; the same zero fill. kRolled: one copy per iteration (a
+// producer warpgroup at 24 registers spilled with the loop unrolled 4 times).
+template <int ROWS, int C, bool kRolled = false, typename T>
 __device__ __forceinline__ void load_panels_warp(T* s, const T* g, int64_t row_stride, int valid_rows, int valid_chunks,
                                                  int lane, const void* fallback) {
     static_assert(C % 8 == 0 && (ROWS * C) % 32 == 0, "panel tiles hold whole 64-element panels");
     const uint32_t base = smem_addr(s);
-#pragma unroll 4
+#pragma unroll(kRolled ? 1 : 4)
     for (int idx = lane; idx < ROWS * C; idx += 32) {
         const int r = idx / C, c = idx % C;
         const bool ok = r < valid_rows && c < valid_chunks;
