@@ -11,7 +11,6 @@ use super::{dense_f32, exp_shifted_sum, logits_row, transpose_rows, AlignedVec, 
 use crate::op::BwdInputs;
 use crate::params::{AttnShape, FlashAttnOptions, HostData};
 use candle_core::{CpuStorage, DType, Layout, Result};
-use rayon::prelude::*;
 
 /// Per-worker scratch: the head's K, Q and dO as contiguous rows, gathered once per task (B
 /// operands whose rows lie H·D floats apart in place share a few L1 sets; gathering per tile
@@ -189,12 +188,18 @@ pub(crate) fn backward(
             return per_head;
         }
         let mut summed = vec![0f32; shape.total_k * hkv * d];
-        summed.par_chunks_mut(hkv * d).zip(per_head.par_chunks(h * d)).for_each(|(dst, src)| {
-            for kvh in 0..hkv {
-                let dst = &mut dst[kvh * d..(kvh + 1) * d];
-                for g in 0..group {
-                    let src = &src[(kvh * group + g) * d..(kvh * group + g + 1) * d];
-                    dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
+        // A few tasks per thread, each a run of whole key rows.
+        let rows = shape.total_k.div_ceil(4 * rayon::current_num_threads()).max(1);
+        super::for_each_chunk_mut(&mut summed, rows * hkv * d, |c, dst| {
+            for (r, dst) in dst.chunks_exact_mut(hkv * d).enumerate() {
+                let row = c * rows + r;
+                let src = &per_head[row * h * d..(row + 1) * h * d];
+                for kvh in 0..hkv {
+                    let dst = &mut dst[kvh * d..(kvh + 1) * d];
+                    for g in 0..group {
+                        let src = &src[(kvh * group + g) * d..(kvh * group + g + 1) * d];
+                        dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
+                    }
                 }
             }
         });
