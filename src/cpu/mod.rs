@@ -461,12 +461,14 @@ pub(crate) fn for_each_task<S>(n: usize, init: impl Fn() -> S + Sync, task: impl
         // Every task is claimed now; the last few are running elsewhere, each for at most one
         // task's time. Spinning on them beats parking: the scope's own wait would put this
         // thread to sleep and pay a wake-up (tens of µs in a VM) after the last one. Past
-        // ~50 µs the spin yields, so that an oversubscribed machine (tests in parallel) can
-        // run the thread that holds the last task.
+        // 100 µs the spin yields, so that an oversubscribed machine (tests in parallel) can run
+        // the thread that holds the last task. (Timed, not counted: a `pause` takes from ~10
+        // to ~140 cycles depending on the CPU.)
+        let start = std::time::Instant::now();
         let mut spins = 0u32;
         while finished.load(Ordering::Acquire) < n {
-            if spins < 1 << 14 {
-                spins += 1;
+            spins = spins.wrapping_add(1);
+            if spins % 64 != 0 || start.elapsed() < std::time::Duration::from_micros(100) {
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();
