@@ -468,7 +468,7 @@ pub(crate) fn for_each_task<S>(n: usize, init: impl Fn() -> S + Sync, task: impl
         let mut spins = 0u32;
         while finished.load(Ordering::Acquire) < n {
             spins = spins.wrapping_add(1);
-            if spins % 64 != 0 || start.elapsed() < std::time::Duration::from_micros(100) {
+            if !spins.is_multiple_of(64) || start.elapsed() < std::time::Duration::from_micros(100) {
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();
