@@ -30,6 +30,20 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
+def cpu_description():
+    """The CPU's model name and the features that pick our kernels (AMX, AVX-512 BF16 / F, AVX2),
+    from /proc/cpuinfo: results differ by machine, and the table should say which ran it."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return "CPU unknown"
+    model = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "CPU unknown")
+    flags = next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), [])
+    isa = [name for flag, name in [("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512F"),
+                                   ("avx2", "AVX2")] if flag in flags]
+    return f"{model} ({', '.join(isa) or 'no AVX2'})"
+
+
 def torch_ms(dtype, n, causal, mode, iters, b, h, d):
     dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype]
     q, k, v, dout = (torch.randn(b, h, n, d, dtype=dt) for _ in range(4))
@@ -127,7 +141,8 @@ def summarise(rows):
 
 def ratio_table(rows, a):
     lines = [f"torch {torch.__version__} CPU SDPA (flash backend) vs ours, {a.threads} threads, B={a.b}, H={a.h}, "
-             f"D={a.d}, {a.rounds} rounds back to back, median of {a.iters} runs each (more below N = 2048: iters_for){', ' + a.label if a.label else ''}."
+             f"D={a.d}, {a.rounds} rounds back to back, median of {a.iters} runs each (more below N = 2048: iters_for), "
+             f"{cpu_description()}{', ' + a.label if a.label else ''}."
              " ratio = torch time / our time (> 1: ours faster): median over rounds [min-max].", "",
              "| dtype | mode | causal | N | ours GFLOP/s | torch GFLOP/s | ratio | range | target |",
              "|---|---|---|---|---|---|---|---|---|"]
