@@ -167,20 +167,16 @@ pub(crate) fn backward(
     let key = ScratchKey { d, tiles: (q_tile, tiles.k_cols), max: (max_q, max_k), pairs: (bf16_pairs, amx) };
     // The scratch holds the head's Q, dO, O and K rows: kept between calls up to 16 MiB.
     let keep = 4 * d * (4 * max_q + max_k) <= 16 << 20;
-    super::for_each_task(
-        tasks.len(),
-        || (),
-        |(), i| {
-            let (b, head) = tasks[i];
-            let task = (isa, bf16_pairs, amx, (q_tile, tiles.k_cols));
-            let make = || Scratch::new(d, key.tiles, key.max, key.pairs);
-            super::with_cached(&SCRATCH, key, keep, make, |scratch| {
-                // SAFETY: task (b, head) writes only the (row, head) slots of sequence b and
-                // head `head` in dq, dk_heads and dv_heads; no two tasks share one.
-                unsafe { backward_head(shape, host, opts, inputs, ptrs, task, (b, head), scratch) }
-            })
-        },
-    );
+    super::for_each_task(tasks.len(), |i| {
+        let (b, head) = tasks[i];
+        let task = (isa, bf16_pairs, amx, (q_tile, tiles.k_cols));
+        let make = || Scratch::new(d, key.tiles, key.max, key.pairs);
+        super::with_cached(&SCRATCH, key, keep, make, |scratch| {
+            // SAFETY: task (b, head) writes only the (row, head) slots of sequence b and
+            // head `head` in dq, dk_heads and dv_heads; no two tasks share one.
+            unsafe { backward_head(shape, host, opts, inputs, ptrs, task, (b, head), scratch) }
+        })
+    });
 
     let group = shape.group_size();
     let sum_groups = |per_head: Vec<f32>| -> Vec<f32> {

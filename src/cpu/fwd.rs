@@ -168,7 +168,7 @@ pub(crate) fn forward(
             }
         })
     };
-    super::for_each_task(tasks.len(), || (), |(), i| run(&tasks[i]));
+    super::for_each_task(tasks.len(), |i| run(&tasks[i]));
     Ok((out.into_storage(), lse))
 }
 

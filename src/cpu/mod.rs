@@ -409,9 +409,9 @@ impl OutPtr {
     }
 }
 
-/// Runs `task(state, i)` for every `i` in `0..n`, on the calling thread and `threads − 1`
-/// rayon jobs, where `threads` is rayon's thread count (at most `n`): the work of one attention
-/// call. Each participant makes its `state` (scratch) with `init` before its first task.
+/// Runs `task(i)` for every `i` in `0..n`, on the calling thread and `threads − 1` rayon jobs,
+/// where `threads` is rayon's thread count (at most `n`): the work of one attention call.
+/// (Scratch that tasks need comes per thread from [`with_cached`].)
 ///
 /// Why not `par_iter`: called from outside the pool, `par_iter` parks the caller and wakes the
 /// pool's sleeping workers, and in a VM each futex wake-up and the caller's own wake-up at
@@ -421,11 +421,10 @@ impl OutPtr {
 /// run. Each participant owns a contiguous range of the tasks (neighbouring tasks share K/V
 /// rows, which stay in that core's L2), claims from it in order, and then helps the others
 /// through the same atomic cursors, so an unlucky split still ends together.
-pub(crate) fn for_each_task<S>(n: usize, init: impl Fn() -> S + Sync, task: impl Fn(&mut S, usize) + Sync) {
+pub(crate) fn for_each_task(n: usize, task: impl Fn(usize) + Sync) {
     let threads = rayon::current_num_threads().min(n);
     if threads <= 1 {
-        let mut state = init();
-        (0..n).for_each(|i| task(&mut state, i));
+        (0..n).for_each(task);
         return;
     }
     let ranges: Vec<(AtomicUsize, usize)> =
@@ -439,7 +438,6 @@ pub(crate) fn for_each_task<S>(n: usize, init: impl Fn() -> S + Sync, task: impl
         }
     }
     let drain = |me: usize| {
-        let mut state = None;
         for (cursor, end) in ranges[me..].iter().chain(&ranges[..me]) {
             loop {
                 // (A cursor passes its end at most once per participant: no overflow.)
@@ -448,7 +446,7 @@ pub(crate) fn for_each_task<S>(n: usize, init: impl Fn() -> S + Sync, task: impl
                     break;
                 }
                 let _finish = Finish(&finished);
-                task(state.get_or_insert_with(&init), i);
+                task(i);
             }
         }
     };
@@ -514,17 +512,13 @@ pub(crate) fn for_each_chunk_mut<T: Send>(data: &mut [T], chunk: usize, f: impl 
     let (len, chunk) = (data.len(), chunk.max(1));
     let base = SendPtr(data.as_mut_ptr());
     let base = &base;
-    for_each_task(
-        len.div_ceil(chunk),
-        || (),
-        |(), c| {
-            let start = c * chunk;
-            // SAFETY: the parts are disjoint, lie inside `data` (start < len), and `data` is
-            // borrowed mutably for the whole call.
-            let part = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), chunk.min(len - start)) };
-            f(c, part)
-        },
-    );
+    for_each_task(len.div_ceil(chunk), |c| {
+        let start = c * chunk;
+        // SAFETY: the parts are disjoint, lie inside `data` (start < len), and `data` is
+        // borrowed mutably for the whole call.
+        let part = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), chunk.min(len - start)) };
+        f(c, part)
+    });
 }
 
 /// A pointer handed to the tasks of [`for_each_chunk_mut`], each of which uses its own part.
@@ -648,20 +642,14 @@ pub(crate) fn row_max(row: &[f32]) -> f32 {
 mod tests {
     use super::*;
 
-    /// Every task runs exactly once, each participant makes at most one state, and a task
-    /// that panics reaches the caller (no hang in the caller's wait): from outside the pool
-    /// and from inside pools of 1-4 threads, for fewer tasks than threads, and many more.
+    /// Every task runs exactly once, and a task that panics reaches the caller (no hang in the
+    /// caller's wait): from outside the pool and from inside pools of 1-4 threads, for fewer
+    /// tasks than threads, and many more.
     #[test]
     fn for_each_task_runs_every_task_once() {
         let check = |n: usize| {
             let runs: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-            let states = AtomicUsize::new(0);
-            let init = || {
-                states.fetch_add(1, Ordering::Relaxed);
-                std::thread::current().id()
-            };
-            for_each_task(n, init, |owner, i| {
-                assert_eq!(*owner, std::thread::current().id(), "a state crossed threads");
+            for_each_task(n, |i| {
                 // uneven tasks, so that participants steal from each other
                 if i % 7 == 0 {
                     std::thread::sleep(std::time::Duration::from_micros(200));
@@ -669,9 +657,8 @@ mod tests {
                 runs[i].fetch_add(1, Ordering::Relaxed);
             });
             assert!(runs.iter().all(|r| r.load(Ordering::Relaxed) == 1), "n = {n}");
-            assert!(states.load(Ordering::Relaxed) <= rayon::current_num_threads().min(n.max(1)));
             let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                for_each_task(n, || (), |(), i| assert!(i != n / 2, "task {i}"));
+                for_each_task(n, |i| assert!(i != n / 2, "task {i}"));
             }));
             assert_eq!(panicked.is_err(), n > 0, "n = {n}");
         };

@@ -466,30 +466,26 @@ fn packed_rows_product(w: &BlockWeight, xq: &[XBlock], m: usize) -> Vec<f32> {
     let mut out = vec![0f32; m * n];
     let per = rows_per_task(n);
     let dst = out.as_mut_ptr() as usize;
-    crate::cpu::for_each_task(
-        n.div_ceil(per),
-        || (),
-        |(), c| {
-            let r0 = c * per;
-            for g in (r0..n.min(r0 + per)).step_by(GROUP) {
-                let group = &w.data[g * rb..(g + GROUP) * rb];
-                for i0 in (0..m).step_by(ROWS_PER_CALL) {
-                    let (x, o) = (&xq[i0 * nb..], (dst as *mut f32).wrapping_add(i0 * n + g));
-                    // SAFETY: packed weights exist only where the CPU has AVX2 (`BlockWeight::new`);
-                    // `out` is (m, n) and this task alone writes its columns g..g + 8 of rows
-                    // i0..i0 + R (R <= m - i0), and `out` outlives the parallel section.
-                    unsafe {
-                        match m - i0 {
-                            1 => dot8_packed_rows_avx2::<1>(w.kind, group, x, nb, o, n),
-                            2 => dot8_packed_rows_avx2::<2>(w.kind, group, x, nb, o, n),
-                            3 => dot8_packed_rows_avx2::<3>(w.kind, group, x, nb, o, n),
-                            _ => dot8_packed_rows_avx2::<ROWS_PER_CALL>(w.kind, group, x, nb, o, n),
-                        }
+    crate::cpu::for_each_task(n.div_ceil(per), |c| {
+        let r0 = c * per;
+        for g in (r0..n.min(r0 + per)).step_by(GROUP) {
+            let group = &w.data[g * rb..(g + GROUP) * rb];
+            for i0 in (0..m).step_by(ROWS_PER_CALL) {
+                let (x, o) = (&xq[i0 * nb..], (dst as *mut f32).wrapping_add(i0 * n + g));
+                // SAFETY: packed weights exist only where the CPU has AVX2 (`BlockWeight::new`);
+                // `out` is (m, n) and this task alone writes its columns g..g + 8 of rows
+                // i0..i0 + R (R <= m - i0), and `out` outlives the parallel section.
+                unsafe {
+                    match m - i0 {
+                        1 => dot8_packed_rows_avx2::<1>(w.kind, group, x, nb, o, n),
+                        2 => dot8_packed_rows_avx2::<2>(w.kind, group, x, nb, o, n),
+                        3 => dot8_packed_rows_avx2::<3>(w.kind, group, x, nb, o, n),
+                        _ => dot8_packed_rows_avx2::<ROWS_PER_CALL>(w.kind, group, x, nb, o, n),
                     }
                 }
             }
-        },
-    );
+        }
+    });
     out
 }
 
@@ -869,23 +865,19 @@ fn blocks_gemm(w: &BlockWeight, xs: &[f32]) -> Vec<f32> {
     // parallel gemm reading it back.
     let per = rows_per_task(n).min((SLAB_VALUES / k).max(GROUP));
     let dst = out.as_mut_ptr() as usize;
-    crate::cpu::for_each_task(
-        n.div_ceil(per),
-        || (),
-        |(), c| {
-            let (r0, rows) = (c * per, per.min(n - c * per));
-            SLAB.with(|slab| {
-                let mut slab = slab.borrow_mut();
-                slab.resize(rows * k, 0.0);
-                for (j, o) in slab.chunks_exact_mut(k).enumerate() {
-                    w.dequantize_row(r0 + j, o);
-                }
-                // SAFETY: `out` is (m, n); this task writes columns r0..r0 + rows of it, which no
-                // other task writes, and `out` outlives the parallel section.
-                unsafe { gemm_xwt(m, rows, k, xs, &slab, (dst as *mut f32).add(r0), n, false) };
-            });
-        },
-    );
+    crate::cpu::for_each_task(n.div_ceil(per), |c| {
+        let (r0, rows) = (c * per, per.min(n - c * per));
+        SLAB.with(|slab| {
+            let mut slab = slab.borrow_mut();
+            slab.resize(rows * k, 0.0);
+            for (j, o) in slab.chunks_exact_mut(k).enumerate() {
+                w.dequantize_row(r0 + j, o);
+            }
+            // SAFETY: `out` is (m, n); this task writes columns r0..r0 + rows of it, which no
+            // other task writes, and `out` outlives the parallel section.
+            unsafe { gemm_xwt(m, rows, k, xs, &slab, (dst as *mut f32).add(r0), n, false) };
+        });
+    });
     out
 }
 
