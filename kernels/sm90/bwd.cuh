@@ -59,10 +59,10 @@ __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs&
             }
         }
     } else {
-        load_panels_warp<BM, C, kRolled>(q_dst, si.q<T>(f, hq) + (int64_t)m0 * f.q_row_stride, f.q_row_stride, si.sq - m0, w.dch,
-                                lane, f.q);
-        load_panels_warp<BM, C, kRolled>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride, si.sq - m0,
-                                w.dch, lane, p.dout);
+        load_panels_warp<BM, C, kRolled>(q_dst, si.q<T>(f, hq) + (int64_t)m0 * f.q_row_stride, f.q_row_stride,
+                                         si.sq - m0, w.dch, lane, f.q);
+        load_panels_warp<BM, C, kRolled>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride,
+                                         si.sq - m0, w.dch, lane, p.dout);
     }
     const float* lp = si.lse(f, hq) + m0;
     const float* dp = ws.dsum_rows(si, hq) + m0;
@@ -167,7 +167,7 @@ __device__ __forceinline__ void bwd_p_ds(const LogitInfo& li, const MaskInfo& mk
 
 // The start of both sm_90a backward kernels: the ring's barriers, K / V once by the NCT consumer
 // threads (cp.async, zero-filled past the sequence), step 0 by the loading warp (threads
-// loader..loader + 31: warp 0, or the producer warpgroup's first warp), then one CTA barrier
+// kLoader..kLoader + 31: warp 0, or the producer warpgroup's first warp), then one CTA barrier
 // after which K / V are visible to wgmma.
 template <int NCT, int D, bool kProducerWG = false, typename T, typename Work, typename LoadStep>
 __device__ __forceinline__ void bwd_start(const CfFwdParams& f, const Work& w, const Pipeline<2>& pipe, T* sK, T* sV,
