@@ -249,12 +249,16 @@ struct BwdDqTraits {
 #ifndef CF_BWD_OVERLAP_P64
 #define CF_BWD_OVERLAP_P64 0
 #endif
-// A producer warpgroup (build-time, for A/B runs; not yet measured: bench/NOTES.md "Backward
-// v7"): 1 = a third warpgroup issues the Q / dO / lse / dsum loads (its first warp; setmaxnreg
-// lowers it to kProducerRegs) and the two consumer warpgroups take the registers it frees; 0 =
-// warp 0 of the consumers issues them between its products (backward v5-v6).
+// A producer warpgroup per head-dim tile (build-time, for A/B runs; bench/NOTES.md "Backward
+// v7"): 1 = a third warpgroup issues the Q / dO loads (its first warp; setmaxnreg lowers it to
+// kProducerRegs), the two consumer warpgroups take the registers it frees, and warp 0 copies the
+// lse / dsum rows; 0 = warp 0 of the consumers issues all of them between its products (backward
+// v5-v6). Defaults: on at d = 128 (+5-10% from N = 4k), off at d = 64 (within noise, -5% at 512).
 #ifndef CF_BWD_PRODUCER
-#define CF_BWD_PRODUCER 0
+#define CF_BWD_PRODUCER 1
+#endif
+#ifndef CF_BWD_PRODUCER64
+#define CF_BWD_PRODUCER64 0
 #endif
 
 template <typename T_, int kHeadDim_, bool kGeneralLogits_>
@@ -267,7 +271,7 @@ struct BwdSm90Traits {
     static constexpr int kBlockN = 128;
     static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
     static constexpr int kNConsumerThreads = 256;
-    static constexpr bool kProducerWG = CF_BWD_PRODUCER != 0;
+    static constexpr bool kProducerWG = (kHeadDim == 64 ? CF_BWD_PRODUCER64 : CF_BWD_PRODUCER) != 0;
     static constexpr int kNThreads = kNConsumerThreads + (kProducerWG ? 128 : 0);
     // With the producer warpgroup: launch registers 168, the producer keeps kProducerRegs (TMA and
     // the cp.async fallback of a varlen block's rows), the consumers get the rest, at most 240.

@@ -7,7 +7,7 @@
 #   run(command="bash scripts/gpu-kernels.sh [check|grid|all]", carry=[".baseline"])
 # Env: CF_PREBUILT=1 (libraries built here and carried: bench/out*, .baseline/out), VARIANTS (more
 # builds, checked and timed in the grid: "name=dir ...", each built here with
-#   CF_BUILD_DIR=dir CF_NVCC_FLAGS="-DCF_BWD_PRODUCER=1" python3 bench/kernel_check.py --build-only
+#   CF_BUILD_DIR=dir CF_NVCC_FLAGS="-DCF_BWD_PRODUCER=0" python3 bench/kernel_check.py --build-only
 # ), POINTS / DIMS / REPS (bench/grid.py).
 # Making the baseline of revision REV (here, once; .baseline is listed in .git/info/exclude):
 #   mkdir -p .git/info && echo /.baseline/ >> .git/info/exclude && rm -rf .baseline && mkdir .baseline &&

@@ -12,12 +12,14 @@
 // Computing the transposed scores keeps P^T and dS^T in the accumulator layout that the dV / dK
 // products take as register A operands: no shared-memory round trip for P at all, and dS goes
 // through shared memory only for dQ.
-// Loads (v5): Q / dO of step it + 1 go by TMA (tma.cuh; cp.async where TMA cannot: a varlen query
-// block crossing the sequence end, or no tensor map) into a 2-stage ring guarded by mbarriers
-// (pipeline.cuh), issued by warp 0 alone (or, built with CF_BWD_PRODUCER=1, by the first warp
-// of a third, producer warpgroup that setmaxnreg lowers to 24 registers, the consumers getting
-// 240), which also copies lse / dsum with cp.async:
-//   full[s]:  warp 0's 32 cp.async-tracking arrivals + the TMA bytes (expect_tx);
+// Loads (v5, v7): Q / dO go by TMA (tma.cuh; cp.async where TMA cannot: a varlen query block
+// crossing the sequence end, or no tensor map) into a 2-stage ring guarded by mbarriers
+// (pipeline.cuh), lse / dsum by cp.async. At d = 128 (Kt::kProducerWG) a third, producer
+// warpgroup that setmaxnreg lowers to 24 registers (the consumers get 240) issues Q / dO from its
+// first warp, and warp 0 of the consumers copies lse / dsum one step ahead; at d = 64 warp 0
+// issues all of step it + 1 between its products:
+//   full[s]:  the loading warp's 32 cp.async-tracking arrivals (+ warp 0's 32 for the rows with
+//             the producer) + the TMA bytes (expect_tx);
 //   empty[s]: one arrival per consumer warp (8) once its dV / dK products have read the stage.
 // There is no CTA-wide barrier per step: the warpgroups meet only at the named barrier that
 // publishes dS^T for dQ (double-buffered, so a warpgroup that runs ahead writes the other one).
@@ -31,11 +33,30 @@
 namespace cf {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Step it's lse / dsum rows (cp.async, zero past the sequence) into stage it % 2 of the ring, by
+// one warp; the caller commits them on the stage's full barrier.
+template <int BM, typename Work>
+__device__ __forceinline__ void bwd_load_rows(const CfBwdParams& p, const BwdWs& ws, const Work& w,
+                                              const Pipeline<2>& pipe, int it, float* sL, float* sD, int lane) {
+    const CfFwdParams& f = p.fwd;
+    const SeqInfo& si = w.si;
+    const int st = pipe.stage(it), hq = w.head(it), m0 = w.row0(it);
+    const float* lp = si.lse(f, hq) + m0;
+    const float* dp = ws.dsum_rows(si, hq) + m0;
+#pragma unroll
+    for (int r = lane; r < BM; r += 32) {
+        const bool ok = m0 + r < si.sq;
+        cp_async_4(smem_addr(sL + st * BM + r), ok ? (const void*)(lp + r) : (const void*)f.lse, ok);
+        cp_async_4(smem_addr(sD + st * BM + r), ok ? (const void*)(dp + r) : (const void*)ws.dsum, ok);
+    }
+}
+
 // Step it's Q / dO (TMA, or cp.async for a varlen block crossing the sequence end / without maps)
-// and lse / dsum (cp.async, zero past the sequence) into stage it % 2 of the ring, by one warp;
-// every lane then commits one cp.async-tracking arrival on the stage's full barrier. Waits until
-// the stage's previous step released it (pipe.producer_acquire).
-template <int BM, int D, bool kRolled, typename T, typename Work>
+// into stage it % 2 of the ring, by one warp, with its lse / dsum rows when kRows (warp 0 of the
+// consumers loads them otherwise: below); every lane then commits one cp.async-tracking arrival
+// on the stage's full barrier. Waits until the stage's previous step released it
+// (pipe.producer_acquire).
+template <int BM, int D, bool kRolled, bool kRows, typename T, typename Work>
 __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs& ws, const BwdTmaMaps& maps,
                                               const Work& w, const Pipeline<2>& pipe, int it, T* sQ, T* sdO, float* sL,
                                               float* sD, int lane) {
@@ -64,14 +85,7 @@ __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs&
         load_panels_warp<BM, C, kRolled>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride,
                                          si.sq - m0, w.dch, lane, p.dout);
     }
-    const float* lp = si.lse(f, hq) + m0;
-    const float* dp = ws.dsum_rows(si, hq) + m0;
-#pragma unroll
-    for (int r = lane; r < BM; r += 32) {
-        const bool ok = m0 + r < si.sq;
-        cp_async_4(smem_addr(sL + st * BM + r), ok ? (const void*)(lp + r) : (const void*)f.lse, ok);
-        cp_async_4(smem_addr(sD + st * BM + r), ok ? (const void*)(dp + r) : (const void*)ws.dsum, ok);
-    }
+    if constexpr (kRows) bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
     pipe.producer_commit_cp_async(it);
 }
 
@@ -167,13 +181,14 @@ __device__ __forceinline__ void bwd_p_ds(const LogitInfo& li, const MaskInfo& mk
 
 // The start of both sm_90a backward kernels: the ring's barriers, K / V once by the NCT consumer
 // threads (cp.async, zero-filled past the sequence), step 0 by the loading warp (threads
-// kLoader..kLoader + 31: warp 0, or the producer warpgroup's first warp), then one CTA barrier
+// kLoader..kLoader + 31: warp 0, or the producer warpgroup's first warp, whose step 0 leaves out
+// the lse / dsum rows: the kernel's warp 0 copies them), then one CTA barrier
 // after which K / V are visible to wgmma.
 template <int NCT, int D, bool kProducerWG = false, typename T, typename Work, typename LoadStep>
 __device__ __forceinline__ void bwd_start(const CfFwdParams& f, const Work& w, const Pipeline<2>& pipe, T* sK, T* sV,
                                           LoadStep load_step, int tid) {
     constexpr int kLoader = kProducerWG ? NCT : 0;
-    if (tid == 0) pipe.init(32, 8);
+    if (tid == 0) pipe.init(kProducerWG ? 64 : 32, 8);  // full: the loading warp (+ warp 0's rows)
     __syncthreads();  // barrier initialisation published
     if (!kProducerWG || tid < NCT) w.template load_kv<PanelLoader<D / 8, NCT>>(f, sK, sV, tid);
     cp_async_commit();
@@ -229,7 +244,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     };
     const Pipeline<2> pipe(smem_addr(bars));
     auto load_step = [&](int it) {
-        bwd_load_step<BM, D, Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
+        bwd_load_step<BM, D, Kt::kProducerWG, !Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
+    };
+    // With the producer warpgroup, warp 0 of the consumers copies step it's lse / dsum rows at the
+    // start of step it - 1: every consumer warp read the stage's previous rows (step it - 2) before
+    // the dS^T barrier of that step, which warp 0 has passed, so the copy needs no wait, and
+    // racecheck sees that order (it does not follow the ring's mbarriers, which order the
+    // producer's Q / dO).
+    auto load_rows = [&](int it) {
+        bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
+        pipe.producer_commit_cp_async(it);
     };
     bwd_start<NCT, D, Kt::kProducerWG>(f, w, pipe, sK, sV, load_step, tid);
     if constexpr (Kt::kProducerWG) {
@@ -242,6 +266,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             return;
         }
         setmaxnreg_inc<Kt::kConsumerRegs>();
+        if (warp == 0 && total_it > 0) load_rows(0);
     }
     float dk[ND], dv[ND];
 #pragma unroll
@@ -281,8 +306,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
         const int st = pipe.stage(it);
-        if (!Kt::kProducerWG && warp == 0 && it + 1 < total_it)
-            load_step(it + 1);  // waits until step it - 1 released its stage
+        if (warp == 0 && it + 1 < total_it) {
+            if constexpr (Kt::kProducerWG) load_rows(it + 1);
+            else load_step(it + 1);  // waits until step it - 1 released its stage
+        }
         pipe.consumer_wait(it);  // this step's tiles landed (and the fence for the cp.async part)
         const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
         const LogitInfo li(f, b, hq);
