@@ -599,7 +599,11 @@ def matrix(quick):
                 C("quick-f16-d96-softcap-alibi", "f16", b=1, h=2, sq=65, d=96, softcap=3.0, alibi="h", qmul=3),
                 # several query blocks per backward CTA (the deferred dQ's barriers and ring over steps)
                 C("quick-bf16-d128-steps", "bf16", b=1, h=2, sq=300, d=128),
-                C("quick-f16-d64-gqa-causal-steps", "f16", b=1, h=4, hkv=2, sq=280, d=64, wl=-1, wr=0)]
+                C("quick-f16-d64-gqa-causal-steps", "f16", b=1, h=4, hkv=2, sq=280, d=64, wl=-1, wr=0),
+                # the long-query d = 64 forward tile (seqlen_q > 2048), small enough for racecheck:
+                # one head, a varlen block crossing the sequence end (the producer's cp.async)
+                C("quick-f16-d64-long-tile-varlen", "f16", h=1, d=64, varlen=[(2100, 300), (40, 0)], wl=-1, wr=0,
+                  bwd=False)]
     for dt in ("bf16", "f16", "f32"):
         for d in (32, 64, 96, 128, 192, 256, 40, 72):
             cases.append(C(f"{dt}-d{d}", dt, b=2, h=3, sq=113, d=d))
@@ -656,6 +660,18 @@ def matrix(quick):
         C("p-f16-d64-causal-gqa", "f16", b=2, h=32, hkv=8, sq=1100, d=64, wl=-1, wr=0, bwd=False),
         C("p-bf16-d64-causal-long", "bf16", b=1, h=24, sq=2500, d=64, wl=-1, wr=0, bwd=False),
         C("p-bf16-d64-long", "bf16", b=1, h=24, sq=2500, sk=2200, d=64, bwd=False),
+        # the d = 64 tile of long queries (seqlen_q > 2048: 192 x 128, 3 consumer warpgroups, a
+        # 32-register producer with rolled cp.async passes): varlen blocks crossing the sequence
+        # end (cp.async), GQA + window + softcap, ALiBi, fully masked rows, paged K/V, f16
+        C("p-f16-d64-long-varlen-causal", "f16", h=8, hkv=2, d=64,
+          varlen=[(2100, 2100), (17, 1023), (0, 5), (2049, 2500), (2300, 113)], wl=-1, wr=0, bwd=False),
+        C("p-bf16-d64-long-gqa-window-softcap", "bf16", b=2, h=8, hkv=2, sq=2200, sk=2500, d=64, wl=300, wr=40,
+          softcap=5.0, qmul=3, bwd=False),
+        C("p-f16-d64-long-alibi-fullmask-rows", "f16", b=1, h=6, sq=2113, sk=100, d=64, wl=3, wr=0, alibi="bh",
+          bwd=False),
+        C("p-bf16-d64-long-paged-pg16", "bf16", h=4, hkv=2, d=64, varlen=[(2100, 2200), (3, 0), (2049, 17)],
+          wl=-1, wr=0, bwd=False, page=16),
+        C("p-f16-d64-long-paged-pg128", "f16", h=4, hkv=1, d=64, varlen=[(2300, 2300), (1, 70)], bwd=False, page=128),
         C("p-bf16-d128-varlen-causal", "bf16", h=32, hkv=8, d=128,
           varlen=[(300, 300), (0, 10), (1000, 1200), (129, 64), (777, 777), (5, 0), (64, 64)], wl=-1, wr=0, bwd=False),
         C("p-f16-d64-varlen", "f16", h=32, d=64, varlen=[(500, 700), (1, 1), (1100, 900), (0, 0), (250, 250)], bwd=False),

@@ -105,13 +105,14 @@ struct FwdSm90Traits {
     static constexpr bool kSeparateO = kSeparateO_;
     static constexpr int kLaunchRegs = (65536 / kNThreads) & ~7;
     // The producer only computes addresses (40 registers, spill-free: keep its code lean, e.g.
-    // MaskInfo's 32-bit math); consumers get the rest. d = 64: 56, since its paged K/V loads
-    // (page lookups, SeqInfo::load_keys) spilled at 40 (ptxas -v: 52 / 136 bytes); the
-    // 3-warpgroup consumers keep their 152 registers, the 2-warpgroup ones get 224 instead of 232
-    // (48 would leave them the same).
+    // MaskInfo's 32-bit math); consumers get the rest. d = 64, 2 consumer warpgroups: 56, since
+    // its paged K/V loads (page lookups, SeqInfo::load_keys) spilled at 40 (ptxas -v: 52 / 136
+    // bytes); the consumers get 224 instead of 232. d = 64, 3 consumer warpgroups (192 x 128):
+    // 32 with its cp.async row passes rolled (FwdProducer::kRolled; unrolled they spilled 76
+    // bytes), so that the consumers get the 160 that S 64 + P 32 + O 32 need (at 152 they spilled).
     // e4m3: TMA only, no cp.async paths: the producer runs at the minimum (24), and the
     // consumers take 240 (d = 256: O 128 + S 64 + P 16 registers).
-    static constexpr int kProducerRegs = kFp8 ? 24 : kHeadDim == 64 ? 56 : 40;
+    static constexpr int kProducerRegs = kFp8 ? 24 : kHeadDim == 64 ? (kNWarpGroups == 3 ? 32 : 56) : 40;
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
     static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
     // e4m3 with more than 128 keys per block: P goes to O += P V^T through shared memory (SS)
@@ -135,11 +136,12 @@ struct FwdSm90Traits {
 // The configurations dispatch.cu chooses from (H100 measurements, bf16, B*N = 16384):
 //   D = 64, seqlen_q <= 2048: 128 x 128 tiles, persistent (tiles are short: hiding their
 //            prologue / epilogue matters most); 4 stages, output in its own buffer.
-//   D = 64, longer:  192 x 96 tiles (3 consumer warpgroups; 128 x 128 and persistent launches
-//            measured 2-10% slower there; 192 x 128 spills at 152 registers).
+//   D = 64, longer:  192 x 128 tiles (3 consumer warpgroups at 160 registers, the producer at 32;
+//            +2-14% over 192 x 96 from 4k: bench/NOTES.md "Forward d = 64: 192 x 128"; 128 x 128
+//            and persistent launches measured 2-10% slower than 192 x 96 there).
 //   D = 128: 128 x 128 tiles, persistent; 3 stages (output staged in Q: no room for a buffer).
 template <typename T> using FwdSm90TraitsD64Short = FwdSm90Traits<T, 64, 128, 2, 4, true, true, true>;
-template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 96, 3, 4, true, false, false>;
+template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 128, 3, 4, true, false, false>;
 template <typename T> using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, 3, true, true, false>;
 //   D = 192: 128 x 64 tiles, 3 stages, persistent (Q 48 KB + K/V 144 KB). 128 x 96 with 2 stages
 //            spilled 12 bytes at 232 consumer registers (O 96 + S 48 + P 24), 28 at 224.

@@ -151,9 +151,10 @@ template <typename Kt>
 struct FwdProducer {
     using T = typename Kt::Elem;
     static constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, C = D / 8, NPT = 128;
-    // cp.async loads one row pass at a time from d = 128 up: with the TMA path beside them,
-    // fully unrolled passes spilled the 40-register producer (8 / 20 bytes at d = 128 / 256).
-    static constexpr bool kRolled = D >= 128;
+    // cp.async loads one row pass at a time from d = 128 up and in a 32-register producer: with
+    // the TMA path beside them, fully unrolled passes spilled the 40-register producer (8 / 20
+    // bytes at d = 128 / 256) and the 32-register one of the d = 64 192 x 128 tile (76 bytes).
+    static constexpr bool kRolled = D >= 128 || Kt::kProducerRegs <= 32;
 
     // Loads every tile of this CTA; ptid = thread index within the producer warpgroup. A tile
     // goes by TMA (thread 0 issues it) when the map exists and, for varlen keys, the block lies
