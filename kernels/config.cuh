@@ -255,7 +255,8 @@ struct BwdDqTraits {
 // v7"): 1 = a third warpgroup issues the Q / dO loads (its first warp; setmaxnreg lowers it to
 // kProducerRegs), the two consumer warpgroups take the registers it frees, and warp 0 copies the
 // lse / dsum rows; 0 = warp 0 of the consumers issues all of them between its products (backward
-// v5-v6). Defaults: on at d = 128 (+5-10% from N = 4k), off at d = 64 (within noise, -5% at 512).
+// v5-v6). Defaults: on at d = 128 (+2-14% at d = 96 / 128 from N = 2k), off at d = 64 (within
+// noise, -5% at 512).
 #ifndef CF_BWD_PRODUCER
 #define CF_BWD_PRODUCER 1
 #endif
@@ -277,6 +278,8 @@ struct BwdSm90Traits {
     static constexpr int kNThreads = kNConsumerThreads + (kProducerWG ? 128 : 0);
     // With the producer warpgroup: launch registers 168, the producer keeps kProducerRegs (TMA and
     // the cp.async fallback of a varlen block's rows), the consumers get the rest, at most 240.
+    // 24, although the producer then keeps four loop-invariant address words in local memory: at
+    // 32 nothing spills, but the consumers' 232 registers cost the backward 8-16%.
     static constexpr int kLaunchRegs = (65536 / kNThreads) & ~7;
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
