@@ -52,11 +52,12 @@ __device__ __forceinline__ void bwd_load_rows(const CfBwdParams& p, const BwdWs&
 }
 
 // Step it's Q / dO (TMA, or cp.async for a varlen block crossing the sequence end / without maps)
-// into stage it % 2 of the ring, by one warp, with its lse / dsum rows when kRows (warp 0 of the
-// consumers loads them otherwise: below); every lane then commits one cp.async-tracking arrival
-// on the stage's full barrier. Waits until the stage's previous step released it
-// (pipe.producer_acquire).
-template <int BM, int D, bool kRolled, bool kRows, typename T, typename Work>
+// into stage it % 2 of the ring, by one warp; every lane then commits one cp.async-tracking
+// arrival on the stage's full barrier. Waits until the stage's previous step released it
+// (pipe.producer_acquire). kProducer: the warp is the producer warpgroup's (24 registers), so its
+// cp.async passes run rolled and it leaves the lse / dsum rows to warp 0 of the consumers (below);
+// otherwise it copies them too.
+template <int BM, int D, bool kProducer, typename T, typename Work>
 __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs& ws, const BwdTmaMaps& maps,
                                               const Work& w, const Pipeline<2>& pipe, int it, T* sQ, T* sdO, float* sL,
                                               float* sD, int lane) {
@@ -80,12 +81,12 @@ __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs&
             }
         }
     } else {
-        load_panels_warp<BM, C, kRolled>(q_dst, si.q<T>(f, hq) + (int64_t)m0 * f.q_row_stride, f.q_row_stride,
+        load_panels_warp<BM, C, kProducer>(q_dst, si.q<T>(f, hq) + (int64_t)m0 * f.q_row_stride, f.q_row_stride,
                                          si.sq - m0, w.dch, lane, f.q);
-        load_panels_warp<BM, C, kRolled>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride,
+        load_panels_warp<BM, C, kProducer>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride,
                                          si.sq - m0, w.dch, lane, p.dout);
     }
-    if constexpr (kRows) bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
+    if constexpr (!kProducer) bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
     pipe.producer_commit_cp_async(it);
 }
 
@@ -244,7 +245,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     };
     const Pipeline<2> pipe(smem_addr(bars));
     auto load_step = [&](int it) {
-        bwd_load_step<BM, D, Kt::kProducerWG, !Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
+        bwd_load_step<BM, D, Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
     };
     // With the producer warpgroup, warp 0 of the consumers copies step it's lse / dsum rows at the
     // start of step it - 1: every consumer warp read the stage's previous rows (step it - 2) before

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const MaskInfo& mk = w.mk;
     const int hkv_i = w.hkv_i, split = w.split, n0 = w.n0, total_it = w.total_it;
     const Pipeline<2> pipe(smem_addr(bars));
-    auto load_step = [&](int it) { bwd_load_step<BM, D, false, true>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane); };
+    auto load_step = [&](int it) { bwd_load_step<BM, D, false>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane); };
     bwd_start<NTH, D>(f, w, pipe, sK, sV, load_step, tid);
 
     float acc[ND];  // dV on warpgroup 0, dK on warpgroup 1
