@@ -170,7 +170,7 @@ def bench_setup(dev, d, causal, N):
     def call():
         _ = keep
         return kc.call_fwd(fp, ws, stream)
-    return call, (q, k, v, lse), 4 * B * H * N * N * d * (0.5 if causal else 1.0)
+    return call, (q, k, v, lse, o8), 4 * B * H * N * N * d * (0.5 if causal else 1.0)
 
 
 def bench(dev, dims):
@@ -181,7 +181,7 @@ def bench(dev, dims):
     for d in dims:
         for causal in (False, True):
             for N in (512, 1024, 2048, 4096, 8192, 16384):
-                call8, (q, k, v, lse), fl = bench_setup(dev, d, causal, N)
+                call8, (q, k, v, lse, _), fl = bench_setup(dev, d, causal, N)
                 c = Fp8Case("bench", b=16384 // N, h=2048 // d, sq=N, d=d, wr=(0 if causal else -1))
                 t8 = kc.median_cuda_time(call8)
                 kc.check(call8(), "cf_fwd(e4m3)")

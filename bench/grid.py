@@ -32,6 +32,7 @@ def fwd_call(n, fp, ws, stream):
 dev = torch.device("cuda")
 REPS = int(os.environ.get("REPS", "10"))
 FWD_ONLY = os.environ.get("FWD_ONLY") == "1"  # skip the backward timings (printed as nan)
+ROUNDS = int(os.environ.get("ROUNDS", "1"))  # the builds' turns per point (see below)
 
 
 def timeit(fn, reps=REPS):
@@ -61,19 +62,29 @@ for dt, d, causal, N in points:
     stream = torch.cuda.current_stream().cuda_stream
     fl = 4 * B * H * N * N * d * (0.5 if causal else 1.0)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    tf, tb = {}, {}
+    fwd_fn, bwd_fn, keep = {}, {}, []
     for n in names:
         m = mods[n]
         fp = m.fwd_params(c, q, k, v, o, lse, None, None, None)
         fws = m.fwd_workspace(fp, dev) if hasattr(m, "fwd_workspace") else None
         fwp = fws.data_ptr() if fws is not None else None
-        tf[n] = timeit(lambda: fwd_call(n, fp, fwp, stream))
+        fwd_fn[n] = lambda n=n, fp=fp, fwp=fwp: fwd_call(n, fp, fwp, stream)
         bp = kc.bwd_params(fp, do, dq, dk, dv, False, cls=m.CfBwdParams)
         if hasattr(bp, "total_q"):
             bp.total_q, bp.total_k = B * N, B * N
         ws = torch.empty(libs[n].cf_bwd_workspace_size(ctypes.byref(bp)) // 4 + 64, dtype=torch.float32, device=dev)
-        tb[n] = float("nan") if FWD_ONLY else timeit(lambda: libs[n].cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream))
-        del ws, fws
+        bwd_fn[n] = lambda n=n, bp=bp, ws=ws: libs[n].cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream)
+        keep += [fp, fws, bp, ws]
+    # The builds take turns over ROUNDS rounds (median of their per-round medians), so that a
+    # drift of the clocks during the point (heat, power) does not favour the build timed first.
+    rf, rb = {n: [] for n in names}, {n: [] for n in names}
+    for _ in range(ROUNDS):
+        for n in names:
+            rf[n].append(timeit(fwd_fn[n]))
+            rb[n].append(float("nan") if FWD_ONLY else timeit(bwd_fn[n]))
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    tf, tb = {n: med(rf[n]) for n in names}, {n: med(rb[n]) for n in names}
+    del keep, fwd_fn, bwd_fn
     qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     dot = do.transpose(1, 2).contiguous()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

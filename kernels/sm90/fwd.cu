@@ -51,6 +51,23 @@
 
 namespace cf {
 
+#ifdef CF_FWD_TRACE
+// Timeline probe (a build-time option for bench/fwd_trace.py, never in the crate's build):
+// clock64() at eight points of the mainloop's key-block loop (named in bench/fwd_trace.py), taken by thread 0 of
+// each consumer warpgroup of CTA 0 over the first kTraceBlocks key blocks of its first tile, so
+// that a step's time can be split into waits (data, turn, products) and work (softmax).
+constexpr int kTraceBlocks = 64, kTraceEvents = 8;
+__device__ long long g_fwd_trace[4][kTraceBlocks][kTraceEvents];
+#define CF_TRACE(on, wg, j, e)                                                            \
+    do {                                                                                  \
+        if ((on) && (threadIdx.x & 127) == 0 && (j) < kTraceBlocks) g_fwd_trace[wg][j][e] = clock64(); \
+    } while (0)
+#else
+#define CF_TRACE(on, wg, j, e) \
+    do {                       \
+    } while (0)
+#endif
+
 template <typename T, int kElems, bool kPresent>
 struct alignas(1024) OptionalTile {
     T data[kElems];
@@ -278,6 +295,7 @@ struct FwdMainloop {
     uint32_t pa[Kt::kPSmem ? 1 : PS][4];  // P of the previous block (A fragments; unused with kPSmem)
     uint32_t aPwg = 0;  // kPSmem: this warpgroup's P tile (panel layout, 64 rows) and the named
     int pbar = 0;       // barrier that publishes its stores to the warpgroup
+    bool trace = false;  // CF_FWD_TRACE: this tile is the one probed
 
     // kv: pipeline counter of the tile's first key block. wrow0: this warp's first query row.
     __device__ __forceinline__ void run(const FwdTile& t, const LogitInfo& li, float cmul, const FwdPipelines<Kt>& pl,
@@ -370,22 +388,30 @@ struct FwdMainloop {
         }
         for (int j = 1; j < t.nblocks; ++j) {
             float s[BN / 2];
+            CF_TRACE(trace, turn.wg, j, 0);
             pl.k().consumer_wait(kv + j);
             pl.v().consumer_wait(kv + j - 1);  // loaded right after K(j): S and P V stay back to back
+            CF_TRACE(trace, turn.wg, j, 1);
             turn.wait();
+            CF_TRACE(trace, turn.wg, j, 2);
             wg_fence();
             issue_s(s, pl.k().stage(kv + j));
+            CF_TRACE(trace, turn.wg, j, 3);
             issue_pv(pl.v().stage(kv + j - 1));
             turn.pass(j == t.nblocks - 1);
+            CF_TRACE(trace, turn.wg, j, 4);
             wg_wait<1>();  // S(j) done, P(j-1) V(j-1) may still run
             reg_fence(s);
+            CF_TRACE(trace, turn.wg, j, 5);
             pl.k().consumer_release(kv + j, lane);
             float corr[2];
             softmax_block(s, (t.nb_hi - 1 - j) * BN, corr);
+            CF_TRACE(trace, turn.wg, j, 6);
             wg_wait<0>();  // P(j-1) V(j-1) done: o and pa are free
             reg_fence(o);
 #pragma unroll
             for (int ks = 0; ks < (Kt::kPSmem ? 1 : PS); ++ks) reg_fence(pa[ks]);
+            CF_TRACE(trace, turn.wg, j, 7);
             pl.v().consumer_release(kv + j - 1, lane);
             scale_rows<1, DT>(o, corr);
             to_p(s);
@@ -514,6 +540,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
             ml.aPwg = smem_addr(ss.p.data) + wg * 64 * Kt::kBlockN;
             ml.pbar = 1 + NWG + wg;  // after the ping-pong barriers 1 .. NWG
         }
+#ifdef CF_FWD_TRACE
+        ml.trace = blockIdx.x == 0 && tcount == 0;
+#endif
         ml.run(t, li, cmul, pl, aQwg, aK, aV, kv, t.m0 + rl0, lane, turn);
         if constexpr (Kt::kSeparateO) pl.q().consumer_release(tcount, lane);  // Q read for the last time
         FwdEpilogue<Kt>::store(p, t, ml, cmul, out_scale, ss.o_staging(), rl0, lane);
@@ -570,3 +599,15 @@ CF_INST_FWD_SM90(FwdSm90Fp8TraitsD128)  // e4m3 inputs; the output type is the p
 CF_INST_FWD_SM90(FwdSm90Fp8TraitsD256)
 
 }  // namespace cf
+
+#ifdef CF_FWD_TRACE
+// The probe's buffer (bench/fwd_trace.py): copies it out (then clears it); 0 on success.
+extern "C" int cf_fwd_trace_read(long long* dst) {
+    const size_t bytes = sizeof(long long) * 4 * cf::kTraceBlocks * cf::kTraceEvents;
+    if (cudaDeviceSynchronize() != cudaSuccess || cudaMemcpyFromSymbol(dst, cf::g_fwd_trace, bytes) != cudaSuccess)
+        return 1;
+    static long long zeros[4 * cf::kTraceBlocks * cf::kTraceEvents] = {};
+    return cudaMemcpyToSymbol(cf::g_fwd_trace, zeros, bytes) == cudaSuccess ? 0 : 1;
+}
+#endif
+
