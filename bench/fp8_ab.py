@@ -4,7 +4,7 @@ Each grid point is set up once (fp8_check.bench_setup) and every build runs on t
 interleaved over REPS rounds (median of each build's per-round medians); the first build's
 output and lse are the reference the others must equal bit for bit (the same arithmetic in
 another schedule), so a faster variant that changed a result is caught here."""
-import ctypes, os, sys
+import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_check as kc
 import fp8_check as f8

@@ -32,15 +32,9 @@ for pt in points:
         import fp8_check as f8
         call, _, _ = f8.bench_setup(dev, d, causal, N)
     else:
-        B, H = 16384 // N, 2048 // d
-        c = kc.Case("trace", dt, b=B, h=H, sq=N, d=d, wl=-1, wr=(0 if causal else -1))
-        q, k, v, _, _ = kc.make_inputs(c, dev, torch.Generator(device=dev).manual_seed(0))
-        o = torch.empty_like(q)
-        lse = torch.empty(B, H, N, dtype=torch.float32, device=dev)
-        fp = kc.fwd_params(c, q, k, v, o, lse, None, None, None)
-        ws = kc.fwd_workspace(fp, dev)
-        stream = torch.cuda.current_stream().cuda_stream
-        keep = (q, k, v, o, lse, ws)
+        c = kc.Case("trace", dt, b=16384 // N, h=2048 // d, sq=N, d=d, wl=-1, wr=(0 if causal else -1))
+        q, k, v, _, o, fp, ws, stream = kc.bench_setup(c, dev)
+        keep = (q, k, v, o, ws)
         call = lambda: (keep, kc.call_fwd(fp, ws, stream))[1]  # noqa: E731
     for _ in range(3):  # warm up, then the probed call
         kc.check(call(), "cf_fwd")

@@ -82,9 +82,9 @@ __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs&
         }
     } else {
         load_panels_warp<BM, C, kProducer>(q_dst, si.q<T>(f, hq) + (int64_t)m0 * f.q_row_stride, f.q_row_stride,
-                                         si.sq - m0, w.dch, lane, f.q);
+                                           si.sq - m0, w.dch, lane, f.q);
         load_panels_warp<BM, C, kProducer>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride,
-                                         si.sq - m0, w.dch, lane, p.dout);
+                                           si.sq - m0, w.dch, lane, p.dout);
     }
     if constexpr (!kProducer) bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
     pipe.producer_commit_cp_async(it);

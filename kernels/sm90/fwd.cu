@@ -295,7 +295,9 @@ struct FwdMainloop {
     uint32_t pa[Kt::kPSmem ? 1 : PS][4];  // P of the previous block (A fragments; unused with kPSmem)
     uint32_t aPwg = 0;  // kPSmem: this warpgroup's P tile (panel layout, 64 rows) and the named
     int pbar = 0;       // barrier that publishes its stores to the warpgroup
-    bool trace = false;  // CF_FWD_TRACE: this tile is the one probed
+#ifdef CF_FWD_TRACE
+    bool trace = false;  // this tile is the one probed
+#endif
 
     // kv: pipeline counter of the tile's first key block. wrow0: this warp's first query row.
     __device__ __forceinline__ void run(const FwdTile& t, const LogitInfo& li, float cmul, const FwdPipelines<Kt>& pl,
@@ -610,4 +612,3 @@ extern "C" int cf_fwd_trace_read(long long* dst) {
     return cudaMemcpyToSymbol(cf::g_fwd_trace, zeros, bytes) == cudaSuccess ? 0 : 1;
 }
 #endif
-
