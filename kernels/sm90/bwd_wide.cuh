@@ -166,36 +166,40 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             //      (tiled dq_accum). The staging tiles reuse dS^T, P^T and the dP^T exchange
             //      (32 KB, contiguous), free once both warpgroups' products have completed.
             float* stile = reinterpret_cast<float*>(sdS) + wg * 64 * 64;
-            auto dq_reduce = [&](auto& dq, int pnl0) {
-                constexpr int NJ = sizeof(dq) / sizeof(float) / 4;  // n8 tiles; 8 per panel
+            const int pnl0 = wg * (DQ0 / 64);  // this warpgroup's first dQ panel
+            // One register array for both warpgroups (DQ1 <= DQ0: warpgroup 1 uses the first
+            // DQ1 / 2), so that both reach the kBarRead barrier below through one instruction:
+            // bar.sync is .aligned, which PTX requires every participating thread to execute at
+            // the same instruction (compute-sanitizer synccheck flagged the two copies at d = 192).
+            float dq[DQ0 / 2];
+            auto& dq1 = reinterpret_cast<float(&)[DQ1 / 2]>(dq);
+            auto dq_product = [&](auto& d) {
+                constexpr int N = sizeof(d) / sizeof(float) * 2;  // this warpgroup's dQ columns
                 wg_fence();  // dq's registers were last written by ordinary instructions
-                wide_dq_product<NJ * 8, BN, T>(dq, tdS, tK + pnl0 * BN * kPanelRowBytes);
+                wide_dq_product<N, BN, T>(d, tdS, tK + pnl0 * BN * kPanelRowBytes);
                 wg_commit();
                 wg_wait<0>();
-                reg_fence(dq);
+                reg_fence(d);
                 reg_fence(acc);
-                pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
-                named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
+            };
+            auto dq_store = [&](auto& d) {
+                constexpr int NJ = sizeof(d) / sizeof(float) / 4;  // n8 tiles; 8 per panel
 #pragma unroll
                 for (int pp = 0; pp < NJ / 8; ++pp) {
                     if (pp > 0) {
                         if (wt == 0) bulk_wait_read<0>();
                         named_bar_sync(kBarWg + wg, 128);
                     }
-                    reduce_dq_tile<NJ>(dq, 8 * pp, stile, ws.dq_tile_rows(f, si, hq, pnl0 + pp) + (int64_t)m0 * 64,
+                    reduce_dq_tile<NJ>(d, 8 * pp, stile, ws.dq_tile_rows(f, si, hq, pnl0 + pp) + (int64_t)m0 * 64,
                                        kBarWg + wg, wt, 16 * wq + g, q4);
                 }
             };
-            if constexpr (DQ0 == DQ1) {
-                float dq[DQ0 / 2];
-                dq_reduce(dq, wg * (DQ0 / 64));
-            } else if (wg == 0) {
-                float dq[DQ0 / 2];
-                dq_reduce(dq, 0);
-            } else {
-                float dq[DQ1 / 2];
-                dq_reduce(dq, DQ0 / 64);
-            }
+            if (DQ0 == DQ1 || wg == 0) dq_product(dq);
+            else dq_product(dq1);
+            pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
+            named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
+            if (DQ0 == DQ1 || wg == 0) dq_store(dq);
+            else dq_store(dq1);
         } else {
             wg_wait<0>();
             reg_fence(acc);
