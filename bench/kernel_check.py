@@ -650,6 +650,15 @@ def matrix(quick):
         C("bf16-gqa-headloop", "bf16", b=3, h=8, hkv=2, sq=300, sk=2900, d=64),
         C("f16-gqa-headloop-det-causal", "f16", b=3, h=8, hkv=2, sq=300, sk=2900, d=64, wl=-1, wr=0, det=True),
         C("bf16-gqa-split2-window", "bf16", b=1, h=8, hkv=2, sq=200, sk=4200, d=128, wl=3000, wr=16),
+        # the 80-query backward step (d = 128 tile without causal / window masks): query blocks
+        # crossing sequence ends (varlen, the cp.async path), the general logit path, GQA head
+        # loops, deterministic mode, Sq != Sk both ways
+        C("bf16-d128-bm80-varlen-gqa", "bf16", h=8, hkv=2, d=128,
+          varlen=[(81, 81), (0, 5), (160, 300), (1, 1), (79, 40), (333, 129)]),
+        C("f16-d128-bm80-softcap-alibi", "f16", b=2, h=2, sq=161, sk=250, d=128, softcap=3.0, alibi="bh", qmul=3),
+        C("bf16-d128-bm80-det-1023", "bf16", b=1, h=2, sq=1023, sk=700, d=128, det=True),
+        C("f16-d96-bm80-gqa-headloop", "f16", b=2, h=8, hkv=2, sq=400, sk=2900, d=96),
+        C("bf16-d128-bm80-q17-k1023", "bf16", b=2, h=4, hkv=1, sq=17, sk=1023, d=128),
     ]
     # forward shapes with more tiles than the sm90 kernel's persistent grid (132 CTAs on an H100):
     # CTAs loop over tile pairs, the producer runs into the next tile

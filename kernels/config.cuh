@@ -251,6 +251,11 @@ struct BwdDqTraits {
 #ifndef CF_BWD_OVERLAP_P64
 #define CF_BWD_OVERLAP_P64 0
 #endif
+// The 80-query step (d = 128): 0, since with P^T computed under dP^T ptxas serialised every
+// wgmma of the kernel (C7512: S^T, dP^T 40 + 40 accumulators beside dK, dV 64 + 64).
+#ifndef CF_BWD_OVERLAP_P80
+#define CF_BWD_OVERLAP_P80 0
+#endif
 // A producer warpgroup per head-dim tile (build-time, for A/B runs; bench/NOTES.md "Backward
 // v7"): 1 = a third warpgroup issues the Q / dO loads (its first warp; setmaxnreg lowers it to
 // kProducerRegs), the two consumer warpgroups take the registers it frees, and warp 0 copies the
@@ -264,7 +269,12 @@ struct BwdDqTraits {
 #define CF_BWD_PRODUCER64 0
 #endif
 
-template <typename T_, int kHeadDim_, bool kGeneralLogits_>
+// kBlockM_ (d = 128 only; heuristics.cuh bwd_sm90_block_m chooses): 64 or 80 query rows per step.
+// With 80 (FA3's d = 128 step), S^T / dP^T are m64 x n80 per warpgroup and 80 rows are no whole
+// m64 tile, so dQ is computed transposed: dQ^T = K^T dS^T (m64 = the warpgroup's 64 columns of
+// dQ, n80 = the queries), with dS stored as [80 queries][128 keys] (stmatrix .trans from the
+// dS^T accumulators: a K-major B operand) and dQ^T staged into the [80][64] tile by scalar stores.
+template <typename T_, int kHeadDim_, bool kGeneralLogits_, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64)>
 struct BwdSm90Traits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -272,7 +282,11 @@ struct BwdSm90Traits {
     // general one keeps them fused (softcap's derivative needs the raw score, which P replaces)
     static constexpr bool kGeneralLogits = kGeneralLogits_;
     static constexpr int kBlockN = 128;
-    static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
+    static constexpr int kBlockM = kBlockM_;
+    // dQ as dQ^T = K^T dS^T (dS stored [kBlockM][kBlockN]); otherwise dQ = dS K (dS^T stored)
+    static constexpr bool kDqTransposed = kBlockM == 80;
+    // rows of one warpgroup's dQ staging tile (f32 x 64 columns)
+    static constexpr int kDqRows = kHeadDim == 64 ? 64 : kBlockM;
     static constexpr int kNConsumerThreads = 256;
     static constexpr bool kProducerWG = (kHeadDim == 64 ? CF_BWD_PRODUCER64 : CF_BWD_PRODUCER) != 0;
     static constexpr int kNThreads = kNConsumerThreads + (kProducerWG ? 128 : 0);
@@ -285,14 +299,19 @@ struct BwdSm90Traits {
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
     static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
     // 1: P^T computed while dP^T is in flight; 2: also dS^T while dV's product runs (bwd.cuh)
-    static constexpr int kOverlapP = kGeneralLogits ? 0 : kHeadDim == 64 ? CF_BWD_OVERLAP_P64 : CF_BWD_OVERLAP_P;
+    static constexpr int kOverlapP = kGeneralLogits      ? 0
+                                     : kHeadDim == 64    ? CF_BWD_OVERLAP_P64
+                                     : kBlockM_ == 80    ? CF_BWD_OVERLAP_P80
+                                                         : CF_BWD_OVERLAP_P;
     static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 4 * kBlockM * kHeadDim * 2 +
-                                      2 * kBlockN * kBlockM * 2 + 4 * kBlockM * 4 + 2 * 64 * 64 * 4 + 4 * 8;
+                                      2 * kBlockN * kBlockM * 2 + 4 * kBlockM * 4 + 2 * kDqRows * 64 * 4 + 4 * 8;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma backward: head-dim tiles 64 and 128");
     static_assert(kBlockN == 2 * 64, "one m64 slice of keys per warpgroup");
-    // dQ = dS K is m64 x n64 per warpgroup: split over query rows (d = 64) or columns (d = 128)
-    static_assert((kHeadDim == 64 && kBlockM == 128) || (kHeadDim == 128 && kBlockM == 64), "dQ split");
+    // dQ = dS K is m64 x n64 per warpgroup: split over query rows (d = 64) or columns (d = 128);
+    // dQ^T is m64 x n80 per warpgroup, split over columns
+    static_assert((kHeadDim == 64 && kBlockM == 128) || (kHeadDim == 128 && (kBlockM == 64 || kBlockM == 80)),
+                  "dQ split");
     static_assert(2 * kBlockM * kHeadDim >= kBlockN * kHeadDim, "dK/dV staging fits in Q / dO");
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 shared memory");
     static_assert(!kProducerWG || kConsumerRegs > kLaunchRegs, "setmaxnreg: consumers gain what the producer gives up");
@@ -314,8 +333,12 @@ struct BwdSm90WideTraits {
     // dQ's column split: whole 64-column panels per warpgroup (an MN-major B operand starts at a
     // panel), so d = 192 splits 128 + 64
     static constexpr int kDq0 = kHeadDim == 192 ? 128 : kHeadDim / 2;
+    // d = 192: warpgroup 0's second dQ staging slot (a 64 x 64 f32 tile) has its own region; at
+    // d = 256 shared memory is full and the second slots are the step's Q / dO stage (bwd_wide.cuh)
+    static constexpr int kSlotBytes = kHeadDim == 192 ? 64 * 64 * 4 : 0;
     static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 4 * kBlockM * kHeadDim * 2 +
-                                      2 * kBlockN * kBlockM * 2 + 128 * (kBlockM / 2) * 4 + 4 * kBlockM * 4 + 4 * 8;
+                                      2 * kBlockN * kBlockM * 2 + 128 * (kBlockM / 2) * 4 + 4 * kBlockM * 4 + 4 * 8 +
+                                      kSlotBytes;
 
     static_assert(kHeadDim == 192 || kHeadDim == 256, "wide wgmma backward: head-dim tiles 192 and 256");
     static_assert(kBlockN == 64 && kBlockM == 64, "one m64 key slice, one panel of queries");

@@ -118,6 +118,19 @@ inline bool fwd_sm90_takes(int rounded_d) { return rounded_d >= 64; }
 // d = 96 runs on the 128 tile with zero-filled columns, as in the forward (measured faster than
 // the mma.sync 96 tile: bench/NOTES.md "Backward v4–v5"); d <= 32 stays on mma.sync.
 inline int bwd_sm90_tile(int rounded_d) { return rounded_d == 96 ? 128 : rounded_d >= 64 ? rounded_d : 0; }
+// Query rows per step of the Hopper backward's 128 head-dim tile: 64, or 80 (FA3's d = 128 step:
+// 25% more products per step against the step's fixed costs). CF_BWD_BM80 (build-time, for A/B
+// runs): 0 = always 64 (the 80 kernels are not built), 1 = 80 without causal or window masks
+// (FA3's choice), 2 = always 80. Default 0: the 80 step measured level with 64 from 4k and 2-6%
+// slower below (bench/NOTES.md "Backward: the 80-query step"); its P^T cannot overlap dP^T's
+// product (ptxas then serialised every wgmma for registers).
+#ifndef CF_BWD_BM80
+#define CF_BWD_BM80 0
+#endif
+inline int bwd_sm90_block_m(const CfFwdParams& f) {
+    const bool masked = f.window_left >= 0 || f.window_right >= 0;
+    return CF_BWD_BM80 == 2 || (CF_BWD_BM80 == 1 && !masked) ? 80 : 64;
+}
 enum class FwdSm90Config { kD64Short, kD64, kD128, kD192, kD256 };
 
 // e4m3 forward (sm_90a only): the 128 head-dim tile up to d = 128 (d = 64 with zero-filled

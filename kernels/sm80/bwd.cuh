@@ -11,6 +11,7 @@
 #pragma once
 #include "../config.cuh"
 #include "../common/bwd_work.cuh"
+#include "../heuristics.cuh"
 #include "../launch.cuh"
 #include "../sm90/bwd.cuh"
 #include "../sm90/bwd_wide.cuh"
@@ -444,12 +445,28 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
         return launch_dkdv(kern, traits, make_bwd_tma_maps(p, decltype(traits)::kBlockM));
     };
     bool done = false;
-    if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) {
+    if constexpr (sizeof(T) == 2 && D == 64) {
         if (wgmma) {
             using Plain = BwdSm90Traits<T, D, false>;
             using General = BwdSm90Traits<T, D, true>;
             e = logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General>, General{})
                                   : launch_sm90(bwd_dkdv_sm90_kernel<Plain>, Plain{});
+            if (e != cudaSuccess) return e;
+            done = true;
+        }
+    } else if constexpr (sizeof(T) == 2 && D == 128) {
+        if (wgmma) {
+            auto run = [&](auto plain, auto general) {
+                using Plain = decltype(plain);
+                using General = decltype(general);
+                return logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General>, general)
+                                         : launch_sm90(bwd_dkdv_sm90_kernel<Plain>, plain);
+            };
+            if constexpr (CF_BWD_BM80 != 0)
+                e = bwd_sm90_block_m(f) == 80 ? run(BwdSm90Traits<T, D, false, 80>{}, BwdSm90Traits<T, D, true, 80>{})
+                                              : run(BwdSm90Traits<T, D, false, 64>{}, BwdSm90Traits<T, D, true, 64>{});
+            else
+                e = run(BwdSm90Traits<T, D, false, 64>{}, BwdSm90Traits<T, D, true, 64>{});
             if (e != cudaSuccess) return e;
             done = true;
         }

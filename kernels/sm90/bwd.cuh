@@ -213,6 +213,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     constexpr int NA = BM / 2;   // accumulators of an m64 x BM product
     constexpr int ND = D / 2;    // accumulators of an m64 x D product
     constexpr int NQ = 32;       // accumulators of the m64 x n64 dQ slice
+    constexpr bool kDqT = Kt::kDqTransposed;  // dQ^T = K^T dS^T (BM = 80)
 
     extern __shared__ __align__(1024) unsigned char smem_sm90[];
     if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
@@ -220,11 +221,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     T* sV = sK + BN * D;
     T* sQ = sV + BN * D;          // [2][BM*D]
     T* sdO = sQ + 2 * BM * D;     // [2][BM*D]
-    T* sdS = sdO + 2 * BM * D;    // [2][BN][BM] (dS^T, double-buffered)
+    T* sdS = sdO + 2 * BM * D;    // [2][BN][BM] (dS^T, double-buffered; kDqT: dS, [2][BM][BN])
     float* sL = reinterpret_cast<float*>(sdS + 2 * BN * BM);  // [2][BM]
     float* sD = sL + 2 * BM;                                  // [2][BM]
-    float* sDq = sD + 2 * BM;                                 // [2 warpgroups][64][64] dQ staging (f32)
-    uint64_t* bars = reinterpret_cast<uint64_t*>(sDq + 2 * 64 * 64);  // Pipeline<2>: full[2], empty[2]
+    float* sDq = sD + 2 * BM;  // [2 warpgroups][kDqRows][64] dQ staging (f32)
+    uint64_t* bars = reinterpret_cast<uint64_t*>(sDq + 2 * Kt::kDqRows * 64);  // Pipeline<2>: full[2], empty[2]
 
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -287,6 +288,24 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     auto dq_step = [&](int s) {
         const int buf = s & 1;
         const uint32_t tdSi = tdS + buf * BN * BM * 2;
+        if constexpr (kDqT) {
+            // dQ^T = K^T dS^T: A = K^T (panel wg of K, MN-major: the warpgroup's 64 columns of dQ),
+            // B = dS [BM][BN] (K-major); all BM query rows, columns 64 wg.. (panel wg of dq_accum)
+            float dqt[BM / 2];
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < NS; ++kk)
+                wgmma_ss<BM, T, 1, 0>(dqt, desc_mn_major(tK + wg * BN * kPanelRowBytes, BN, kk),
+                                      desc_k_major(tdSi, BM, kk), kk > 0);
+            wg_commit();
+            wg_wait<0>();
+            reg_fence(dqt);
+            if (wt == 0) bulk_wait_read<0>();  // the previous reduction has read the staging tile
+            named_bar_sync(1 + wg, 128);
+            reduce_dqt_tile<BM>(dqt, sDq + wg * BM * 64, ws.dq_tile_rows(f, si, w.head(s), wg) + (int64_t)w.row0(s) * 64,
+                                1 + wg, wt, 16 * wq + g, q4);
+            return;
+        }
         const uint32_t tA = D == 64 ? tdSi + wg * BN * kPanelRowBytes : tdSi;
         const uint32_t tB = D == 64 ? tK : tK + wg * BN * kPanelRowBytes;
         float dq[NQ];
@@ -384,22 +403,41 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         if (ws.dq_accum != nullptr) {
             // ---- dS^T -> shared (overlaps the dV / dK products), then dQ = dS K
             const int buf = it & 1;
+            if constexpr (kDqT) {
+                // dS [BM][BN]: stmatrix .trans of the four 8 x 8 blocks (keys x queries) of k16
+                // step kq; lane 8i + r addresses query row r of block i (i & 1: keys + 8, i >> 1:
+                // queries + 8), whose 16 bytes are its 8 keys
+                const int mi = lane >> 3;
+                const uint32_t base = smem_addr(sdS + buf * BN * BM);
 #pragma unroll
-            for (int kq = 0; kq < MS; ++kq)
+                for (int kq = 0; kq < MS; ++kq)
+                    stmatrix_x4_trans(base + panel_offset(BM, 16 * kq + 8 * (mi >> 1) + (lane & 7),
+                                                          64 * wg + 16 * wq + 8 * (mi & 1)),
+                                      dsa[kq]);
+            } else {
 #pragma unroll
-                for (int h2 = 0; h2 < 2; ++h2)      // n8 tile 2kq + h2
+                for (int kq = 0; kq < MS; ++kq)
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {   // key row +8r
-                        const int kl = key_l0 + 8 * r, ql = 16 * kq + 8 * h2 + 2 * q4;
-                        *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sdS + buf * BN * BM) +
-                                                     panel_offset(BN, kl, ql)) = dsa[kq][2 * h2 + r];
-                    }
+                    for (int h2 = 0; h2 < 2; ++h2)      // n8 tile 2kq + h2
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {   // key row +8r
+                            const int kl = key_l0 + 8 * r, ql = 16 * kq + 8 * h2 + 2 * q4;
+                            *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sdS + buf * BN * BM) +
+                                                         panel_offset(BN, kl, ql)) = dsa[kq][2 * h2 + r];
+                        }
+            }
             fence_async_smem();
-            named_bar_sync(kBarDs, 256);  // both warpgroups' dS^T rows are in place
+            named_bar_sync(kBarDs, 256);  // both warpgroups' dS (dS^T) rows are in place
+            if constexpr (kDqT) {
+                wg_wait<1>();  // dV's product done: its P^T registers are free for dQ^T's 40 accumulators
+                               // (with them still pinned, ptxas serialised every wgmma: C7512)
+                reg_fence(dv);
+                reg_fence(pa);
+            }
             dq_step(it);
             reg_fence(dv);
             reg_fence(dk);
-            reg_fence(pa);
+            if constexpr (!kDqT) reg_fence(pa);
             reg_fence(dsa);
             pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
         } else {

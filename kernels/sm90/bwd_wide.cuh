@@ -15,12 +15,15 @@
 //                        shared memory into bulk reductions (the tiled dq_accum).
 // S^T and dP^T run on the tensor cores at the same time; the work after the exchange is one
 // D-wide product per warpgroup plus half of dQ, so both warpgroups issue the same MMA volume.
-// Step protocol: the TMA / mbarrier ring of bwd.cuh for Q / dO / lse / dsum (warp 0 issues step
-// it + 1 at the top of step it), no CTA-wide barrier per step; named barriers (both warpgroups):
-// dP^T exchanged, P^T / dS^T stored, (atomic mode) every product of the step done reading shared
-// memory. A warpgroup overwrites the dP^T exchange / dS^T / P^T only after the other one passed
-// the barrier that follows its last read of them (program order), and its own dQ staging tile
-// only after the bulk reduction that read it (bulk_wait_read + a warpgroup barrier).
+// Step protocol: the TMA / mbarrier ring of bwd.cuh for Q / dO / lse / dsum, no CTA-wide barrier
+// per step; named barriers (both warpgroups): dP^T exchanged, P^T / dS^T stored, (atomic mode)
+// every product of the step done reading shared memory. Each warpgroup stages its dQ tiles in two
+// slots (slot 0: dS^T + P^T / the dP^T exchange; slot 1: the step's Q / dO stage, or at d = 192 a
+// region of its own), so step it's stage is released only in step it + 1, after that step's S^T
+// / dP^T products, once the bulk reductions have read the slots (bulk_wait_read + a warpgroup
+// barrier); warp 0 then issues step it + 1 into it (after its P^T / dS^T stores). A warpgroup
+// overwrites the dP^T exchange / dS^T / P^T only after the other one passed the barrier that
+// follows its last read of them (program order) and after that wait.
 #pragma once
 #include "../config.cuh"
 #include "../common/bwd_work.cuh"
@@ -68,6 +71,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     float* sL = reinterpret_cast<float*>(sX + (NA / 4) * 128);  // [2][BM]
     float* sD = sL + 2 * BM;                                     // [2][BM]
     uint64_t* bars = reinterpret_cast<uint64_t*>(sD + 2 * BM);   // the Q / dO ring (Pipeline<2>)
+    float* sSlot = reinterpret_cast<float*>(bars + 4);            // d = 192: warpgroup 0's second dQ slot
 
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -92,14 +96,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
         const int st = pipe.stage(it);
-        if (warp == 0 && it + 1 < total_it) load_step(it + 1);  // waits until step it - 1 released its stage
         pipe.consumer_wait(it);  // this step's tiles landed (and the fence for the cp.async part)
-        // this warpgroup's dQ staging tile (sdS + sP on warpgroup 0, sX on 1) has been read by the
-        // previous step's bulk reduction before the stores below overwrite it
-        if (ws.dq_accum != nullptr) {
-            if (wt == 0) bulk_wait_read<0>();
-            named_bar_sync(kBarWg + wg, 128);
-        }
         const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
 
         // ---- S^T = K Q^T (warpgroup 0) / dP^T = V dO^T (warpgroup 1): 64 keys x BM queries
@@ -113,6 +110,19 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             wg_commit();
             wg_wait<0>();
             reg_fence(sc);
+        }
+
+        // ---- Step it - 1 is over: the bulk reductions it issued last have read their staging
+        //      slots (slot 0 is overwritten below, slot 1 is that step's Q / dO stage), so its stage
+        //      goes back to the loader. Waiting here, after this step's first products, rather
+        //      than at the top of the step leaves those products' time for the reads (ncu put 30%
+        //      of the stall samples on these waits when they came first).
+        if (it > 0) {
+            if (ws.dq_accum != nullptr) {
+                if (wt == 0) bulk_wait_read<0>();
+                named_bar_sync(kBarWg + wg, 128);
+            }
+            pipe.consumer_release(it - 1, lane);
         }
 
         if (wg == 1) {
@@ -148,6 +158,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                     *reinterpret_cast<uint32_t*>(pdS + off) = pack2<T>(dp[4 * j + 2 * r], dp[4 * j + 2 * r + 1]);
                 }
             fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)
+            // step it + 1 into the stage both warpgroups released above (warpgroup 1 before its
+            // kBarDp arrival: that barrier also orders its slot-1 stores before a cp.async
+            // fallback's writes, which racecheck sees, unlike the ring's mbarriers). Here, with
+            // S^T and dP^T dead: issued right after kBarDp, warp 0's load code beside the live
+            // accumulators made ptxas serialise the d = 192 kernel's wgmma (C7511).
+            if (warp == 0 && it + 1 < total_it) load_step(it + 1);
         }
         named_bar_sync(kBarDs, 256);  // P^T and dS^T are in shared
 
@@ -162,10 +178,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         wg_commit();
         if (ws.dq_accum != nullptr) {
             // ---- dQ = dS K, this warpgroup's columns (A = dS^T read MN-major, B = K MN-major),
-            //      then one 64 x 64 tile at a time through shared memory into a bulk reduction
-            //      (tiled dq_accum). The staging tiles reuse dS^T, P^T and the dP^T exchange
-            //      (32 KB, contiguous), free once both warpgroups' products have completed.
-            float* stile = reinterpret_cast<float*>(sdS) + wg * 64 * 64;
+            //      then its 64 x 64 tiles through shared memory into bulk reductions (tiled
+            //      dq_accum). Two staging slots per warpgroup, so that the second tile need not
+            //      wait for the first one's read: slot 0 reuses dS^T + P^T (warpgroup 0) / the dP^T
+            //      exchange (warpgroup 1), slot 1 this step's Q (warpgroup 0) / dO (warpgroup 1)
+            //      stage; all are free once both warpgroups' products of the step have completed
+            //      (kBarRead), and the stage stays held until the next step has seen the reads done.
+            //      At d = 192 only warpgroup 0 has a second tile, and its slot 1 is a region of its
+            //      own (shared memory has room there; the stage-dependent address made ptxas
+            //      serialise the kernel's wgmma for registers, C7511).
+            float* const slot[2] = {reinterpret_cast<float*>(sdS) + wg * 64 * 64,
+                                    D == 192 ? sSlot : reinterpret_cast<float*>(wg == 0 ? sQ + st * BM * D : sdO + st * BM * D)};
+            static_assert(BM * D * (int)sizeof(T) >= 64 * 64 * 4, "a dQ tile fits in a Q / dO stage");
             const int pnl0 = wg * (DQ0 / 64);  // this warpgroup's first dQ panel
             // One register array for both warpgroups (DQ1 <= DQ0: warpgroup 1 uses the first
             // DQ1 / 2), so that both reach the kBarRead barrier below through one instruction:
@@ -184,26 +208,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             };
             auto dq_store = [&](auto& d) {
                 constexpr int NJ = sizeof(d) / sizeof(float) / 4;  // n8 tiles; 8 per panel
+                static_assert(NJ / 8 <= 2, "at most two dQ panels per warpgroup (two slots)");
 #pragma unroll
-                for (int pp = 0; pp < NJ / 8; ++pp) {
-                    if (pp > 0) {
-                        if (wt == 0) bulk_wait_read<0>();
-                        named_bar_sync(kBarWg + wg, 128);
-                    }
-                    reduce_dq_tile<NJ>(d, 8 * pp, stile, ws.dq_tile_rows(f, si, hq, pnl0 + pp) + (int64_t)m0 * 64,
+                for (int pp = 0; pp < NJ / 8; ++pp)
+                    reduce_dq_tile<NJ>(d, 8 * pp, slot[pp], ws.dq_tile_rows(f, si, hq, pnl0 + pp) + (int64_t)m0 * 64,
                                        kBarWg + wg, wt, 16 * wq + g, q4);
-                }
             };
             if (DQ0 == DQ1 || wg == 0) dq_product(dq);
             else dq_product(dq1);
-            pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
             named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
             if (DQ0 == DQ1 || wg == 0) dq_store(dq);
             else dq_store(dq1);
         } else {
             wg_wait<0>();
             reg_fence(acc);
-            pipe.consumer_release(it, lane);
         }
     }
 

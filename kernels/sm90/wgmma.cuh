@@ -80,7 +80,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_
         if constexpr (std::is_same<T, __half>::value) wgmma_ss_m64n##n##_f16<TA, TB>(d, da, db, scale_d); \
         else wgmma_ss_m64n##n##_bf16<TA, TB>(d, da, db, scale_d);                            \
     }
-    CF_WG_SS(32) CF_WG_SS(64) CF_WG_SS(96) CF_WG_SS(128) CF_WG_SS(192) CF_WG_SS(256)
+    CF_WG_SS(32) CF_WG_SS(64) CF_WG_SS(80) CF_WG_SS(96) CF_WG_SS(128) CF_WG_SS(192) CF_WG_SS(256)
 #undef CF_WG_SS
 }
 template <int N, typename T, int TB>
@@ -90,9 +90,19 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
         if constexpr (std::is_same<T, __half>::value) wgmma_rs_m64n##n##_f16<TB>(d, a, db, scale_d); \
         else wgmma_rs_m64n##n##_bf16<TB>(d, a, db, scale_d);                                 \
     }
-    CF_WG_RS(32) CF_WG_RS(64) CF_WG_RS(96) CF_WG_RS(128) CF_WG_RS(192) CF_WG_RS(256)
+    CF_WG_RS(32) CF_WG_RS(64) CF_WG_RS(80) CF_WG_RS(96) CF_WG_RS(128) CF_WG_RS(192) CF_WG_RS(256)
 #undef CF_WG_RS
 }
+// Four 8 x 8 matrices of 16-bit pairs, stored transposed (stmatrix .trans): register i of a lane
+// holds row lane / 4, columns 2 (lane % 4) + {0, 1} of matrix i (the mma.sync fragment, low half
+// first); lane 8i + r gives the address of row r of stored matrix i, which receives column r of
+// the fragment (16 bytes).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
 // e4m3 (k32 steps; both operands K-major): d (+)= A * B.
 template <int N>
 __device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
