@@ -30,7 +30,30 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
+// Build-time switch for A/B runs (bench/NOTES.md "Backward, ninth session"): the dQ tile's flush
+// a step late (1, default: +3-8% at d = 64, level at d = 128) or at the end of its own step (0).
+#ifndef CF_BWD_LATE_FLUSH
+#define CF_BWD_LATE_FLUSH 1
+#endif
+
 namespace cf {
+
+#ifdef CF_BWD_TRACE
+// Timeline probe (a build-time option for bench/bwd_trace.py, never in the crate's build):
+// clock64() at twelve points of a step (named in bench/bwd_trace.py), taken by thread 0 of each
+// consumer warpgroup of the CTA at blockIdx (1, 0, 0) over its first kBwdTraceSteps steps. The
+// buffer is per translation unit (static); sm80/bwd_bf16.cu reads it (cf_bwd_trace_read).
+constexpr int kBwdTraceSteps = 64, kBwdTraceEvents = 12;
+static __device__ long long g_bwd_trace[2][kBwdTraceSteps][kBwdTraceEvents];
+#define CF_BTRACE(on, wg, s, e)                                                                      \
+    do {                                                                                             \
+        if ((on) && (threadIdx.x & 127) == 0 && (s) < kBwdTraceSteps) g_bwd_trace[wg][s][e] = clock64(); \
+    } while (0)
+#else
+#define CF_BTRACE(on, wg, s, e) \
+    do {                        \
+    } while (0)
+#endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Step it's lse / dsum rows (cp.async, zero past the sequence) into stage it % 2 of the ring, by
@@ -279,12 +302,21 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const uint32_t tVw = tV + 64 * wg * kPanelRowBytes;
     const int key_l0 = 64 * wg + 16 * wq + g;  // local key of accumulator rows (e < 2); +8 for e >= 2
     const int wt = tid & 127;  // thread within the warpgroup
+#ifdef CF_BWD_TRACE
+    const bool trace = blockIdx.x == 1 && blockIdx.y == 0 && blockIdx.z == 0;
+#endif
 
     // dQ of step s (both warpgroups' halves of dS^T(s) in shared memory): dQ = dS K, then the tile
     // -> shared -> one bulk reduction into the tiled dq_accum (d = 64: warpgroup w takes query rows
     // 64w.. (panel w of dS^T) and all 64 columns, i.e. panel 0 of dq_accum; d = 128: all 64 query
     // rows and columns 64w.. (panel w of K and of dq_accum)). Waits for every product this
     // warpgroup has issued.
+    // step s's rows of dq_accum for this warpgroup's tile
+    auto dq_dst = [&](int s) {
+        const int pnl = D == 64 ? 0 : wg, r0 = w.row0(s) + (D == 64 ? 64 * wg : 0);
+        return ws.dq_tile_rows(f, si, w.head(s), pnl) + (int64_t)r0 * 64;
+    };
+    constexpr bool kLateFlush = CF_BWD_LATE_FLUSH != 0 && !kDqT;
     auto dq_step = [&](int s) {
         const int buf = s & 1;
         const uint32_t tdSi = tdS + buf * BN * BM * 2;
@@ -316,21 +348,31 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         wg_commit();
         wg_wait<0>();
         reg_fence(dq);
+        CF_BTRACE(trace, wg, s, 9);
         if (wt == 0) bulk_wait_read<0>();  // the previous reduction has read the staging tile
         named_bar_sync(1 + wg, 128);
-        const int pnl = D == 64 ? 0 : wg, r0 = w.row0(s) + (D == 64 ? 64 * wg : 0);
-        reduce_dq_tile<NQ / 4>(dq, 0, sDq + wg * 64 * 64, ws.dq_tile_rows(f, si, w.head(s), pnl) + (int64_t)r0 * 64,
-                               1 + wg, wt, 16 * wq + g, q4);
+        if constexpr (kLateFlush) {
+            stage_dq_tile<NQ / 4>(dq, 0, sDq + wg * 64 * 64, 16 * wq + g, q4);  // flushed by flush_dq(s)
+        } else {
+            reduce_dq_tile<NQ / 4>(dq, 0, sDq + wg * 64 * 64, dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
+        }
+        CF_BTRACE(trace, wg, s, 10);
     };
+    // kLateFlush: step s's staged dQ tile goes out (fence, barrier, bulk reduction) in step s + 1,
+    // right after that step's S^T / dP^T are issued, instead of at the end of step s, where both
+    // warpgroups did it with the tensor cores idle (bwd_trace.py: ~600 of a ~4600-cycle step).
+    auto flush_dq = [&](int s) { flush_dq_tile(sDq + wg * 64 * 64, dq_dst(s), 1 + wg, wt); };
 
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
         const int st = pipe.stage(it);
+        CF_BTRACE(trace, wg, it, 0);
         if (warp == 0 && it + 1 < total_it) {
             if constexpr (Kt::kProducerWG) load_rows(it + 1);
             else load_step(it + 1);  // waits until step it - 1 released its stage
         }
         pipe.consumer_wait(it);  // this step's tiles landed (and the fence for the cp.async part)
+        CF_BTRACE(trace, wg, it, 1);
         const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
         const LogitInfo li(f, b, hq);
 
@@ -345,6 +387,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         for (int ks = 0; ks < KS; ++ks)
             wgmma_ss<BM, T, 0, 0>(dpT, desc_k_major(tVw, BN, ks), desc_k_major(tdO, BM, ks), ks > 0);
         wg_commit();
+        if constexpr (kLateFlush)
+            if (ws.dq_accum != nullptr && it > 0) flush_dq(it - 1);
+        CF_BTRACE(trace, wg, it, 2);
 
         // ---- P^T, dS^T in registers (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1)),
         //      then dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
@@ -382,9 +427,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             // P^T while dP^T runs
             wg_wait<1>();
             reg_fence(sT);
+            CF_BTRACE(trace, wg, it, 3);
             bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
+            CF_BTRACE(trace, wg, it, 4);
             wg_wait<0>();
             reg_fence(dpT);
+            CF_BTRACE(trace, wg, it, 5);
             bwd_ds<BM>(sT, dpT, cD, q4);
             pack_a(pa, sT);
             issue_rs(dv, pa, tdO);
@@ -399,6 +447,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         }
         pack_a(dsa, dpT);
         issue_rs(dk, dsa, tQ);
+        CF_BTRACE(trace, wg, it, 6);
 
         if (ws.dq_accum != nullptr) {
             // ---- dS^T -> shared (overlaps the dV / dK products), then dQ = dS K
@@ -427,7 +476,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                         }
             }
             fence_async_smem();
+            CF_BTRACE(trace, wg, it, 7);
             named_bar_sync(kBarDs, 256);  // both warpgroups' dS (dS^T) rows are in place
+            CF_BTRACE(trace, wg, it, 8);
             if constexpr (kDqT) {
                 wg_wait<1>();  // dV's product done: its P^T registers are free for dQ^T's 40 accumulators
                                // (with them still pinned, ptxas serialised every wgmma: C7512)
@@ -440,6 +491,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             if constexpr (!kDqT) reg_fence(pa);
             reg_fence(dsa);
             pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
+            CF_BTRACE(trace, wg, it, 11);
         } else {
             wg_wait<0>();
             reg_fence(dv);
@@ -454,6 +506,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         }
     }
 
+    if constexpr (kLateFlush)
+        if (ws.dq_accum != nullptr && total_it > 0) flush_dq(total_it - 1);
     if (ws.dq_accum != nullptr && wt == 0) bulk_wait<0>();  // the last reduction is done with shared memory
 
     // ---- write dK (scaled) and dV. Element 4j+e: key key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1).

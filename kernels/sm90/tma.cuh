@@ -210,6 +210,16 @@ __device__ __forceinline__ void stage_dq_tile(const float (&dq)[4 * NJ], int j0,
 // threads), then thread wt == 0 issues the 16 KB bulk reduction into `gdst` and commits it. The
 // caller has made sure, before this, that the previous reduction from `tile` has read it
 // (bulk_wait_read by thread 0, then the same barrier).
+// The second half of reduce_dq_tile, for a tile staged earlier (stage_dq_tile): publish the
+// stores, then thread wt == 0 issues the bulk reduction of `bytes` into gdst.
+__device__ __forceinline__ void flush_dq_tile(const float* tile, float* gdst, int wg_bar, int wt, uint32_t bytes = 64 * 64 * 4) {
+    fence_async_smem();  // st.shared (generic proxy) -> bulk copy (async proxy)
+    named_bar_sync(wg_bar, 128);
+    if (wt == 0) {
+        bulk_reduce_add_f32(gdst, smem_addr(tile), bytes);
+        bulk_commit();
+    }
+}
 template <int NJ>
 __device__ __forceinline__ void reduce_dq_tile(const float (&dq)[4 * NJ], int j0, float* tile, float* gdst, int wg_bar,
                                                int wt, int r0, int q4) {
@@ -238,12 +248,7 @@ __device__ __forceinline__ void reduce_dqt_tile(const float (&dqt)[ROWS / 2], fl
             const int row = 8 * j + 2 * q4 + (e & 1), col = c0 + 8 * (e >> 1);
             tile[row * 64 + (((col >> 3) ^ (row & 7)) << 3) + (col & 7)] = dqt[4 * j + e];
         }
-    fence_async_smem();
-    named_bar_sync(wg_bar, 128);
-    if (wt == 0) {
-        bulk_reduce_add_f32(gdst, smem_addr(tile), ROWS * 64 * 4);
-        bulk_commit();
-    }
+    flush_dq_tile(tile, gdst, wg_bar, wt, ROWS * 64 * 4);
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
