@@ -47,14 +47,19 @@ for dt in ("bf16", "f16"):
             Ns = (512, 1024, 2048, 4096, 8192, 16384) if dt == "bf16" else (2048, 16384)
             for N in Ns:
                 points.append((dt, d, causal, N))
+# GQA=2048,8192,32768: the Llama-3-8B-like prefill points instead (B = 1, 32 query / 8 KV heads,
+# d = 128, causal, bf16); SDPA runs them with K / V repeated to 32 heads (the same products)
+GQA = [int(x) for x in os.environ.get("GQA", "").split(",") if x]
+if GQA:
+    points = [("bf16", 128, True, n) for n in GQA]
 if os.environ.get("POINTS"):
     sel = [tuple(x.split(",")) for x in os.environ["POINTS"].split(";")]
     points = [pt for pt in points if (pt[0], str(pt[1]), str(int(pt[2])), str(pt[3])) in sel]
 hdr = f"{'dt':4} {'D':>3} {'c':>1} {'N':>5} | fwd TF/s: " + " ".join(f"{n:>6}" for n in names) + " fa2 cudnn | bwd TF/s: " + " ".join(f"{n:>6}" for n in names) + " fa2 cudnn | f+b ratio vs fa2 " + " ".join(names) + " | fwd ratio vs cudnn " + " ".join(names)
 print(hdr, flush=True)
 for dt, d, causal, N in points:
-    B, H = 16384 // N, 2048 // d
-    c = kc.Case("bench", dt, b=B, h=H, sq=N, d=d, wl=-1, wr=(0 if causal else -1))
+    B, H, HKV = (1, 32, 8) if GQA else (16384 // N, 2048 // d, 2048 // d)
+    c = kc.Case("bench", dt, b=B, h=H, hkv=HKV, sq=N, d=d, wl=-1, wr=(0 if causal else -1))
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, do, _ = kc.make_inputs(c, dev, g)
     o = torch.empty_like(q)
@@ -85,7 +90,8 @@ for dt, d, causal, N in points:
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     tf, tb = {n: med(rf[n]) for n in names}, {n: med(rb[n]) for n in names}
     del keep, fwd_fn, bwd_fn
-    qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    rep_kv = lambda x: x.repeat_interleave(H // HKV, dim=2) if HKV != H else x  # noqa: E731
+    qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, rep_kv(k), rep_kv(v)))
     dot = do.transpose(1, 2).contiguous()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         t_sf = timeit(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))

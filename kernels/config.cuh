@@ -265,6 +265,11 @@ struct BwdDqTraits {
 #ifndef CF_BWD_PRODUCER
 #define CF_BWD_PRODUCER 1
 #endif
+// The sm_90a backward kernels' CTA order under causal-like masks (common/bwd_work.cuh DkdvCta):
+// 1 = key block slowest (every head's heaviest key blocks first), 0 = the launch order.
+#ifndef CF_BWD_HEAVY_FIRST
+#define CF_BWD_HEAVY_FIRST 1
+#endif
 #ifndef CF_BWD_PRODUCER64
 #define CF_BWD_PRODUCER64 0
 #endif

@@ -363,6 +363,7 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
     ws.nsplit = pl.nsplit;
     ws.dq_tiled = pl.atomic_dq && bwd_sm90_tile_for(f) != 0;
     ws.hps = pl.hps;
+    ws.heavy_first = 0;  // set per launch by the sm_90a dK/dV kernels' launcher (sm80/bwd.cuh)
     ws.total_q = pl.total_q;
     ws.total_k = pl.total_k;
 

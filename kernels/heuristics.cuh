@@ -131,6 +131,16 @@ inline int bwd_sm90_block_m(const CfFwdParams& f) {
     const bool masked = f.window_left >= 0 || f.window_right >= 0;
     return CF_BWD_BM80 == 2 || (CF_BWD_BM80 == 1 && !masked) ? 80 : 64;
 }
+// Whether the sm_90a dK/dV kernels take their CTAs key block slowest (common/bwd_work.cuh
+// DkdvCta): under causal-like masks the first key blocks of a head carry the most steps, and in
+// launch order (key block fastest) the last head's heaviest CTA starts in the last wave. Only on
+// grids of at most 4 waves: there one CTA is a large part of an SM's work (GQA 4:1 causal, N = 8k:
+// 512 CTAs, the heaviest 512 steps against ~1000 per SM; bwd +20%, N = 2k +35%), while on larger
+// grids of many heads (N = 2k, B = 8: 2048 CTAs) key block slowest loses the heads' Q / dO
+// locality in L2 (-15%) and the tail is a few percent (bench/NOTES.md "Backward, ninth session").
+inline bool bwd_heavy_first(const CfFwdParams& f, int64_t ctas, int sms) {
+    return f.window_right >= 0 && ctas <= 4 * (int64_t)sms;
+}
 enum class FwdSm90Config { kD64Short, kD64, kD128, kD192, kD256 };
 
 // e4m3 forward (sm_90a only): the 128 head-dim tile up to d = 128 (d = 64 with zero-filled

@@ -24,6 +24,7 @@ struct BwdWs {
     int nsplit;    // CTAs sharing the query heads of one KV head (1 = write dk/dv directly)
     int dq_tiled;  // dq_accum in the tiled layout (the sm_90a kernels run)
     int hps;       // query heads per split
+    int heavy_first;  // the sm_90a dK/dV kernels take their CTAs key block slowest (DkdvCta)
     int64_t total_q, total_k;
 
     // Row 0 of (sequence si, head h) in each buffer.
@@ -47,7 +48,24 @@ struct BwdWs {
 };
 
 
-template <typename T, int BN, int BM>
+// The CTA's (key block, KV head * nsplit + split, batch). The grid is (key blocks, KV heads *
+// nsplit, batch), launched x fastest: neighbouring key blocks of one head run together and share
+// its Q / dO in L2. With ws.heavy_first (heuristics.cuh bwd_heavy_first: causal-like masks, whose
+// first key blocks see the most queries, on grids of a few waves) the kernels that take kHeavyFirst
+// renumber the CTAs key block slowest, so that every head's heaviest blocks start in the first
+// wave instead of the last head's in the last one.
+struct DkdvCta {
+    int kb, y, b;
+    template <bool kHeavyFirst>
+    __device__ __forceinline__ static DkdvCta of(const BwdWs& ws) {
+        if (!kHeavyFirst || !ws.heavy_first) return {(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z};
+        const unsigned flat = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        const unsigned yz = gridDim.y * gridDim.z, rest = flat % yz;
+        return {(int)(flat / yz), (int)(rest % gridDim.y), (int)(rest / gridDim.y)};
+    }
+};
+
+template <typename T, int BN, int BM, bool kHeavyFirst = false>
 struct DkdvWork {
     SeqInfo si;
     MaskInfo mk;
@@ -55,14 +73,15 @@ struct DkdvWork {
     const T* kg;  // K / V rows of this KV head, row 0 of the sequence
     const T* vg;
 
-    // grid: (key block, KV head * nsplit + split, batch)
-    __device__ __forceinline__ DkdvWork(const CfBwdParams& p, const BwdWs& ws)
-        : si(p.fwd, blockIdx.z), mk(si.sq, si.sk, p.fwd.window_left, p.fwd.window_right) {
+    // grid: (key block, KV head * nsplit + split, batch), see DkdvCta
+    __device__ __forceinline__ DkdvWork(const CfBwdParams& p, const BwdWs& ws) : DkdvWork(p, ws, DkdvCta::of<kHeavyFirst>(ws)) {}
+    __device__ __forceinline__ DkdvWork(const CfBwdParams& p, const BwdWs& ws, DkdvCta c)
+        : si(p.fwd, c.b), mk(si.sq, si.sk, p.fwd.window_left, p.fwd.window_right) {
         const CfFwdParams& f = p.fwd;
-        b = blockIdx.z;
-        hkv_i = blockIdx.y / ws.nsplit;
-        split = blockIdx.y % ws.nsplit;
-        n0 = blockIdx.x * BN;
+        b = c.b;
+        hkv_i = c.y / ws.nsplit;
+        split = c.y % ws.nsplit;
+        n0 = c.kb * BN;
         dch = f.d / kChunkElems<T>;
         const int group = f.h / f.hkv;
         h_begin = hkv_i * group + split * ws.hps;

@@ -432,17 +432,25 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
     cudaError_t e;
     // dK/dV (+ atomic dQ): one CTA per kBlockN keys of a KV head (and GQA split); the sm_90a
     // kernels also take the TMA maps of Q and dO (query blocks of kBlockM rows) as `extra`
-    auto launch_dkdv = [&](auto kern, auto traits, auto... extra) -> cudaError_t {
+    auto launch_dkdv = [&](auto kern, auto traits, const BwdWs& kws, auto... extra) -> cudaError_t {
         using Kt = decltype(traits);
         cudaError_t err = set_smem(kern, Kt::kSmemBytes);
         if (err != cudaSuccess) return err;
         const dim3 grid((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
         if (grid.x == 0) return cudaSuccess;
-        kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws, extra...);
+        kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, kws, extra...);
         return cudaGetLastError();
     };
-    auto launch_sm90 = [&](auto kern, auto traits) {
-        return launch_dkdv(kern, traits, make_bwd_tma_maps(p, decltype(traits)::kBlockM));
+    // the sm_90a kernels also take their CTA order (bwd_heavy_first) in their copy of ws
+    auto launch_sm90 = [&](auto kern, auto traits) -> cudaError_t {
+        using Kt = decltype(traits);
+        int sms = 0;
+        const cudaError_t err = current_sm_count(sms);
+        if (err != cudaSuccess) return err;
+        BwdWs ws90 = ws;
+        const int64_t ctas = (int64_t)((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN) * f.hkv * ws.nsplit * f.b;
+        ws90.heavy_first = bwd_heavy_first(f, ctas, sms);
+        return launch_dkdv(kern, traits, ws90, make_bwd_tma_maps(p, Kt::kBlockM));
     };
     bool done = false;
     if constexpr (sizeof(T) == 2 && D == 64) {
@@ -477,7 +485,7 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
             done = true;
         }
     }
-    if (!done && (e = launch_dkdv(bwd_dkdv_tc_kernel<BwdTraits<T, D>>, BwdTraits<T, D>{})) != cudaSuccess) return e;
+    if (!done && (e = launch_dkdv(bwd_dkdv_tc_kernel<BwdTraits<T, D>>, BwdTraits<T, D>{}, ws)) != cudaSuccess) return e;
     if (ws.dq_accum == nullptr) {
         using Kt = BwdDqTraits<T, D>;
         auto kern = bwd_dq_tc_kernel<Kt>;

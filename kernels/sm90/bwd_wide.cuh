@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3, wt = tid & 127;  // warpgroup, warp / thread within it
     const int g = lane >> 2, q4 = lane & 3;
-    const DkdvWork<T, BN, BM> w(p, ws);
+    const DkdvWork<T, BN, BM, CF_BWD_HEAVY_FIRST != 0> w(p, ws);
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
@@ -184,41 +184,58 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             //      exchange (warpgroup 1), slot 1 this step's Q (warpgroup 0) / dO (warpgroup 1)
             //      stage; all are free once both warpgroups' products of the step have completed
             //      (kBarRead), and the stage stays held until the next step has seen the reads done.
-            //      At d = 192 only warpgroup 0 has a second tile, and its slot 1 is a region of its
-            //      own (shared memory has room there; the stage-dependent address made ptxas
-            //      serialise the kernel's wgmma for registers, C7511).
+            //      At d = 192 only warpgroup 0 has a second tile, and it goes through a region of
+            //      its own (sSlot; shared memory has room there), see below.
             float* const slot[2] = {reinterpret_cast<float*>(sdS) + wg * 64 * 64,
-                                    D == 192 ? sSlot : reinterpret_cast<float*>(wg == 0 ? sQ + st * BM * D : sdO + st * BM * D)};
+                                    reinterpret_cast<float*>(wg == 0 ? sQ + st * BM * D : sdO + st * BM * D)};
             static_assert(BM * D * (int)sizeof(T) >= 64 * 64 * 4, "a dQ tile fits in a Q / dO stage");
             const int pnl0 = wg * (DQ0 / 64);  // this warpgroup's first dQ panel
-            // One register array for both warpgroups (DQ1 <= DQ0: warpgroup 1 uses the first
-            // DQ1 / 2), so that both reach the kBarRead barrier below through one instruction:
-            // bar.sync is .aligned, which PTX requires every participating thread to execute at
-            // the same instruction (compute-sanitizer synccheck flagged the two copies at d = 192).
-            float dq[DQ0 / 2];
-            auto& dq1 = reinterpret_cast<float(&)[DQ1 / 2]>(dq);
-            auto dq_product = [&](auto& d) {
-                constexpr int N = sizeof(d) / sizeof(float) * 2;  // this warpgroup's dQ columns
+            // Both warpgroups reach the kBarRead barrier through one instruction: bar.sync is
+            // .aligned, which PTX requires every participating thread to execute at the same
+            // instruction (compute-sanitizer synccheck flagged two copies at d = 192 once).
+            if constexpr (D == 192) {
+                // One 64-column panel at a time (32 accumulators, not 64): warpgroup 0's panel 0
+                // goes out through its own region (sSlot) before its panel 1's product, which
+                // still reads dS^T, so that panel 1 can take slot 0 (dS^T + P^T) after kBarRead;
+                // warpgroup 1 has panel 2 only. With both of warpgroup 0's panels in registers
+                // this kernel sat at the edge where ptxas serialises its wgmma (C7511), and
+                // unrelated changes (a field added to BwdWs) tipped it over.
+                float dqp[32];
+                auto panel_product = [&](int pnl) {
+                    wg_fence();  // dqp's registers were last written by ordinary instructions
+                    wide_dq_product<64, BN, T>(dqp, tdS, tK + pnl * BN * kPanelRowBytes);
+                    wg_commit();
+                    wg_wait<0>();
+                    reg_fence(dqp);
+                    reg_fence(acc);
+                };
+                auto panel_store = [&](float* tile, int pnl) {
+                    reduce_dq_tile<8>(dqp, 0, tile, ws.dq_tile_rows(f, si, hq, pnl) + (int64_t)m0 * 64, kBarWg + wg, wt,
+                                      16 * wq + g, q4);
+                };
+                panel_product(pnl0);  // warpgroup 0: panel 0; warpgroup 1: panel 2
+                if (wg == 0) {
+                    panel_store(sSlot, 0);
+                    panel_product(1);
+                }
+                named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
+                panel_store(slot[0], wg == 0 ? 1 : pnl0);
+            } else {
+                // d = 256: two panels per warpgroup, in one product, into slots 0 and 1
+                static_assert(DQ0 == DQ1 && DQ0 == 128, "d = 256 splits dQ 128 + 128");
+                float dq[DQ0 / 2];
                 wg_fence();  // dq's registers were last written by ordinary instructions
-                wide_dq_product<N, BN, T>(d, tdS, tK + pnl0 * BN * kPanelRowBytes);
+                wide_dq_product<DQ0, BN, T>(dq, tdS, tK + pnl0 * BN * kPanelRowBytes);
                 wg_commit();
                 wg_wait<0>();
-                reg_fence(d);
+                reg_fence(dq);
                 reg_fence(acc);
-            };
-            auto dq_store = [&](auto& d) {
-                constexpr int NJ = sizeof(d) / sizeof(float) / 4;  // n8 tiles; 8 per panel
-                static_assert(NJ / 8 <= 2, "at most two dQ panels per warpgroup (two slots)");
+                named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
 #pragma unroll
-                for (int pp = 0; pp < NJ / 8; ++pp)
-                    reduce_dq_tile<NJ>(d, 8 * pp, slot[pp], ws.dq_tile_rows(f, si, hq, pnl0 + pp) + (int64_t)m0 * 64,
-                                       kBarWg + wg, wt, 16 * wq + g, q4);
-            };
-            if (DQ0 == DQ1 || wg == 0) dq_product(dq);
-            else dq_product(dq1);
-            named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
-            if (DQ0 == DQ1 || wg == 0) dq_store(dq);
-            else dq_store(dq1);
+                for (int pp = 0; pp < 2; ++pp)
+                    reduce_dq_tile<DQ0 / 8>(dq, 8 * pp, slot[pp], ws.dq_tile_rows(f, si, hq, pnl0 + pp) + (int64_t)m0 * 64,
+                                            kBarWg + wg, wt, 16 * wq + g, q4);
+            }
         } else {
             wg_wait<0>();
             reg_fence(acc);
