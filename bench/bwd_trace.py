@@ -23,8 +23,7 @@ import torch
 
 kc.load_lib()
 NS, NE = 64, 12
-buf = (ctypes.c_longlong * (2 * NS * NE))()
-kc.lib.cf_bwd_trace_read.argtypes = [ctypes.c_void_p]
+read_trace = kc.trace_reader("cf_bwd_trace_read", (2, NS, NE))
 dev = torch.device("cuda")
 points = sys.argv[1:] or ["128,0,8192", "128,0,16384", "64,0,8192"]
 # (name, from event, to event); "tail" ends at the next step's event 0
@@ -42,10 +41,9 @@ for pt in points:
     ws = torch.empty(kc.lib.cf_bwd_workspace_size(ctypes.byref(bp)) // 4 + 64, dtype=torch.float32, device=dev)
     for _ in range(3):  # warm up, then the probed call
         kc.check(kc.lib.cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream), "cf_bwd")
-    assert kc.lib.cf_bwd_trace_read(buf) == 0
+    read_trace()  # clears what the warm-up calls recorded
     kc.check(kc.lib.cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream), "cf_bwd")
-    assert kc.lib.cf_bwd_trace_read(buf) == 0
-    t = torch.tensor(list(buf), dtype=torch.float64).view(2, NS, NE)
+    t = read_trace()
     for wg in range(2):
         rows = [s for s in range(4, NS - 1) if t[wg, s + 1, 0] > 0 and (t[wg, s] > 0).all()]
         if not rows:

@@ -12,15 +12,14 @@ blocks (first 4 and those past the tile's end dropped):
   PV     waiting for P(j-1) V(j-1) after the softmax
   tail   O rescale + conversion of P (up to the next block's first event)
 usage: CF_BUILD_DIR=bench/out_trace fwd_trace.py [dtype,d,causal,N ...] (dtype bf16 / f16 / e4m3)"""
-import ctypes, os, sys
+import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_check as kc
 import torch
 
 kc.load_lib()
 NB, NE = 64, 8
-buf = (ctypes.c_longlong * (4 * NB * NE))()
-kc.lib.cf_fwd_trace_read.argtypes = [ctypes.c_void_p]
+read_trace = kc.trace_reader("cf_fwd_trace_read", (4, NB, NE))
 dev = torch.device("cuda")
 points = sys.argv[1:] or ["e4m3,128,0,16384", "bf16,128,0,16384", "bf16,64,0,2048", "bf16,256,0,16384"]
 names = ["data", "turn", "iss_S", "iss_PV", "S", "smax", "PV", "tail", "step"]
@@ -38,10 +37,9 @@ for pt in points:
         call = lambda: (keep, kc.call_fwd(fp, ws, stream))[1]  # noqa: E731
     for _ in range(3):  # warm up, then the probed call
         kc.check(call(), "cf_fwd")
-    assert kc.lib.cf_fwd_trace_read(buf) == 0
+    read_trace()  # clears what the warm-up calls recorded
     kc.check(call(), "cf_fwd")
-    assert kc.lib.cf_fwd_trace_read(buf) == 0
-    t = torch.tensor(list(buf), dtype=torch.float64).view(4, NB, NE)
+    t = read_trace()
     for wg in range(4):
         rows = [j for j in range(4, NB - 1) if t[wg, j, 0] > 0 and t[wg, j + 1, 0] > 0 and t[wg, j, 7] > 0]
         if not rows:

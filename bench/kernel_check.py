@@ -964,6 +964,20 @@ def bad_tables(dev):
 
 
 # ----------------------------------------------------------------------------- timing
+def trace_reader(fn_name, shape):
+    """A timeline probe's reader (CF_FWD_TRACE / CF_BWD_TRACE builds): a function that copies the
+    probe's clock64 buffer out of the library (and clears it) as a float64 tensor of `shape`."""
+    n = math.prod(shape)
+    buf = (ctypes.c_longlong * n)()
+    fn = getattr(lib, fn_name)
+    fn.argtypes = [ctypes.c_void_p]
+
+    def read():
+        assert fn(buf) == 0, f"{fn_name} failed"
+        return torch.tensor(list(buf), dtype=torch.float64).view(*shape)
+    return read
+
+
 def bench_setup(c, dev):
     """Inputs (seed 0), a fresh O, forward parameters writing it (and a fresh lse), the forward
     workspace and the current stream, for timing case `c` (batched, one sequence length)."""

@@ -14,6 +14,15 @@ bool sm90a_available();
 // Streaming multiprocessors of the current device.
 cudaError_t current_sm_count(int& sms);
 
+// The timeline probes (CF_FWD_TRACE / CF_BWD_TRACE builds, bench/*_trace.py): copies a probe's
+// device buffer `sym` out to dst, then clears it; 0 on success.
+template <typename Sym>
+inline int read_and_clear_trace(const Sym& sym, long long* dst) {
+    static const Sym zeros = {};
+    if (cudaDeviceSynchronize() != cudaSuccess || cudaMemcpyFromSymbol(dst, sym, sizeof(Sym)) != cudaSuccess) return 1;
+    return cudaMemcpyToSymbol(sym, &zeros, sizeof(Sym)) == cudaSuccess ? 0 : 1;
+}
+
 // mma.sync forward (sm80/fwd.cu), every head-dim tile of config.cuh; kPaged: K/V through the
 // block table (p.block_table set), else contiguous.
 template <typename T, int D, bool kPaged>

@@ -12,11 +12,5 @@ template cudaError_t run_bwd_tc<__nv_bfloat16, 256>(const CfBwdParams&, const Bw
 
 #ifdef CF_BWD_TRACE
 // The backward probe's buffer (bench/bwd_trace.py): copies it out (then clears it); 0 on success.
-extern "C" int cf_bwd_trace_read(long long* dst) {
-    const size_t bytes = sizeof(long long) * 2 * cf::kBwdTraceSteps * cf::kBwdTraceEvents;
-    if (cudaDeviceSynchronize() != cudaSuccess || cudaMemcpyFromSymbol(dst, cf::g_bwd_trace, bytes) != cudaSuccess)
-        return 1;
-    static long long zeros[2 * cf::kBwdTraceSteps * cf::kBwdTraceEvents] = {};
-    return cudaMemcpyToSymbol(cf::g_bwd_trace, zeros, bytes) == cudaSuccess ? 0 : 1;
-}
+extern "C" int cf_bwd_trace_read(long long* dst) { return cf::read_and_clear_trace(cf::g_bwd_trace, dst); }
 #endif

@@ -604,11 +604,5 @@ CF_INST_FWD_SM90(FwdSm90Fp8TraitsD256)
 
 #ifdef CF_FWD_TRACE
 // The probe's buffer (bench/fwd_trace.py): copies it out (then clears it); 0 on success.
-extern "C" int cf_fwd_trace_read(long long* dst) {
-    const size_t bytes = sizeof(long long) * 4 * cf::kTraceBlocks * cf::kTraceEvents;
-    if (cudaDeviceSynchronize() != cudaSuccess || cudaMemcpyFromSymbol(dst, cf::g_fwd_trace, bytes) != cudaSuccess)
-        return 1;
-    static long long zeros[4 * cf::kTraceBlocks * cf::kTraceEvents] = {};
-    return cudaMemcpyToSymbol(cf::g_fwd_trace, zeros, bytes) == cudaSuccess ? 0 : 1;
-}
+extern "C" int cf_fwd_trace_read(long long* dst) { return cf::read_and_clear_trace(cf::g_fwd_trace, dst); }
 #endif
