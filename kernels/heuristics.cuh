@@ -122,7 +122,7 @@ inline int bwd_sm90_tile(int rounded_d) { return rounded_d == 96 ? 128 : rounded
 // 25% more products per step against the step's fixed costs). CF_BWD_BM80 (build-time, for A/B
 // runs): 0 = always 64 (the 80 kernels are not built), 1 = 80 without causal or window masks
 // (FA3's choice), 2 = always 80. Default 0: the 80 step measured level with 64 from 4k and 2-6%
-// slower below (bench/NOTES.md "Backward: the 80-query step"); its P^T cannot overlap dP^T's
+// slower below (bench/NOTES.md "Backward, ninth session": the 80-query step); its P^T cannot overlap dP^T's
 // product (ptxas then serialised every wgmma for registers).
 #ifndef CF_BWD_BM80
 #define CF_BWD_BM80 0
@@ -135,7 +135,8 @@ inline int bwd_sm90_block_m(const CfFwdParams& f) {
 // DkdvCta): under causal-like masks the first key blocks of a head carry the most steps, and in
 // launch order (key block fastest) the last head's heaviest CTA starts in the last wave. Only on
 // grids of at most 4 waves: there one CTA is a large part of an SM's work (GQA 4:1 causal, N = 8k:
-// 512 CTAs, the heaviest 512 steps against ~1000 per SM; bwd +20%, N = 2k +35%), while on larger
+// 512 CTAs, the heaviest 512 steps against ~1000 per SM; bwd +24% on an H200, +7% on an H100;
+// N = 2k +31-34%), while on larger
 // grids of many heads (N = 2k, B = 8: 2048 CTAs) key block slowest loses the heads' Q / dO
 // locality in L2 (-15%) and the tail is a few percent (bench/NOTES.md "Backward, ninth session").
 inline bool bwd_heavy_first(const CfFwdParams& f, int64_t ctas, int sms) {
