@@ -122,8 +122,8 @@ inline int bwd_sm90_tile(int rounded_d) { return rounded_d == 96 ? 128 : rounded
 // 25% more products per step against the step's fixed costs). CF_BWD_BM80 (build-time, for A/B
 // runs): 0 = always 64 (the 80 kernels are not built), 1 = 80 without causal or window masks
 // (FA3's choice), 2 = always 80. Default 0: the 80 step measured level with 64 from 4k and 2-6%
-// slower below (bench/NOTES.md "Backward, ninth session": the 80-query step); its P^T cannot overlap dP^T's
-// product (ptxas then serialised every wgmma for registers).
+// slower below (bench/NOTES.md "Backward, ninth session": the 80-query step); its P^T cannot
+// overlap dP^T's product (ptxas then serialised every wgmma for registers).
 #ifndef CF_BWD_BM80
 #define CF_BWD_BM80 0
 #endif
