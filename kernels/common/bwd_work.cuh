@@ -33,9 +33,10 @@ struct BwdWs {
     __device__ __forceinline__ float* dq_accum_rows(const CfFwdParams& f, const SeqInfo& si, int h) const {
         return dq_accum + si.q_row0 * ((int64_t)f.h * f.d) + (int64_t)h * f.d;
     }
-    // Tiled layout: the [rows][64] column panel pnl of head h, from row 0 of sequence si.
-    __device__ __forceinline__ float* dq_tile_rows(const CfFwdParams& f, const SeqInfo& si, int h, int pnl) const {
-        return dq_accum + (((int64_t)h * dq_panels(f.d) + pnl) * (total_q + kDqSpareRows) + si.q_row0) * 64;
+    // Tiled layout: row `row` (from row 0 of sequence si) of the [rows][64] column panel pnl of head h.
+    __device__ __forceinline__ float* dq_tile_rows(const CfFwdParams& f, const SeqInfo& si, int h, int pnl,
+                                                   int64_t row) const {
+        return dq_accum + (((int64_t)h * dq_panels(f.d) + pnl) * (total_q + kDqSpareRows) + si.q_row0 + row) * 64;
     }
     static constexpr int kDqSpareRows = 128;
     static __host__ __device__ __forceinline__ int dq_panels(int d) { return (d + 63) / 64; }

@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const CfBwdParams p
     const float scale = f.softmax_scale;
     if (ws.dq_tiled) {
         for (int c = lane; c < f.d; c += 32) {
-            const float* row = ws.dq_tile_rows(f, si, h, c >> 6) + (int64_t)i * 64;
+            const float* row = ws.dq_tile_rows(f, si, h, c >> 6, i);
             dst[c] = from_float<T>(row[((((c & 63) >> 3) ^ (i & 7)) << 3) + (c & 7)] * scale);
         }
     } else {
@@ -432,11 +432,15 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
     cudaError_t e;
     // dK/dV (+ atomic dQ): one CTA per kBlockN keys of a KV head (and GQA split); the sm_90a
     // kernels also take the TMA maps of Q and dO (query blocks of kBlockM rows) as `extra`
+    auto dkdv_grid = [&](auto traits) {
+        using Kt = decltype(traits);
+        return dim3((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
+    };
     auto launch_dkdv = [&](auto kern, auto traits, const BwdWs& kws, auto... extra) -> cudaError_t {
         using Kt = decltype(traits);
         cudaError_t err = set_smem(kern, Kt::kSmemBytes);
         if (err != cudaSuccess) return err;
-        const dim3 grid((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
+        const dim3 grid = dkdv_grid(traits);
         if (grid.x == 0) return cudaSuccess;
         kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, kws, extra...);
         return cudaGetLastError();
@@ -448,8 +452,8 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
         const cudaError_t err = current_sm_count(sms);
         if (err != cudaSuccess) return err;
         BwdWs ws90 = ws;
-        const int64_t ctas = (int64_t)((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN) * f.hkv * ws.nsplit * f.b;
-        ws90.heavy_first = bwd_heavy_first(f, ctas, sms);
+        const dim3 grid = dkdv_grid(traits);
+        ws90.heavy_first = bwd_heavy_first(f, (int64_t)grid.x * grid.y * grid.z, sms);
         return launch_dkdv(kern, traits, ws90, make_bwd_tma_maps(p, Kt::kBlockM));
     };
     bool done = false;

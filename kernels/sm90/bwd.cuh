@@ -306,17 +306,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const bool trace = blockIdx.x == 1 && blockIdx.y == 0 && blockIdx.z == 0;
 #endif
 
+    // step s's rows of dq_accum for this warpgroup's tile (d = 64: query rows 64 wg.. of panel 0;
+    // d = 128, either product: all the step's rows of panel wg)
+    auto dq_dst = [&](int s) {
+        return ws.dq_tile_rows(f, si, w.head(s), D == 64 ? 0 : wg, w.row0(s) + (D == 64 ? 64 * wg : 0));
+    };
+    constexpr bool kLateFlush = CF_BWD_LATE_FLUSH != 0 && !kDqT;
     // dQ of step s (both warpgroups' halves of dS^T(s) in shared memory): dQ = dS K, then the tile
     // -> shared -> one bulk reduction into the tiled dq_accum (d = 64: warpgroup w takes query rows
     // 64w.. (panel w of dS^T) and all 64 columns, i.e. panel 0 of dq_accum; d = 128: all 64 query
     // rows and columns 64w.. (panel w of K and of dq_accum)). Waits for every product this
     // warpgroup has issued.
-    // step s's rows of dq_accum for this warpgroup's tile
-    auto dq_dst = [&](int s) {
-        const int pnl = D == 64 ? 0 : wg, r0 = w.row0(s) + (D == 64 ? 64 * wg : 0);
-        return ws.dq_tile_rows(f, si, w.head(s), pnl) + (int64_t)r0 * 64;
-    };
-    constexpr bool kLateFlush = CF_BWD_LATE_FLUSH != 0 && !kDqT;
     auto dq_step = [&](int s) {
         const int buf = s & 1;
         const uint32_t tdSi = tdS + buf * BN * BM * 2;
@@ -334,8 +334,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             reg_fence(dqt);
             if (wt == 0) bulk_wait_read<0>();  // the previous reduction has read the staging tile
             named_bar_sync(1 + wg, 128);
-            reduce_dqt_tile<BM>(dqt, sDq + wg * BM * 64, ws.dq_tile_rows(f, si, w.head(s), wg) + (int64_t)w.row0(s) * 64,
-                                1 + wg, wt, 16 * wq + g, q4);
+            reduce_dqt_tile<BM>(dqt, sDq + wg * BM * 64, dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
             return;
         }
         const uint32_t tA = D == 64 ? tdSi + wg * BN * kPanelRowBytes : tdSi;

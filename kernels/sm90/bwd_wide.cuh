@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                     reg_fence(acc);
                 };
                 auto panel_store = [&](float* tile, int pnl) {
-                    reduce_dq_tile<8>(dqp, 0, tile, ws.dq_tile_rows(f, si, hq, pnl) + (int64_t)m0 * 64, kBarWg + wg, wt,
+                    reduce_dq_tile<8>(dqp, 0, tile, ws.dq_tile_rows(f, si, hq, pnl, m0), kBarWg + wg, wt,
                                       16 * wq + g, q4);
                 };
                 panel_product(pnl0);  // warpgroup 0: panel 0; warpgroup 1: panel 2
@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
 #pragma unroll
                 for (int pp = 0; pp < 2; ++pp)
-                    reduce_dq_tile<DQ0 / 8>(dq, 8 * pp, slot[pp], ws.dq_tile_rows(f, si, hq, pnl0 + pp) + (int64_t)m0 * 64,
+                    reduce_dq_tile<DQ0 / 8>(dq, 8 * pp, slot[pp], ws.dq_tile_rows(f, si, hq, pnl0 + pp, m0),
                                             kBarWg + wg, wt, 16 * wq + g, q4);
             }
         } else {

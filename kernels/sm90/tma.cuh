@@ -205,14 +205,10 @@ __device__ __forceinline__ void stage_dq_tile(const float (&dq)[4 * NJ], int j0,
         }
 }
 
-// One warpgroup's dQ tile out: stage n8 tiles j0 .. j0 + 7 of `dq` into `tile` (stage_dq_tile),
-// publish the stores to the async proxy and to the warpgroup (named barrier `wg_bar`, 128
-// threads), then thread wt == 0 issues the 16 KB bulk reduction into `gdst` and commits it. The
-// caller has made sure, before this, that the previous reduction from `tile` has read it
-// (bulk_wait_read by thread 0, then the same barrier).
-// The second half of reduce_dq_tile, for a tile staged earlier (stage_dq_tile): publish the
-// stores, then thread wt == 0 issues the bulk reduction of `bytes` into gdst.
-__device__ __forceinline__ void flush_dq_tile(const float* tile, float* gdst, int wg_bar, int wt, uint32_t bytes = 64 * 64 * 4) {
+// A staged dQ tile out (the second half of reduce_dq_tile; bwd.cuh also calls it a step after the
+// staging): publish the stores, then thread wt == 0 issues the bulk reduction of `bytes` into gdst.
+__device__ __forceinline__ void flush_dq_tile(const float* tile, float* gdst, int wg_bar, int wt,
+                                              uint32_t bytes = 64 * 64 * 4) {
     fence_async_smem();  // st.shared (generic proxy) -> bulk copy (async proxy)
     named_bar_sync(wg_bar, 128);
     if (wt == 0) {
@@ -220,16 +216,17 @@ __device__ __forceinline__ void flush_dq_tile(const float* tile, float* gdst, in
         bulk_commit();
     }
 }
+
+// One warpgroup's dQ tile out: stage n8 tiles j0 .. j0 + 7 of `dq` into `tile` (stage_dq_tile),
+// publish the stores to the async proxy and to the warpgroup (named barrier `wg_bar`, 128
+// threads), then thread wt == 0 issues the 16 KB bulk reduction into `gdst` and commits it. The
+// caller has made sure, before this, that the previous reduction from `tile` has read it
+// (bulk_wait_read by thread 0, then the same barrier).
 template <int NJ>
 __device__ __forceinline__ void reduce_dq_tile(const float (&dq)[4 * NJ], int j0, float* tile, float* gdst, int wg_bar,
                                                int wt, int r0, int q4) {
     stage_dq_tile<NJ>(dq, j0, tile, r0, q4);
-    fence_async_smem();  // st.shared (generic proxy) -> bulk copy (async proxy)
-    named_bar_sync(wg_bar, 128);
-    if (wt == 0) {
-        bulk_reduce_add_f32(gdst, smem_addr(tile), 64 * 64 * 4);
-        bulk_commit();
-    }
+    flush_dq_tile(tile, gdst, wg_bar, wt);
 }
 
 // The transposed product's dQ tile: [ROWS][64] f32 (same tiled layout) from the m64 x nROWS
