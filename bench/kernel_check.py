@@ -696,6 +696,23 @@ def matrix(quick):
         C("p-bf16-d128-packed-causal", "bf16", b=2, h=40, hkv=8, sq=1000, d=128, layout="packed", wl=-1, wr=0, bwd=False),
         C("p-f16-d64-bhsd", "f16", b=2, h=40, sq=1000, sk=700, d=64, layout="bhsd", bwd=False),
     ]
+    # the wide key blocks of long sequences (heuristics.cuh fwd_sm90_long: 128 x 176 at d = 128,
+    # 128 x 96 at d = 192, 128 x 80 at d = 256): blocks that are no power of two against varlen
+    # ends (the cp.async path), masks, softcap / ALiBi, paged K/V, fully masked rows
+    cases += [
+        C("l-bf16-d128-long-varlen-gqa", "bf16", h=8, hkv=2, d=128,
+          varlen=[(2100, 2300), (17, 1023), (0, 5), (2049, 2500)], bwd=False),
+        C("l-f16-d128-long-causal-softcap", "f16", b=1, h=4, sq=4100, sk=4200, d=128, wl=-1, wr=0, softcap=3.0,
+          qmul=3, bwd=False),
+        C("l-bf16-d128-long-paged-pg16", "bf16", h=4, hkv=2, d=128, varlen=[(2100, 2200), (3, 0), (2049, 2117)],
+          bwd=False, page=16),
+        C("l-bf16-d192-long-window-alibi", "bf16", b=1, h=4, hkv=2, sq=1100, sk=1300, d=192, wl=200, wr=0,
+          alibi="bh", bwd=False),
+        C("l-f16-d160-long-fullmask-rows", "f16", b=1, h=2, sq=1200, sk=1100, d=160, wl=3, wr=0, bwd=False),
+        C("l-f16-d256-long", "f16", b=1, h=4, sq=4097, sk=4500, d=256, bwd=False),
+        C("l-bf16-d256-long-causal-varlen", "bf16", h=2, hkv=1, d=256, varlen=[(8200, 8300), (5, 0), (17, 17)],
+          wl=-1, wr=0, bwd=False),
+    ]
     # decode shapes (split-KV path: sq <= 16, sk >= 256, d tile 64/128, f16/bf16/f32)
     G = "dec-"
     cases += [

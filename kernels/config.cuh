@@ -66,6 +66,9 @@ struct SplitTraits {
 };
 
 // ------------------------------------------------------------------ forward (sm_90a wgmma)
+#ifndef CF_FWD_EARLY_RESCALE
+#define CF_FWD_EARLY_RESCALE -1
+#endif
 // Warp-specialised CTA: kNWarpGroups consumer warpgroups, each owning 64 query rows (one m64
 // wgmma tile) and looping over kBlockN keys per step, plus one producer warpgroup that issues
 // the cp.async loads of Q and of the K / V ring (kStages stages, mbarrier-guarded).
@@ -119,6 +122,13 @@ struct FwdSm90Traits {
     // instead of registers (RS), which frees its 32 registers for the wider S (kBlockN = 256:
     // S 128 + O 64, no P fragments).
     static constexpr bool kPSmem = kFp8 && kBlockN > 128;
+    // Where O is rescaled by a block's softmax correction (sm90/fwd.cu FwdMainloop): at the end of
+    // the step (after the previous P V completed) or, early, in the next step between issuing S
+    // and P V (FlashAttention-3's place, off the step's critical tail). Early pays where O is
+    // large: 16-bit d = 256 (H100: +6-8% at 8k-16k on the 64-key tile, +1-3% on the 80-key one);
+    // at d = 64 / 128 / 192 it measured level (within +-3%), on e4m3 1-4% slower.
+    // CF_FWD_EARLY_RESCALE=0 / 1 forces it for A/B runs.
+    static constexpr bool kEarlyRescale = CF_FWD_EARLY_RESCALE < 0 ? (!kFp8 && kHeadDim == 256) : CF_FWD_EARLY_RESCALE != 0;
     static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
     static constexpr int kKVStageBytes = kBlockN * kHeadDim * kElemBytes;
 
@@ -127,7 +137,7 @@ struct FwdSm90Traits {
                   "e4m3: V^T tiles are whole 128-key panels; O (16-bit) has its own buffer");
     static_assert(kFp8 || std::is_same<Out_, T_>::value, "16-bit inputs: output of the same type");
     static_assert(kStages >= 2, "K/V ring");
-    static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N (S = Q K^T)");
+    static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N of S = Q K^T; P V in k-steps of 16 keys");
     static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "load_panels row passes (128 producer threads)");
     static_assert(kQBytes % 1024 == 0 && kKVStageBytes % 1024 == 0, "tiles stay 1024-byte aligned");
     static_assert(kConsumerRegs > kLaunchRegs, "setmaxnreg: consumers gain what the producer gives up");
@@ -140,15 +150,34 @@ struct FwdSm90Traits {
 //            +2-14% over 192 x 96 from 4k: bench/NOTES.md "Forward d = 64: 192 x 128"; 128 x 128
 //            and persistent launches measured 2-10% slower than 192 x 96 there).
 //   D = 128: 128 x 128 tiles, persistent; 3 stages (output staged in Q: no room for a buffer).
+//   D = 192: 128 x 64 tiles, 3 stages, persistent (Q 48 KB + K/V 144 KB).
+//   D = 256: 128 x 64 tiles, 2 stages, persistent (Q 64 KB + K/V 128 KB). O 128 + S 32 + P 16.
+// and for long sequences (heuristics.cuh fwd_sm90_config) wider key blocks in 2 stages, which
+// spread the per-block fixed costs (row max / sum, the O rescale, barriers) over more keys:
+//   D = 128: 128 x 176 (FlashAttention-3's tile; Q 32 KB + K/V 176 KB; S 88 + P 44 + O 64).
+//   D = 192: 128 x 96 (Q 48 KB + K/V 144 KB; S 48 + P 24 + O 96).
+//   D = 256: 128 x 80 (FlashAttention-3's; Q 64 KB + K/V 160 KB; S 40 + P 20 + O 128; 40 bytes
+//            of loop-invariant words spilled, loaded once per block).
+//   H100, same runs (bench/NOTES.md "Forward: wider key blocks"): +10-15% from 8k at d = 192 /
+//   256, +4-5% at d = 128; up to 17% slower at 512-2k causal (fewer stages, wider diagonal blocks).
+// The wide widths are build-time parameters for A/B runs (CF_FWD_D*_LONG_BN; 16-key multiples).
+#ifndef CF_FWD_D128_LONG_BN
+#define CF_FWD_D128_LONG_BN 176
+#endif
+#ifndef CF_FWD_D192_LONG_BN
+#define CF_FWD_D192_LONG_BN 96
+#endif
+#ifndef CF_FWD_D256_LONG_BN
+#define CF_FWD_D256_LONG_BN 80
+#endif
 template <typename T> using FwdSm90TraitsD64Short = FwdSm90Traits<T, 64, 128, 2, 4, true, true, true>;
 template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 128, 3, 4, true, false, false>;
 template <typename T> using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, 3, true, true, false>;
-//   D = 192: 128 x 64 tiles, 3 stages, persistent (Q 48 KB + K/V 144 KB). 128 x 96 with 2 stages
-//            spilled 12 bytes at 232 consumer registers (O 96 + S 48 + P 24), 28 at 224.
-//   D = 256: 128 x 64 tiles, 2 stages, persistent (Q 64 KB + K/V 128 KB; FA3 uses 128 x 80,
-//            which our 32-key granularity of the mask code rules out). O 128 + S 32 + P 16.
 template <typename T> using FwdSm90TraitsD192 = FwdSm90Traits<T, 192, 64, 2, 3, true, true, false>;
 template <typename T> using FwdSm90TraitsD256 = FwdSm90Traits<T, 256, 64, 2, 2, true, true, false>;
+template <typename T> using FwdSm90TraitsD128Long = FwdSm90Traits<T, 128, CF_FWD_D128_LONG_BN, 2, 2, true, true, false>;
+template <typename T> using FwdSm90TraitsD192Long = FwdSm90Traits<T, 192, CF_FWD_D192_LONG_BN, 2, 2, true, true, false>;
+template <typename T> using FwdSm90TraitsD256Long = FwdSm90Traits<T, 256, CF_FWD_D256_LONG_BN, 2, 2, true, true, false>;
 // e4m3 inputs (Out = f16 / bf16 output), 128 x 128 tiles, persistent, ping-pong:
 //   D = 128 (d <= 128): Q 16 KB + K, V^T 4 x 2 x 16 KB + O 32 KB. O 64 + S 64 + P 16 registers.
 //   D = 256: Q 32 KB + K, V^T 2 x 2 x 32 KB + O 64 KB = 224 KB. O 128 + S 64 + P 16.

@@ -142,7 +142,7 @@ inline int bwd_sm90_block_m(const CfFwdParams& f) {
 inline bool bwd_heavy_first(const CfFwdParams& f, int64_t ctas, int sms) {
     return f.window_right >= 0 && ctas <= 4 * (int64_t)sms;
 }
-enum class FwdSm90Config { kD64Short, kD64, kD128, kD192, kD256 };
+enum class FwdSm90Config { kD64Short, kD64, kD128, kD192, kD256, kD128Long, kD192Long, kD256Long };
 
 // e4m3 forward (sm_90a only): the 128 head-dim tile up to d = 128 (d = 64 with zero-filled
 // columns: 8-bit rows of 64 bytes would need a second swizzle mode), else the 256 tile.
@@ -179,13 +179,22 @@ inline Fp8VtLayout fp8_vt_layout(const CfFwdParams& p) {
     return l;
 }
 constexpr int kFwdSm90D64ShortMaxSeq = 2048;
+// Sequence lengths from which the wide key blocks (config.cuh "...Long") pay, per head-dim tile
+// (H100, bench/NOTES.md "Forward: wider key blocks"): below, their two stages (three for the
+// narrow d = 128 / 192 tiles) and wider diagonal blocks cost more than the fewer per-block fixed
+// costs save (d = 128: -17% at 512 causal, -2-4% at 2k; level at 4k, +4-5% from 8k).
+inline bool fwd_sm90_long(const CfFwdParams& p, int tile) {
+    const bool masked = p.window_right >= 0;  // causal-like: diagonal blocks
+    const int from = tile == 128 ? 4096 : tile == 192 ? 1024 : (masked ? 8192 : 4096);
+    return p.seqlen_k >= from && p.seqlen_q >= from;
+}
 inline FwdSm90Config fwd_sm90_config(const CfFwdParams& p) {
     switch (round_head_dim(p.d)) {
         case 64: return p.seqlen_q <= kFwdSm90D64ShortMaxSeq ? FwdSm90Config::kD64Short : FwdSm90Config::kD64;
         case 96:
-        case 128: return FwdSm90Config::kD128;
-        case 192: return FwdSm90Config::kD192;
-        default: return FwdSm90Config::kD256;
+        case 128: return fwd_sm90_long(p, 128) ? FwdSm90Config::kD128Long : FwdSm90Config::kD128;
+        case 192: return fwd_sm90_long(p, 192) ? FwdSm90Config::kD192Long : FwdSm90Config::kD192;
+        default: return fwd_sm90_long(p, 256) ? FwdSm90Config::kD256Long : FwdSm90Config::kD256;
     }
 }
 

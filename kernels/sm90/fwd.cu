@@ -30,7 +30,8 @@
 // Per key block j (last one first), each consumer warpgroup (as in FlashAttention-3):
 //   S(j) = Q K(j)^T (wgmma_ss) and O += P(j-1) V(j-1) (wgmma_rs, P from registers) are issued
 //   back to back; the softmax of block j runs while the tensor cores finish P V; O is rescaled
-//   by block j's correction only after P(j-1) V(j-1) has completed.
+//   by block j's correction after P(j-1) V(j-1) has completed, at the end of the step or
+//   (Kt::kEarlyRescale, d = 256) in the next step between issuing S(j+1) and P(j) V(j).
 // e4m3 inputs (Kt::kFp8; FlashAttention-3's FP8 forward): both products on 8-bit wgmma (k32),
 // which reads both operands K-major. So V is transposed first (fp8_transpose_v_kernel, into the
 // workspace: Fp8VtLayout in heuristics.cuh) and the producer loads V^T tiles [D][kBlockN keys]
@@ -289,6 +290,7 @@ struct FwdMainloop {
     static constexpr int KS = D / KK;   // k steps of Q K^T
     static constexpr int PS = BN / KK;  // k steps of P V
     static constexpr uint32_t kStageBytes = Kt::kKVStageBytes;
+    static constexpr bool kEarlyRescale = Kt::kEarlyRescale;
 
     float o[D / 2];
     OnlineSoftmax<2> softmax;  // rows g and g + 8 of this warp
@@ -373,6 +375,11 @@ struct FwdMainloop {
             }
         };
 
+        // The correction of the last softmax block: O is rescaled by it before P V of that block
+        // is issued, either at the end of the step (after the previous P V completed) or, with
+        // kEarlyRescale, in the next step between issuing S and P V (FlashAttention-3's place:
+        // the rescale runs while S is on the tensor cores, not on the step's critical tail).
+        float corr[2];
         // Block 0: S only (nothing to multiply with V yet).
         {
             pl.k().consumer_wait(kv);
@@ -384,7 +391,6 @@ struct FwdMainloop {
             wg_wait<0>();
             reg_fence(s);
             pl.k().consumer_release(kv, lane);
-            float corr[2];
             softmax_block(s, (t.nb_hi - 1) * BN, corr);  // corr = 0 or 1 on o = 0: nothing to rescale
             to_p(s);
         }
@@ -399,6 +405,10 @@ struct FwdMainloop {
             wg_fence();
             issue_s(s, pl.k().stage(kv + j));
             CF_TRACE(trace, turn.wg, j, 3);
+            if constexpr (kEarlyRescale) {
+                scale_rows<1, DT>(o, corr);
+                wg_fence();  // o written by this thread -> read by the P V wgmma
+            }
             issue_pv(pl.v().stage(kv + j - 1));
             turn.pass(j == t.nblocks - 1);
             CF_TRACE(trace, turn.wg, j, 4);
@@ -406,7 +416,6 @@ struct FwdMainloop {
             reg_fence(s);
             CF_TRACE(trace, turn.wg, j, 5);
             pl.k().consumer_release(kv + j, lane);
-            float corr[2];
             softmax_block(s, (t.nb_hi - 1 - j) * BN, corr);
             CF_TRACE(trace, turn.wg, j, 6);
             wg_wait<0>();  // P(j-1) V(j-1) done: o and pa are free
@@ -415,11 +424,12 @@ struct FwdMainloop {
             for (int ks = 0; ks < (Kt::kPSmem ? 1 : PS); ++ks) reg_fence(pa[ks]);
             CF_TRACE(trace, turn.wg, j, 7);
             pl.v().consumer_release(kv + j - 1, lane);
-            scale_rows<1, DT>(o, corr);
+            if constexpr (!kEarlyRescale) scale_rows<1, DT>(o, corr);
             to_p(s);
         }
         const uint32_t kv_last = kv + t.nblocks - 1;
         pl.v().consumer_wait(kv_last);
+        if constexpr (kEarlyRescale) scale_rows<1, DT>(o, corr);
         wg_fence();
         issue_pv(pl.v().stage(kv_last));
         wg_wait<0>();
@@ -597,6 +607,9 @@ CF_INST_FWD_SM90(FwdSm90TraitsD64)
 CF_INST_FWD_SM90(FwdSm90TraitsD128)
 CF_INST_FWD_SM90(FwdSm90TraitsD192)
 CF_INST_FWD_SM90(FwdSm90TraitsD256)
+CF_INST_FWD_SM90(FwdSm90TraitsD128Long)
+CF_INST_FWD_SM90(FwdSm90TraitsD192Long)
+CF_INST_FWD_SM90(FwdSm90TraitsD256Long)
 CF_INST_FWD_SM90(FwdSm90Fp8TraitsD128)  // e4m3 inputs; the output type is the parameter
 CF_INST_FWD_SM90(FwdSm90Fp8TraitsD256)
 

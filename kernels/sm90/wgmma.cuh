@@ -80,7 +80,8 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_
         if constexpr (std::is_same<T, __half>::value) wgmma_ss_m64n##n##_f16<TA, TB>(d, da, db, scale_d); \
         else wgmma_ss_m64n##n##_bf16<TA, TB>(d, da, db, scale_d);                            \
     }
-    CF_WG_SS(32) CF_WG_SS(64) CF_WG_SS(80) CF_WG_SS(96) CF_WG_SS(128) CF_WG_SS(192) CF_WG_SS(256)
+    CF_WG_SS(32) CF_WG_SS(64) CF_WG_SS(80) CF_WG_SS(96) CF_WG_SS(112) CF_WG_SS(128) CF_WG_SS(144)
+    CF_WG_SS(160) CF_WG_SS(176) CF_WG_SS(192) CF_WG_SS(256)
 #undef CF_WG_SS
 }
 template <int N, typename T, int TB>
@@ -90,7 +91,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
         if constexpr (std::is_same<T, __half>::value) wgmma_rs_m64n##n##_f16<TB>(d, a, db, scale_d); \
         else wgmma_rs_m64n##n##_bf16<TB>(d, a, db, scale_d);                                 \
     }
-    CF_WG_RS(32) CF_WG_RS(64) CF_WG_RS(80) CF_WG_RS(96) CF_WG_RS(128) CF_WG_RS(192) CF_WG_RS(256)
+    CF_WG_RS(32) CF_WG_RS(64) CF_WG_RS(80) CF_WG_RS(96) CF_WG_RS(112) CF_WG_RS(128) CF_WG_RS(144)
+    CF_WG_RS(160) CF_WG_RS(176) CF_WG_RS(192) CF_WG_RS(256)
 #undef CF_WG_RS
 }
 // Four 8 x 8 matrices of 16-bit pairs, stored transposed (stmatrix .trans): register i of a lane
