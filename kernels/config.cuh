@@ -302,6 +302,10 @@ struct BwdDqTraits {
 #ifndef CF_BWD_PRODUCER64
 #define CF_BWD_PRODUCER64 0
 #endif
+// Stages of the d = 64 / 128 kernel's Q / dO ring (build-time, for A/B runs): 2 or 3.
+#ifndef CF_BWD_STAGES
+#define CF_BWD_STAGES 2
+#endif
 
 // kBlockM_ (d = 128 only; heuristics.cuh bwd_sm90_block_m chooses): 64 or 80 query rows per step.
 // With 80 (FA3's d = 128 step), S^T / dP^T are m64 x n80 per warpgroup and 80 rows are no whole
@@ -337,8 +341,12 @@ struct BwdSm90Traits {
                                      : kHeadDim == 64    ? CF_BWD_OVERLAP_P64
                                      : kBlockM_ == 80    ? CF_BWD_OVERLAP_P80
                                                          : CF_BWD_OVERLAP_P;
-    static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 4 * kBlockM * kHeadDim * 2 +
-                                      2 * kBlockN * kBlockM * 2 + 4 * kBlockM * 4 + 2 * kDqRows * 64 * 4 + 4 * 8;
+    // Stages of the Q / dO / lse / dsum ring (a third fits only the 64-query d = 128 step: 48
+    // bytes too many at d = 64, none left by the 80-query step).
+    static constexpr int kStages = kHeadDim == 128 && kBlockM == 64 ? CF_BWD_STAGES : 2;
+    static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 2 * kStages * kBlockM * kHeadDim * 2 +
+                                      2 * kBlockN * kBlockM * 2 + 2 * kStages * kBlockM * 4 + 2 * kDqRows * 64 * 4 +
+                                      2 * kStages * 8;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma backward: head-dim tiles 64 and 128");
     static_assert(kBlockN == 2 * 64, "one m64 slice of keys per warpgroup");

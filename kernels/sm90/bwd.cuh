@@ -13,7 +13,7 @@
 // products take as register A operands: no shared-memory round trip for P at all, and dS goes
 // through shared memory only for dQ.
 // Loads (v5, v7): Q / dO go by TMA (tma.cuh; cp.async where TMA cannot: a varlen query block
-// crossing the sequence end, or no tensor map) into a 2-stage ring guarded by mbarriers
+// crossing the sequence end, or no tensor map) into a ring of Kt::kStages stages guarded by mbarriers
 // (pipeline.cuh), lse / dsum by cp.async. At d = 128 (Kt::kProducerWG) a third, producer
 // warpgroup that setmaxnreg lowers to 24 registers (the consumers get 240) issues Q / dO from its
 // first warp, and warp 0 of the consumers copies lse / dsum one step ahead; at d = 64 warp 0
@@ -56,11 +56,11 @@ static __device__ long long g_bwd_trace[2][kBwdTraceSteps][kBwdTraceEvents];
 #endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Step it's lse / dsum rows (cp.async, zero past the sequence) into stage it % 2 of the ring, by
+// Step it's lse / dsum rows (cp.async, zero past the sequence) into stage pipe.stage(it) of the ring, by
 // one warp; the caller commits them on the stage's full barrier.
-template <int BM, typename Work>
+template <int BM, typename Work, typename Pipe>
 __device__ __forceinline__ void bwd_load_rows(const CfBwdParams& p, const BwdWs& ws, const Work& w,
-                                              const Pipeline<2>& pipe, int it, float* sL, float* sD, int lane) {
+                                              const Pipe& pipe, int it, float* sL, float* sD, int lane) {
     const CfFwdParams& f = p.fwd;
     const SeqInfo& si = w.si;
     const int st = pipe.stage(it), hq = w.head(it), m0 = w.row0(it);
@@ -75,14 +75,14 @@ __device__ __forceinline__ void bwd_load_rows(const CfBwdParams& p, const BwdWs&
 }
 
 // Step it's Q / dO (TMA, or cp.async for a varlen block crossing the sequence end / without maps)
-// into stage it % 2 of the ring, by one warp; every lane then commits one cp.async-tracking
+// into stage pipe.stage(it) of the ring, by one warp; every lane then commits one cp.async-tracking
 // arrival on the stage's full barrier. Waits until the stage's previous step released it
 // (pipe.producer_acquire). kProducer: the warp is the producer warpgroup's (24 registers), so its
 // cp.async passes run rolled and it leaves the lse / dsum rows to warp 0 of the consumers (below);
 // otherwise it copies them too.
-template <int BM, int D, bool kProducer, typename T, typename Work>
+template <int BM, int D, bool kProducer, typename T, typename Work, typename Pipe>
 __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs& ws, const BwdTmaMaps& maps,
-                                              const Work& w, const Pipeline<2>& pipe, int it, T* sQ, T* sdO, float* sL,
+                                              const Work& w, const Pipe& pipe, int it, T* sQ, T* sdO, float* sL,
                                               float* sD, int lane) {
     constexpr int C = D / 8;
     const CfFwdParams& f = p.fwd;
@@ -208,8 +208,8 @@ __device__ __forceinline__ void bwd_p_ds(const LogitInfo& li, const MaskInfo& mk
 // kLoader..kLoader + 31: warp 0, or the producer warpgroup's first warp, whose step 0 leaves out
 // the lse / dsum rows: the kernel's warp 0 copies them), then one CTA barrier
 // after which K / V are visible to wgmma.
-template <int NCT, int D, bool kProducerWG = false, typename T, typename Work, typename LoadStep>
-__device__ __forceinline__ void bwd_start(const CfFwdParams& f, const Work& w, const Pipeline<2>& pipe, T* sK, T* sV,
+template <int NCT, int D, bool kProducerWG = false, typename T, typename Work, typename Pipe, typename LoadStep>
+__device__ __forceinline__ void bwd_start(const CfFwdParams& f, const Work& w, const Pipe& pipe, T* sK, T* sV,
                                           LoadStep load_step, int tid) {
     constexpr int kLoader = kProducerWG ? NCT : 0;
     if (tid == 0) pipe.init(kProducerWG ? 64 : 32, 8);  // full: the loading warp (+ warp 0's rows)
@@ -242,13 +242,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
     T* sK = reinterpret_cast<T*>(smem_sm90);
     T* sV = sK + BN * D;
-    T* sQ = sV + BN * D;          // [2][BM*D]
-    T* sdO = sQ + 2 * BM * D;     // [2][BM*D]
-    T* sdS = sdO + 2 * BM * D;    // [2][BN][BM] (dS^T, double-buffered; kDqT: dS, [2][BM][BN])
-    float* sL = reinterpret_cast<float*>(sdS + 2 * BN * BM);  // [2][BM]
-    float* sD = sL + 2 * BM;                                  // [2][BM]
-    float* sDq = sD + 2 * BM;  // [2 warpgroups][kDqRows][64] dQ staging (f32)
-    uint64_t* bars = reinterpret_cast<uint64_t*>(sDq + 2 * Kt::kDqRows * 64);  // Pipeline<2>: full[2], empty[2]
+    constexpr int NST = Kt::kStages;
+    T* sQ = sV + BN * D;          // [NST][BM*D]
+    T* sdO = sQ + NST * BM * D;   // [NST][BM*D]
+    T* sdS = sdO + NST * BM * D;  // [2][BN][BM] (dS^T, double-buffered; kDqT: dS, [2][BM][BN])
+    float* sL = reinterpret_cast<float*>(sdS + 2 * BN * BM);  // [NST][BM]
+    float* sD = sL + NST * BM;                                // [NST][BM]
+    float* sDq = sD + NST * BM;  // [2 warpgroups][kDqRows][64] dQ staging (f32)
+    uint64_t* bars = reinterpret_cast<uint64_t*>(sDq + 2 * Kt::kDqRows * 64);  // Pipeline<NST>: full[NST], empty[NST]
 
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -267,7 +268,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         if constexpr (Kt::kProducerWG) named_bar_sync(kBarEpi, NCT);
         else __syncthreads();
     };
-    const Pipeline<2> pipe(smem_addr(bars));
+    const Pipeline<NST> pipe(smem_addr(bars));
     auto load_step = [&](int it) {
         bwd_load_step<BM, D, Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
     };
