@@ -266,9 +266,10 @@ struct BwdDqTraits {
 // head (64 keys each), looping over kBlockM query rows per step. Per step each warpgroup computes
 // S^T = K Q^T and dP^T = V dO^T for its keys (m64 x n kBlockM), then dV += P^T dO and dK += dS^T Q
 // with P^T / dS^T straight from registers; atomic mode: dS^T -> shared, dQ = dS K (m64 x n64 per
-// warpgroup). Shared (panel layout, wgmma.cuh): K, V [kBlockN][D]; Q, dO [2][kBlockM][D] (the
-// TMA ring); dS^T [2][kBlockN][kBlockM]; lse, dsum [2][kBlockM] (f32); dQ staging [2][64][64]
-// (f32, for the bulk reductions); the ring's 4 mbarriers. dK/dV staged through Q/dO at the end.
+// warpgroup). Shared (panel layout, wgmma.cuh): K, V [kBlockN][D]; Q, dO [kStages][kBlockM][D]
+// (the TMA ring); dS^T [2][kBlockN][kBlockM]; lse, dsum [kStages][kBlockM] (f32); dQ staging
+// [2 warpgroups][kDqSlots][kDqRows][64] (f32, for the bulk reductions); the ring's mbarriers.
+// dK/dV staged through Q/dO at the end.
 // How far the plain-logit step overlaps its elementwise work with its own products (d = 128 /
 // d = 64 tiles; build-time, for A/B runs; bench/NOTES.md "Backward v6"): 0 = backward v5's
 // lockstep step (P^T and dS^T after both products), 1 = P^T while dP^T runs, 2 = also dS^T while
@@ -302,6 +303,11 @@ struct BwdDqTraits {
 #ifndef CF_BWD_PRODUCER64
 #define CF_BWD_PRODUCER64 0
 #endif
+// dQ staging tiles per warpgroup of the d = 64 / 128 kernel (build-time, for A/B runs): 1 or 2
+// (2 measured level, 0.97-1.03x: bench/NOTES.md "Backward, tenth session").
+#ifndef CF_BWD_DQ_SLOTS
+#define CF_BWD_DQ_SLOTS 1
+#endif
 // Stages of the d = 64 / 128 kernel's Q / dO ring (build-time, for A/B runs): 2 or 3.
 #ifndef CF_BWD_STAGES
 #define CF_BWD_STAGES 2
@@ -325,6 +331,9 @@ struct BwdSm90Traits {
     static constexpr bool kDqTransposed = kBlockM == 80;
     // rows of one warpgroup's dQ staging tile (f32 x 64 columns)
     static constexpr int kDqRows = kHeadDim == 64 ? 64 : kBlockM;
+    // Staging tiles per warpgroup: with two, step s stages into tile s % 2 while the bulk
+    // reduction of step s - 1 may still be reading the other (the 80-query step has no room).
+    static constexpr int kDqSlots = kBlockM == 80 ? 1 : CF_BWD_DQ_SLOTS;
     static constexpr int kNConsumerThreads = 256;
     static constexpr bool kProducerWG = (kHeadDim == 64 ? CF_BWD_PRODUCER64 : CF_BWD_PRODUCER) != 0;
     static constexpr int kNThreads = kNConsumerThreads + (kProducerWG ? 128 : 0);
@@ -345,7 +354,7 @@ struct BwdSm90Traits {
     // bytes too many at d = 64, none left by the 80-query step).
     static constexpr int kStages = kHeadDim == 128 && kBlockM == 64 ? CF_BWD_STAGES : 2;
     static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 2 * kStages * kBlockM * kHeadDim * 2 +
-                                      2 * kBlockN * kBlockM * 2 + 2 * kStages * kBlockM * 4 + 2 * kDqRows * 64 * 4 +
+                                      2 * kBlockN * kBlockM * 2 + 2 * kStages * kBlockM * 4 + 2 * kDqSlots * kDqRows * 64 * 4 +
                                       2 * kStages * 8;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma backward: head-dim tiles 64 and 128");

@@ -248,8 +248,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     T* sdS = sdO + NST * BM * D;  // [2][BN][BM] (dS^T, double-buffered; kDqT: dS, [2][BM][BN])
     float* sL = reinterpret_cast<float*>(sdS + 2 * BN * BM);  // [NST][BM]
     float* sD = sL + NST * BM;                                // [NST][BM]
-    float* sDq = sD + NST * BM;  // [2 warpgroups][kDqRows][64] dQ staging (f32)
-    uint64_t* bars = reinterpret_cast<uint64_t*>(sDq + 2 * Kt::kDqRows * 64);  // Pipeline<NST>: full[NST], empty[NST]
+    float* sDq = sD + NST * BM;  // [2 warpgroups][kDqSlots][kDqRows][64] dQ staging (f32)
+    uint64_t* bars = reinterpret_cast<uint64_t*>(sDq + 2 * Kt::kDqSlots * Kt::kDqRows * 64);  // Pipeline<NST>: full[NST], empty[NST]
 
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -313,6 +313,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         return ws.dq_tile_rows(f, si, w.head(s), D == 64 ? 0 : wg, w.row0(s) + (D == 64 ? 64 * wg : 0));
     };
     constexpr bool kLateFlush = CF_BWD_LATE_FLUSH != 0 && !kDqT;
+    // This warpgroup's dQ staging tile of step s, and the bulk_wait_read that frees it: the
+    // reduction from the same tile kDqSlots steps ago has read it (with two tiles, step s - 1's
+    // reduction, the newest group, may still be reading the other one).
+    constexpr int kSlots = Kt::kDqSlots;
+    auto dq_tile = [&](int s) { return sDq + (wg * kSlots + s % kSlots) * Kt::kDqRows * 64; };
+    auto wait_dq_tile_free = [&] {
+        if (wt == 0) bulk_wait_read<kSlots - 1>();
+    };
     // dQ of step s (both warpgroups' halves of dS^T(s) in shared memory): dQ = dS K, then the tile
     // -> shared -> one bulk reduction into the tiled dq_accum (d = 64: warpgroup w takes query rows
     // 64w.. (panel w of dS^T) and all 64 columns, i.e. panel 0 of dq_accum; d = 128: all 64 query
@@ -333,9 +341,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             wg_commit();
             wg_wait<0>();
             reg_fence(dqt);
-            if (wt == 0) bulk_wait_read<0>();  // the previous reduction has read the staging tile
+            wait_dq_tile_free();
             named_bar_sync(1 + wg, 128);
-            reduce_dqt_tile<BM>(dqt, sDq + wg * BM * 64, dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
+            reduce_dqt_tile<BM>(dqt, dq_tile(s), dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
             return;
         }
         const uint32_t tA = D == 64 ? tdSi + wg * BN * kPanelRowBytes : tdSi;
@@ -349,19 +357,19 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         wg_wait<0>();
         reg_fence(dq);
         CF_BTRACE(trace, wg, s, 9);
-        if (wt == 0) bulk_wait_read<0>();  // the previous reduction has read the staging tile
+        wait_dq_tile_free();
         named_bar_sync(1 + wg, 128);
         if constexpr (kLateFlush) {
-            stage_dq_tile<NQ / 4>(dq, 0, sDq + wg * 64 * 64, 16 * wq + g, q4);  // flushed by flush_dq(s)
+            stage_dq_tile<NQ / 4>(dq, 0, dq_tile(s), 16 * wq + g, q4);  // flushed by flush_dq(s)
         } else {
-            reduce_dq_tile<NQ / 4>(dq, 0, sDq + wg * 64 * 64, dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
+            reduce_dq_tile<NQ / 4>(dq, 0, dq_tile(s), dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
         }
         CF_BTRACE(trace, wg, s, 10);
     };
     // kLateFlush: step s's staged dQ tile goes out (fence, barrier, bulk reduction) in step s + 1,
     // right after that step's S^T / dP^T are issued, instead of at the end of step s, where both
     // warpgroups did it with the tensor cores idle (bwd_trace.py: ~600 of a ~4600-cycle step).
-    auto flush_dq = [&](int s) { flush_dq_tile(sDq + wg * 64 * 64, dq_dst(s), 1 + wg, wt); };
+    auto flush_dq = [&](int s) { flush_dq_tile(dq_tile(s), dq_dst(s), 1 + wg, wt); };
 
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
