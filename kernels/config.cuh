@@ -308,6 +308,11 @@ struct BwdDqTraits {
 #ifndef CF_BWD_DQ_SLOTS
 #define CF_BWD_DQ_SLOTS 1
 #endif
+// The d = 128 kernel's warpgroups in ping-pong (build-time, for A/B runs; sm90/bwd.cuh): 0 / 1
+// (1 measured 2-7% slower on an H100, kernel_check 184/184: bench/NOTES.md "Backward, tenth session").
+#ifndef CF_BWD_PINGPONG
+#define CF_BWD_PINGPONG 0
+#endif
 // Stages of the d = 64 / 128 kernel's Q / dO ring (build-time, for A/B runs): 2 or 3.
 #ifndef CF_BWD_STAGES
 #define CF_BWD_STAGES 2
@@ -350,9 +355,13 @@ struct BwdSm90Traits {
                                      : kHeadDim == 64    ? CF_BWD_OVERLAP_P64
                                      : kBlockM_ == 80    ? CF_BWD_OVERLAP_P80
                                                          : CF_BWD_OVERLAP_P;
+    // The warpgroups' ping-pong schedule (sm90/bwd.cuh; build-time CF_BWD_PINGPONG): the 64-query
+    // d = 128 step with the producer warpgroup.
+    static constexpr bool kPingPong = CF_BWD_PINGPONG != 0 && kProducerWG && kHeadDim == 128 && kBlockM == 64;
     // Stages of the Q / dO / lse / dsum ring (a third fits only the 64-query d = 128 step: 48
-    // bytes too many at d = 64, none left by the 80-query step).
-    static constexpr int kStages = kHeadDim == 128 && kBlockM == 64 ? CF_BWD_STAGES : 2;
+    // bytes too many at d = 64, none left by the 80-query step). The ping-pong needs three: warp 0
+    // copies a step's lse / dsum rows two steps ahead (one step ahead would be too late).
+    static constexpr int kStages = kPingPong ? 3 : kHeadDim == 128 && kBlockM == 64 ? CF_BWD_STAGES : 2;
     static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 2 * kStages * kBlockM * kHeadDim * 2 +
                                       2 * kBlockN * kBlockM * 2 + 2 * kStages * kBlockM * 4 + 2 * kDqSlots * kDqRows * 64 * 4 +
                                       2 * kStages * 8;

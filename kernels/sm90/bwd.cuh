@@ -293,6 +293,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         }
         setmaxnreg_inc<Kt::kConsumerRegs>();
         if (warp == 0 && total_it > 0) load_rows(0);
+        if (Kt::kPingPong && warp == 0 && total_it > 1) load_rows(1);  // two steps ahead (below)
     }
     float dk[ND], dv[ND];
 #pragma unroll
@@ -312,6 +313,61 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     auto dq_dst = [&](int s) {
         return ws.dq_tile_rows(f, si, w.head(s), D == 64 ? 0 : wg, w.row0(s) + (D == 64 ? 64 * wg : 0));
     };
+    // P^T / dS^T accumulators -> register A fragments of dV / dK's products, and those products.
+    auto pack_a = [&](uint32_t (&a)[MS][4], const float (&x)[NA]) {
+#pragma unroll
+        for (int kq = 0; kq < MS; ++kq) {
+            const int j0 = 8 * kq, j1 = 8 * kq + 4;  // accumulator index of n8 tiles 2kq, 2kq+1
+            a[kq][0] = pack2<T>(x[j0], x[j0 + 1]);
+            a[kq][1] = pack2<T>(x[j0 + 2], x[j0 + 3]);
+            a[kq][2] = pack2<T>(x[j1], x[j1 + 1]);
+            a[kq][3] = pack2<T>(x[j1 + 2], x[j1 + 3]);
+        }
+    };
+    auto issue_rs = [&](float (&acc)[ND], uint32_t (&a)[MS][4], uint32_t tB) {
+        wg_fence();
+#pragma unroll
+        for (int kq = 0; kq < MS; ++kq) wgmma_rs<D, T, 1>(acc, a[kq], desc_mn_major(tB, BM, kq), 1);
+        wg_commit();
+    };
+    // S^T = K Q^T and dP^T = V dO^T (this warpgroup's 64 keys x BM queries), two commit groups
+    auto issue_s_dp = [&](float (&sT)[NA], float (&dpT)[NA], uint32_t tQ, uint32_t tdO) {
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+            wgmma_ss<BM, T, 0, 0>(sT, desc_k_major(tKw, BN, ks), desc_k_major(tQ, BM, ks), ks > 0);
+        wg_commit();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+            wgmma_ss<BM, T, 0, 0>(dpT, desc_k_major(tVw, BN, ks), desc_k_major(tdO, BM, ks), ks > 0);
+        wg_commit();
+    };
+    // this warpgroup's rows of dS^T (element 4j+e of the A fragments: key key_l0 + 8 (e >> 1),
+    // query 8j + 2 q4 + (e & 1)) into buffer buf (not the transposed-dQ layout)
+    auto store_ds = [&](const uint32_t (&a)[MS][4], int buf) {
+#pragma unroll
+        for (int kq = 0; kq < MS; ++kq)
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2)      // n8 tile 2kq + h2
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {   // key row +8r
+                    const int kl = key_l0 + 8 * r, ql = 16 * kq + 8 * h2 + 2 * q4;
+                    *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sdS + buf * BN * BM) +
+                                                 panel_offset(BN, kl, ql)) = a[kq][2 * h2 + r];
+                }
+    };
+    // dQ(s) = dS(s) K (not transposed), one commit group
+    auto issue_dq = [&](float (&dq)[32], int s) {
+        const uint32_t tdSi = tdS + (s & 1) * BN * BM * 2;
+        const uint32_t tA = D == 64 ? tdSi + wg * BN * kPanelRowBytes : tdSi;
+        const uint32_t tB = D == 64 ? tK : tK + wg * BN * kPanelRowBytes;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < NS; ++kk)
+            wgmma_ss<64, T, 1, 1>(dq, desc_mn_major(tA, BN, kk), desc_mn_major(tB, BN, kk), kk > 0);
+        wg_commit();
+    };
+
     constexpr bool kLateFlush = CF_BWD_LATE_FLUSH != 0 && !kDqT;
     // This warpgroup's dQ staging tile of step s, and the bulk_wait_read that frees it: the
     // reduction from the same tile kDqSlots steps ago has read it (with two tiles, step s - 1's
@@ -346,14 +402,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             reduce_dqt_tile<BM>(dqt, dq_tile(s), dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
             return;
         }
-        const uint32_t tA = D == 64 ? tdSi + wg * BN * kPanelRowBytes : tdSi;
-        const uint32_t tB = D == 64 ? tK : tK + wg * BN * kPanelRowBytes;
         float dq[NQ];
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < NS; ++kk)
-            wgmma_ss<64, T, 1, 1>(dq, desc_mn_major(tA, BN, kk), desc_mn_major(tB, BN, kk), kk > 0);
-        wg_commit();
+        issue_dq(dq, s);
         wg_wait<0>();
         reg_fence(dq);
         CF_BTRACE(trace, wg, s, 9);
@@ -371,6 +421,105 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // warpgroups did it with the tensor cores idle (bwd_trace.py: ~600 of a ~4600-cycle step).
     auto flush_dq = [&](int s) { flush_dq_tile(dq_tile(s), dq_dst(s), 1 + wg, wt); };
 
+    if constexpr (Kt::kPingPong) {
+        // ---- ping-pong schedule (build-time CF_BWD_PINGPONG, off: measured 2-7% slower than the
+        // lockstep below, bench/NOTES.md "Backward, tenth session"). The two warpgroups take turns
+        // at the tensor cores, one batch per turn: A(s) = S^T(s), dP^T(s); B(s) = dV(s), dK(s).
+        // Turns go W0.A(s), W1.A(s), W0.B(s), W1.B(s), W0.A(s + 1), ...: a warpgroup's elementwise
+        // work (P^T and dS^T between its A and B; dS^T's stores and dQ after B) runs while the
+        // other warpgroup's batch is on the tensor cores, instead of both meeting at one barrier
+        // per step. dQ(s) needs both halves of dS^T(s), so it runs a step late, after B(s + 1)
+        // completed and outside the turns: with dQ in B, or dV / dK left in flight into the next
+        // step, ptxas serialised every wgmma of the kernel (C7514) and spilled 268-480 bytes.
+        // Named barriers, each phase one warpgroup's 128 arrivals and the other's 128 syncs:
+        //   5 + w           warpgroup w's turn (w waits, the other passes it)
+        //   7 + 2 buf + w   w's rows of dS^T(s) are in buffer buf = s & 1 (and w has read step
+        //                   s's lse / dsum: warp 0 copies step s + 3's rows into that stage after it)
+        //   11 + 2 buf + w  w's dQ product has read buffer buf (before the other rewrites its rows)
+        const bool atomic = ws.dq_accum != nullptr;
+        auto turn_wait = [&] { named_bar_sync(5 + wg, 256); };
+        auto turn_pass = [&] { named_bar_arrive(5 + (wg ^ 1), 256); };
+        auto ds_full_arrive = [&](int s) { named_bar_arrive(7 + 2 * (s & 1) + wg, 256); };
+        auto ds_full_sync = [&](int s) { named_bar_sync(7 + 2 * (s & 1) + (wg ^ 1), 256); };
+        auto ds_empty_arrive = [&](int s) { named_bar_arrive(11 + 2 * (s & 1) + wg, 256); };
+        auto ds_empty_sync = [&](int s) { named_bar_sync(11 + 2 * (s & 1) + (wg ^ 1), 256); };
+        // dQ(s) (its product complete): staged and reduced into dq_accum
+        auto stage_dq = [&](float (&dq)[NQ], int s) {
+            wait_dq_tile_free();
+            named_bar_sync(1 + wg, 128);
+            reduce_dq_tile<NQ / 4>(dq, 0, dq_tile(s), dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
+        };
+        if (wg == 1 && total_it > 0) named_bar_arrive(5, 256);  // warpgroup 0 takes the first turn
+        for (int it = 0; it < total_it; ++it) {
+            float dq[NQ];
+            uint32_t pa[MS][4], dsa[MS][4];
+            const int hq = w.head(it), m0 = w.row0(it);
+            const int st = pipe.stage(it);
+            pipe.consumer_wait(it);
+            const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
+            const LogitInfo li(f, b, hq);
+            float sT[NA], dpT[NA];
+            turn_wait();
+            issue_s_dp(sT, dpT, tQ, tdO);
+            turn_pass();
+            wg_wait<1>();  // S^T(it) done (dP^T(it) may still run)
+            reg_fence(sT);
+            const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
+            const float* cL = sL + st * BM;
+            const float* cD = sD + st * BM;
+            if constexpr (Kt::kOverlapP > 0) {  // plain logits: P^T while dP^T runs
+                bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
+                wg_wait<0>();
+                reg_fence(dpT);
+                bwd_ds<BM>(sT, dpT, cD, q4);
+            } else {
+                wg_wait<0>();
+                reg_fence(dpT);
+                bwd_p_ds<BM, Kt::kGeneralLogits ? Logits::kGeneral : Logits::kPlain>(li, mk, sT, dpT, cL, cD, full, m0,
+                                                                                   n0 + key_l0, q4);
+            }
+            pack_a(pa, sT);
+            pack_a(dsa, dpT);
+            if (it > 0) ds_full_sync(it - 1);  // the other warpgroup's dS^T(it - 1) (and lse / dsum reads)
+            if (warp == 0 && it + 2 < total_it) load_rows(it + 2);  // into the stage step it - 1 used
+            turn_wait();
+            issue_rs(dv, pa, tdO);
+            issue_rs(dk, dsa, tQ);
+            if (!(wg == 1 && it == total_it - 1)) turn_pass();  // the last turn is warpgroup 1's
+            if (atomic) {
+                if (it >= 2) ds_empty_sync(it);  // the other warpgroup's dQ(it - 2) has read this buffer
+                store_ds(dsa, it & 1);
+                fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)
+            }
+            ds_full_arrive(it);
+            // B(it) done. (Waiting for dQ alone, or keeping dV / dK in flight into the next step,
+            // made ptxas serialise every wgmma of the kernel: C7514.)
+            wg_wait<0>();
+            reg_fence(dv);
+            reg_fence(dk);
+            reg_fence(pa);
+            reg_fence(dsa);
+            pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
+            if (atomic && it > 0) {
+                issue_dq(dq, it - 1);
+                wg_wait<0>();
+                reg_fence(dq);
+                if (it + 1 < total_it) ds_empty_arrive(it - 1);  // (the last two have no reader)
+                stage_dq(dq, it - 1);
+            }
+        }
+        if (total_it > 0) {
+            const int last = total_it - 1;
+            ds_full_sync(last);
+            if (atomic) {
+                float dq[NQ];
+                issue_dq(dq, last);
+                wg_wait<0>();
+                reg_fence(dq);
+                stage_dq(dq, last);
+            }
+        }
+    } else {
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
         const int st = pipe.stage(it);
@@ -384,17 +533,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
         const LogitInfo li(f, b, hq);
 
-        // ---- S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys x BM queries), two commit groups
+        // ---- S^T = K Q^T, dP^T = V dO^T
         float sT[NA], dpT[NA];
-        wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-            wgmma_ss<BM, T, 0, 0>(sT, desc_k_major(tKw, BN, ks), desc_k_major(tQ, BM, ks), ks > 0);
-        wg_commit();
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-            wgmma_ss<BM, T, 0, 0>(dpT, desc_k_major(tVw, BN, ks), desc_k_major(tdO, BM, ks), ks > 0);
-        wg_commit();
+        issue_s_dp(sT, dpT, tQ, tdO);
         if constexpr (kLateFlush)
             if (ws.dq_accum != nullptr && it > 0) flush_dq(it - 1);
         CF_BTRACE(trace, wg, it, 2);
@@ -405,22 +546,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         const float* cL = sL + st * BM;
         const float* cD = sD + st * BM;
         uint32_t pa[MS][4], dsa[MS][4];
-        auto pack_a = [&](uint32_t (&a)[MS][4], const float (&x)[NA]) {
-#pragma unroll
-            for (int kq = 0; kq < MS; ++kq) {
-                const int j0 = 8 * kq, j1 = 8 * kq + 4;  // accumulator index of n8 tiles 2kq, 2kq+1
-                a[kq][0] = pack2<T>(x[j0], x[j0 + 1]);
-                a[kq][1] = pack2<T>(x[j0 + 2], x[j0 + 3]);
-                a[kq][2] = pack2<T>(x[j1], x[j1 + 1]);
-                a[kq][3] = pack2<T>(x[j1 + 2], x[j1 + 3]);
-            }
-        };
-        auto issue_rs = [&](float (&acc)[ND], uint32_t (&a)[MS][4], uint32_t tB) {
-            wg_fence();
-#pragma unroll
-            for (int kq = 0; kq < MS; ++kq) wgmma_rs<D, T, 1>(acc, a[kq], desc_mn_major(tB, BM, kq), 1);
-            wg_commit();
-        };
         if constexpr (Kt::kOverlapP == 2) {
             // P^T while dP^T runs, dS^T while dV's product runs (plain logits: no derivative factor)
             wg_wait<1>();
@@ -472,16 +597,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                                                           64 * wg + 16 * wq + 8 * (mi & 1)),
                                       dsa[kq]);
             } else {
-#pragma unroll
-                for (int kq = 0; kq < MS; ++kq)
-#pragma unroll
-                    for (int h2 = 0; h2 < 2; ++h2)      // n8 tile 2kq + h2
-#pragma unroll
-                        for (int r = 0; r < 2; ++r) {   // key row +8r
-                            const int kl = key_l0 + 8 * r, ql = 16 * kq + 8 * h2 + 2 * q4;
-                            *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sdS + buf * BN * BM) +
-                                                         panel_offset(BN, kl, ql)) = dsa[kq][2 * h2 + r];
-                        }
+                store_ds(dsa, buf);
             }
             fence_async_smem();
             CF_BTRACE(trace, wg, it, 7);
@@ -516,6 +632,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
     if constexpr (kLateFlush)
         if (ws.dq_accum != nullptr && total_it > 0) flush_dq(total_it - 1);
+    }  // lockstep schedule
     if (ws.dq_accum != nullptr && wt == 0) bulk_wait<0>();  // the last reduction is done with shared memory
 
     // ---- write dK (scaled) and dV. Element 4j+e: key key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1).
