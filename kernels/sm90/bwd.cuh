@@ -492,8 +492,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)
             }
             ds_full_arrive(it);
-            // B(it) done. (Waiting for dQ alone, or keeping dV / dK in flight into the next step,
-            // made ptxas serialise every wgmma of the kernel: C7514.)
+            // B(it) done (dQ inside the B batch, or dV / dK left in flight into the next step,
+            // made ptxas serialise every wgmma of the kernel: C7514)
             wg_wait<0>();
             reg_fence(dv);
             reg_fence(dk);
