@@ -369,13 +369,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     };
 
     constexpr bool kLateFlush = CF_BWD_LATE_FLUSH != 0 && !kDqT;
-    // This warpgroup's dQ staging tile of step s, and the bulk_wait_read that frees it: the
-    // reduction from the same tile kDqSlots steps ago has read it (with two tiles, step s - 1's
-    // reduction, the newest group, may still be reading the other one).
+    // This warpgroup's dQ staging tile of step s, and the wait that frees it for the warpgroup's
+    // stores: thread 0 waits until the reduction from the same tile kDqSlots steps ago has read
+    // it (with two tiles, step s - 1's reduction, the newest group, may still be reading the
+    // other one), then the warpgroup's barrier.
     constexpr int kSlots = Kt::kDqSlots;
     auto dq_tile = [&](int s) { return sDq + (wg * kSlots + s % kSlots) * Kt::kDqRows * 64; };
     auto wait_dq_tile_free = [&] {
         if (wt == 0) bulk_wait_read<kSlots - 1>();
+        named_bar_sync(1 + wg, 128);
     };
     // dQ of step s (both warpgroups' halves of dS^T(s) in shared memory): dQ = dS K, then the tile
     // -> shared -> one bulk reduction into the tiled dq_accum (d = 64: warpgroup w takes query rows
@@ -398,7 +400,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             wg_wait<0>();
             reg_fence(dqt);
             wait_dq_tile_free();
-            named_bar_sync(1 + wg, 128);
             reduce_dqt_tile<BM>(dqt, dq_tile(s), dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
             return;
         }
@@ -408,7 +409,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         reg_fence(dq);
         CF_BTRACE(trace, wg, s, 9);
         wait_dq_tile_free();
-        named_bar_sync(1 + wg, 128);
         if constexpr (kLateFlush) {
             stage_dq_tile<NQ / 4>(dq, 0, dq_tile(s), 16 * wq + g, q4);  // flushed by flush_dq(s)
         } else {
@@ -446,7 +446,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // dQ(s) (its product complete): staged and reduced into dq_accum
         auto stage_dq = [&](float (&dq)[NQ], int s) {
             wait_dq_tile_free();
-            named_bar_sync(1 + wg, 128);
             reduce_dq_tile<NQ / 4>(dq, 0, dq_tile(s), dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
         };
         if (wg == 1 && total_it > 0) named_bar_arrive(5, 256);  // warpgroup 0 takes the first turn
