@@ -86,6 +86,9 @@ def cases():
         C("varlen-causal", h=8, hkv=2, d=128, wr=0, varlen=[(5, 300), (130, 130), (1, 0), (64, 257)]),
         C("varlen-d256", h=4, d=256, varlen=[(200, 17), (129, 385), (33, 1)], wr=0),
         C("big", b=1, h=4, sq=2048, d=128, wr=0),
+        # from 4096 queries and keys the d <= 128 tile runs 192-key blocks (fwd_fp8_long)
+        C("long-causal", b=1, h=2, sq=4133, d=128, wr=0), C("long-sq-sk", b=1, h=2, sq=4096, sk=4385, d=96),
+        C("long-varlen", h=2, hkv=1, d=128, wr=0, varlen=[(4100, 4200), (17, 385), (4096, 4097), (300, 1)]),
     ]
     return out
 

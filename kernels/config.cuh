@@ -86,8 +86,10 @@ struct SplitTraits {
 // 64-column panels: 64, 128, 192, 256 (d = 96 runs on the 128 tile, see dispatch.cu).
 // Out_: the output's element type (T_ but for e4m3 inputs, whose output is f16 or bf16).
 // kFp8 (e4m3 inputs): both products run on 8-bit wgmma (k32), which reads both operands K-major,
-// so V arrives transposed (sm90/fwd.cu: Fp8VtLayout) and the K / V^T tiles are whole 128-byte
-// panels: kBlockN = 128 keys, head-dim tiles 128 and 256 (one or two panels of Q / K rows).
+// so V arrives transposed (sm90/fwd.cu: Fp8VtLayout): a V^T stage is [D][kVtKeys], whole 128-key
+// panels (kBlockN rounded up to 128: a 192-key block loads and keeps 256 columns and multiplies
+// the first 192), key blocks of 32-key multiples, head-dim tiles 128 and 256 (one or two panels
+// of Q / K rows).
 template <typename T_, int kHeadDim_, int kBlockN_, int kNWarpGroups_, int kStages_, bool kPingPong_,
           bool kPersistent_, bool kSeparateO_, typename Out_ = T_>
 struct FwdSm90Traits {
@@ -118,10 +120,10 @@ struct FwdSm90Traits {
     static constexpr int kProducerRegs = kFp8 ? 24 : kHeadDim == 64 ? (kNWarpGroups == 3 ? 32 : 56) : 40;
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
     static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
-    // e4m3 with more than 128 keys per block: P goes to O += P V^T through shared memory (SS)
-    // instead of registers (RS), which frees its 32 registers for the wider S (kBlockN = 256:
-    // S 128 + O 64, no P fragments).
-    static constexpr bool kPSmem = kFp8 && kBlockN > 128;
+    // e4m3 with 256 keys per block: P goes to O += P V^T through shared memory (SS) instead of
+    // registers (RS), which frees its 32 registers for the wider S (S 128 + O 64, no P
+    // fragments). Up to 224 keys P stays in registers (S 112 + P 28 + O 64 at d = 128).
+    static constexpr bool kPSmem = kFp8 && kBlockN > 224;
     // Where O is rescaled by a block's softmax correction (sm90/fwd.cu FwdMainloop): at the end of
     // the step (after the previous P V completed) or, early, in the next step between issuing S
     // and P V (FlashAttention-3's place, off the step's critical tail). Early pays where O is
@@ -131,15 +133,18 @@ struct FwdSm90Traits {
     static constexpr bool kEarlyRescale = CF_FWD_EARLY_RESCALE < 0 ? (!kFp8 && kHeadDim == 256) : CF_FWD_EARLY_RESCALE != 0;
     static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
     static constexpr int kKVStageBytes = kBlockN * kHeadDim * kElemBytes;
+    static constexpr int kVtKeys = kFp8 ? (kBlockN + 127) / 128 * 128 : kBlockN;  // keys of a V stage
+    static constexpr int kVStageBytes = kVtKeys * kHeadDim * kElemBytes;
 
     static_assert((kHeadDim * kElemBytes) % 128 == 0 && kHeadDim <= 256, "wgmma forward: head-dim tiles of whole panels");
-    static_assert(!kFp8 || (kBlockN % 128 == 0 && kBlockN <= 256 && kSeparateO),
-                  "e4m3: V^T tiles are whole 128-key panels; O (16-bit) has its own buffer");
+    static_assert(!kFp8 || (kBlockN % 32 == 0 && kBlockN <= 256 && kSeparateO),
+                  "e4m3: P V^T in k-steps of 32 keys; O (16-bit) has its own buffer");
     static_assert(kFp8 || std::is_same<Out_, T_>::value, "16-bit inputs: output of the same type");
     static_assert(kStages >= 2, "K/V ring");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N of S = Q K^T; P V in k-steps of 16 keys");
     static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "load_panels row passes (128 producer threads)");
-    static_assert(kQBytes % 1024 == 0 && kKVStageBytes % 1024 == 0, "tiles stay 1024-byte aligned");
+    static_assert(kQBytes % 1024 == 0 && kKVStageBytes % 1024 == 0 && kVStageBytes % 1024 == 0,
+                  "tiles stay 1024-byte aligned");
     static_assert(kConsumerRegs > kLaunchRegs, "setmaxnreg: consumers gain what the producer gives up");
     static_assert(kNWarpGroups <= 4, "named barriers 1..kNWarpGroups; ping-pong barriers count 256 threads");
 };
@@ -182,15 +187,29 @@ template <typename T> using FwdSm90TraitsD256Long = FwdSm90Traits<T, 256, CF_FWD
 //   D = 128 (d <= 128): Q 16 KB + K, V^T 4 x 2 x 16 KB + O 32 KB. O 64 + S 64 + P 16 registers.
 //   D = 256: Q 32 KB + K, V^T 2 x 2 x 32 KB + O 64 KB = 224 KB. O 128 + S 64 + P 16.
 //   (3 consumer warpgroups at d = 128, 192 x 128: 160 registers each, spilled 144 bytes.)
+//   D = 128 long (heuristics.cuh fwd_fp8_long): 128 x 192, 3 stages: Q 16 KB + K 24 KB, V^T
+//   32 KB (two 128-key panels, the second half used) x 3 + O 32 KB = 216 KB; S 96 + P 24 + O 64
+//   registers, no spills. H100: +3-5% from 8k, level at 4k, 4-14% slower up to 2k (bench/NOTES.md
+//   "FP8 forward: wider key blocks"); 224 keys (2 stages) measured the same, 192 in 2 stages 2-3%
+//   below 3. CF_FP8_D128_LONG_BN picks another width for A/B runs.
 //   CF_FP8_D128_BN=256 (build-time): 128 x 256 tiles at d = 128 with P through shared memory
 //   (kPSmem); correct on the device (fp8_check 35/35), 2-8% faster at 8k-16k, 10-20% slower at
 //   512, 44 bytes spilled: not the default (bench/NOTES.md "FP8 forward").
 #ifndef CF_FP8_D128_BN
 #define CF_FP8_D128_BN 128
 #endif
+#ifndef CF_FP8_D128_STAGES
+#define CF_FP8_D128_STAGES (CF_FP8_D128_BN == 128 ? 4 : 2)
+#endif
 template <typename O>
 using FwdSm90Fp8TraitsD128 =
-    FwdSm90Traits<__nv_fp8_e4m3, 128, CF_FP8_D128_BN, 2, CF_FP8_D128_BN == 128 ? 4 : 2, true, true, true, O>;
+    FwdSm90Traits<__nv_fp8_e4m3, 128, CF_FP8_D128_BN, 2, CF_FP8_D128_STAGES, true, true, true, O>;
+#ifndef CF_FP8_D128_LONG_BN
+#define CF_FP8_D128_LONG_BN 192
+#endif
+template <typename O>
+using FwdSm90Fp8TraitsD128Long =
+    FwdSm90Traits<__nv_fp8_e4m3, 128, CF_FP8_D128_LONG_BN, 2, CF_FP8_D128_LONG_BN <= 192 ? 3 : 2, true, true, true, O>;
 template <typename O> using FwdSm90Fp8TraitsD256 = FwdSm90Traits<__nv_fp8_e4m3, 256, 128, 2, 2, true, true, true, O>;
 
 // ------------------------------------------------------------------ backward (tensor cores)

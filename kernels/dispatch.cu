@@ -214,8 +214,9 @@ cudaError_t fwd_sm90(const CfFwdParams& p, cudaStream_t s) {
 // e4m3 inputs (check_fwd_e4m3 passed): the FP8 wgmma kernel, output type O.
 template <typename O>
 cudaError_t fwd_fp8(const CfFwdParams& p, void* ws, cudaStream_t s) {
-    return fwd_fp8_tile(p.d) == 128 ? launch_fwd_sm90<FwdSm90Fp8TraitsD128<O>>(p, ws, s)
-                                    : launch_fwd_sm90<FwdSm90Fp8TraitsD256<O>>(p, ws, s);
+    if (fwd_fp8_tile(p.d) == 256) return launch_fwd_sm90<FwdSm90Fp8TraitsD256<O>>(p, ws, s);
+    return fwd_fp8_long(p) ? launch_fwd_sm90<FwdSm90Fp8TraitsD128Long<O>>(p, ws, s)
+                           : launch_fwd_sm90<FwdSm90Fp8TraitsD128<O>>(p, ws, s);
 }
 
 // mma.sync forward: paged K/V has its own instantiation (sm80/fwd.cu says why).

@@ -3,7 +3,8 @@
 //   plan_split  split-KV decode: how many key chunks, GQA heads packed per CTA, ring depth
 //   plan_bwd    backward workspace layout, atomic vs deterministic dQ, GQA head split
 //   sm90 forward configuration by head dim and sequence length (fwd_sm90_config)
-//   fwd_fp8_tile, fp8_vt_layout  the FP8 forward's head-dim tile and its V^T workspace
+//   fwd_fp8_tile, fwd_fp8_long, fp8_vt_layout  the FP8 forward's head-dim tile, key-block width
+//               and V^T workspace
 // Measurements behind the constants: bench/NOTES.md.
 #pragma once
 #include <algorithm>
@@ -147,22 +148,37 @@ enum class FwdSm90Config { kD64Short, kD64, kD128, kD192, kD256, kD128Long, kD19
 // e4m3 forward (sm_90a only): the 128 head-dim tile up to d = 128 (d = 64 with zero-filled
 // columns: 8-bit rows of 64 bytes would need a second swizzle mode), else the 256 tile.
 inline int fwd_fp8_tile(int d) { return d <= 128 ? 128 : 256; }
+// The 128 tile's wide key blocks (config.cuh FwdSm90Fp8TraitsD128Long) from 4096 queries and keys:
+// level there, +3-5% from 8k, slower below (H100, bench/NOTES.md "FP8 forward: wider key blocks").
+// The 256 tile has no wider block: its V^T stages (64 KB per 128 keys) fill shared memory.
+inline bool fwd_fp8_long(const CfFwdParams& p) {
+    return fwd_fp8_tile(p.d) == 128 && p.seqlen_q >= 4096 && p.seqlen_k >= 4096;
+}
 
 // Where the e4m3 forward keeps V transposed (8-bit wgmma reads B K-major only, so P V needs V^T
 // with keys along the rows): e4m3 [batches][hkv][d][cols] in the forward's workspace, written by
 // a transpose pass before the attention kernel (sm90/fwd.cu). Key j of sequence b sits at column
-// col0(b) + the position of j in its 128-key block's fragment order (Fp8VtOrder):
-//   batched: batches = b, col0 = 0, cols = seqlen_k rounded up to kFp8KeyPad;
+// col0(b) + the position of j in its 32-key group's fragment order (fp8_vt_key):
+//   batched: batches = b, col0 = 0, cols = fp8_vt_padded_keys(seqlen_k);
 //   varlen:  batches = 1, col0 = (row 0 of b rounded up to 16) + kFp8VtSeqGap b, cols = total_k
-//            rounded up to 16 + kFp8VtSeqGap b: each sequence owns its length rounded up to
-//            kFp8KeyPad (a multiple of every key block the FP8 kernels use), zeros past its end.
+//            rounded up to 16 + kFp8VtSeqGap b.
+// Each sequence owns fp8_vt_padded_keys(its length) columns, zeros past its end: at least 255
+// more than its length, so every key block the FP8 kernels use (any width up to 256 keys, not
+// only divisors of 256: 192 and 224 are not) that starts inside the sequence ends on zeros (P is
+// 0 past the end, and V must not be NaN there). The kernels load V^T in whole 128-key boxes, so a
+// 192-key block also reads 64 columns it never multiplies: any values, or TMA's zeros past cols.
 // A pure function of the parameters (cf_fwd_workspace_size and cf_fwd agree).
 struct Fp8VtLayout {
     int64_t batches, cols;
     size_t bytes;
 };
 constexpr int kFp8KeyPad = 256;
-constexpr int kFp8VtSeqGap = 2 * kFp8KeyPad;  // >= kFp8KeyPad + 15: rounded-up sequences never overlap
+__host__ __device__ inline int64_t fp8_vt_padded_keys(int64_t sk) {
+    return (sk + 2 * kFp8KeyPad - 2) / kFp8KeyPad * kFp8KeyPad;  // sk + 255 rounded up to 256
+}
+// >= the most fp8_vt_padded_keys adds to a length (510) + 15 (the rounding of col0): sequences'
+// padded columns never overlap.
+constexpr int kFp8VtSeqGap = 3 * kFp8KeyPad;
 // Column of varlen sequence b's key 0 (its first packed key row row0); also, with b = the number
 // of sequences and row0 = total_k, the columns the layout needs.
 __host__ __device__ inline int64_t fp8_vt_varlen_col0(int64_t row0, int b) {
@@ -172,8 +188,7 @@ inline Fp8VtLayout fp8_vt_layout(const CfFwdParams& p) {
     Fp8VtLayout l{};
     const bool varlen = p.cu_seqlens_k != nullptr;
     l.batches = varlen ? 1 : p.b;
-    l.cols = varlen ? fp8_vt_varlen_col0(p.total_k, p.b)
-                    : ((int64_t)p.seqlen_k + kFp8KeyPad - 1) / kFp8KeyPad * kFp8KeyPad;
+    l.cols = varlen ? fp8_vt_varlen_col0(p.total_k, p.b) : fp8_vt_padded_keys(p.seqlen_k);
     if (l.cols < kFp8KeyPad) l.cols = kFp8KeyPad;  // a legal map even with no key
     l.bytes = round256((size_t)l.batches * p.hkv * p.d * l.cols);
     return l;

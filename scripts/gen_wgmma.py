@@ -11,7 +11,7 @@ import os
 
 NS = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 256)
 TYPES = (("f16", "__half"), ("bf16", "__nv_bfloat16"))
-NS_E4M3 = (64, 128, 256)  # FP8 forward: S = Q K^T (N = key block), O += P V^T (N = head-dim tile)
+NS_E4M3 = (64, 128, 160, 192, 224, 256)  # FP8 forward: S = Q K^T (N = key block), O += P V^T (N = head-dim tile)
 
 
 def regs(n, start):

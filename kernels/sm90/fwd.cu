@@ -84,7 +84,7 @@ struct FwdSharedStorage {
     static constexpr int kQElems = Kt::kBlockM * Kt::kHeadDim, kKVElems = Kt::kBlockN * Kt::kHeadDim;
     alignas(1024) T q[kQElems];
     alignas(1024) T k[Kt::kStages][kKVElems];
-    alignas(1024) T v[Kt::kStages][kKVElems];  // e4m3: V^T tiles [D][kBlockN]
+    alignas(1024) T v[Kt::kStages][Kt::kVtKeys * Kt::kHeadDim];  // e4m3: V^T tiles [D][kVtKeys]
     OptionalTile<To, kQElems, Kt::kSeparateO> o;  // own output staging buffer, else staged in q
     OptionalTile<uint8_t, Kt::kNWarpGroups * 64 * Kt::kBlockN, Kt::kPSmem> p;  // e4m3 P per warpgroup [64][kBlockN]
     // Pipeline barriers (full, then empty, per pipeline), contiguous: all pipelines are
@@ -114,15 +114,15 @@ __device__ __forceinline__ int64_t fp8_vt_col0(const SeqInfo& si) {
 }
 
 // V (e4m3, the contract's addressing) -> V^T (Fp8VtLayout): CTA = 64 keys x 64 columns of d of
-// one (sequence, KV head); zeros from the sequence's end to its length rounded up to kFp8KeyPad
-// (the attention kernel loads whole key blocks; P is 0 there, V must not be NaN).
+// one (sequence, KV head); zeros from the sequence's end to fp8_vt_padded_keys (the attention
+// kernel loads whole key blocks; P is 0 there, V must not be NaN).
 constexpr int kVtTile = 64;
 __global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const CfFwdParams p, uint8_t* vt, int64_t cols) {
     __shared__ __align__(16) uint8_t tile[kVtTile][kVtTile + 16];  // [key][d], +16: fewer bank conflicts
     const int b = blockIdx.z, hk = blockIdx.y % p.hkv, d0 = (blockIdx.y / p.hkv) * kVtTile;
     const int n0 = blockIdx.x * kVtTile, tid = threadIdx.x;
     const SeqInfo si(p, b);
-    const int padded = (si.sk + kFp8KeyPad - 1) / kFp8KeyPad * kFp8KeyPad;
+    const int padded = (int)fp8_vt_padded_keys(si.sk);
     if (n0 >= padded) return;
     {  // load: key n0 + tid / 4, 16 bytes of d each
         const int key = n0 + (tid >> 2), c = d0 + 16 * (tid & 3);
@@ -208,10 +208,11 @@ struct FwdProducer {
                         if (is_k) {
                             tma_load_tile<BN, D, 1>(smem_addr(dst), &maps.k, pipe.full_bar(n), krow0 + n0, hk, kbatch);
                         } else {
-                            // one 128-key panel [D][128] per box
-                            mbar_expect_tx(pipe.full_bar(n), BN * D);
+                            // one 128-key panel [D][128] per box (the last one may reach past the
+                            // block: its columns are loaded, not multiplied)
+                            mbar_expect_tx(pipe.full_bar(n), Kt::kVtKeys * D);
 #pragma unroll
-                            for (int pnl = 0; pnl < BN / 128; ++pnl)
+                            for (int pnl = 0; pnl < Kt::kVtKeys / 128; ++pnl)
                                 tma_load_4d(smem_addr(dst) + pnl * D * kPanelRowBytes, &maps.v, pipe.full_bar(n),
                                             (int)(fp8_vt_col0(si) + n0 + 128 * pnl), 0, hk, kbatch);
                         }
@@ -289,7 +290,7 @@ struct FwdMainloop {
     static constexpr int KK = Kt::kFp8 ? 32 : 16;  // k of one wgmma (32 bytes of k either way)
     static constexpr int KS = D / KK;   // k steps of Q K^T
     static constexpr int PS = BN / KK;  // k steps of P V
-    static constexpr uint32_t kStageBytes = Kt::kKVStageBytes;
+    static constexpr uint32_t kStageBytes = Kt::kKVStageBytes, kVStageBytes = Kt::kVStageBytes;
     static constexpr bool kEarlyRescale = Kt::kEarlyRescale;
 
     float o[D / 2];
@@ -324,11 +325,11 @@ struct FwdMainloop {
 #pragma unroll
             for (int ks = 0; ks < PS; ++ks) {
                 if constexpr (Kt::kPSmem)  // P from shared memory (K-major, 64 rows)
-                    wgmma_ss_e4m3<D>(o, desc_k_major(aPwg, 64, ks), desc_k_major(aV + st * kStageBytes, D, ks), 1);
+                    wgmma_ss_e4m3<D>(o, desc_k_major(aPwg, 64, ks), desc_k_major(aV + st * kVStageBytes, D, ks), 1);
                 else if constexpr (Kt::kFp8)  // V^T: D rows of kBlockN keys, K-major
-                    wgmma_rs_e4m3<D>(o, pa[ks], desc_k_major(aV + st * kStageBytes, D, ks), 1);
+                    wgmma_rs_e4m3<D>(o, pa[ks], desc_k_major(aV + st * kVStageBytes, D, ks), 1);
                 else
-                    wgmma_rs<D, T, 1>(o, pa[ks], desc_mn_major(aV + st * kStageBytes, BN, ks), 1);
+                    wgmma_rs<D, T, 1>(o, pa[ks], desc_mn_major(aV + st * kVStageBytes, BN, ks), 1);
             }
             wg_commit();
         };
@@ -586,7 +587,7 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t 
         if (workspace == nullptr) return cudaErrorInvalidValue;
         maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN, workspace, vl.cols, Kt::kHeadDim);
         if (!maps.q_ok || !maps.kv_ok) return cudaErrorNotSupported;  // cf_fwd_check rules this out
-        const dim3 tgrid((unsigned)(((int64_t)p.seqlen_k + kFp8KeyPad - 1) / kFp8KeyPad * (kFp8KeyPad / kVtTile)),
+        const dim3 tgrid((unsigned)(fp8_vt_padded_keys(p.seqlen_k) / kVtTile),
                          (unsigned)(p.hkv * ((p.d + kVtTile - 1) / kVtTile)), (unsigned)p.b);
         if (tgrid.x > 0) {
             fp8_transpose_v_kernel<<<tgrid, 256, 0, stream>>>(p, static_cast<uint8_t*>(workspace), vl.cols);
@@ -611,6 +612,7 @@ CF_INST_FWD_SM90(FwdSm90TraitsD128Long)
 CF_INST_FWD_SM90(FwdSm90TraitsD192Long)
 CF_INST_FWD_SM90(FwdSm90TraitsD256Long)
 CF_INST_FWD_SM90(FwdSm90Fp8TraitsD128)  // e4m3 inputs; the output type is the parameter
+CF_INST_FWD_SM90(FwdSm90Fp8TraitsD128Long)
 CF_INST_FWD_SM90(FwdSm90Fp8TraitsD256)
 
 }  // namespace cf

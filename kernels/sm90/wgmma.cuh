@@ -108,14 +108,22 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
 // e4m3 (k32 steps; both operands K-major): d (+)= A * B.
 template <int N>
 __device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
+    static_assert(N == 64 || N == 128 || N == 160 || N == 192 || N == 224 || N == 256, "generated e4m3 widths");
     if constexpr (N == 64) wgmma_ss_m64n64_e4m3(d, da, db, scale_d);
     else if constexpr (N == 128) wgmma_ss_m64n128_e4m3(d, da, db, scale_d);
+    else if constexpr (N == 160) wgmma_ss_m64n160_e4m3(d, da, db, scale_d);
+    else if constexpr (N == 192) wgmma_ss_m64n192_e4m3(d, da, db, scale_d);
+    else if constexpr (N == 224) wgmma_ss_m64n224_e4m3(d, da, db, scale_d);
     else wgmma_ss_m64n256_e4m3(d, da, db, scale_d);
 }
 template <int N>
 __device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    static_assert(N == 64 || N == 128 || N == 160 || N == 192 || N == 224 || N == 256, "generated e4m3 widths");
     if constexpr (N == 64) wgmma_rs_m64n64_e4m3(d, a, db, scale_d);
     else if constexpr (N == 128) wgmma_rs_m64n128_e4m3(d, a, db, scale_d);
+    else if constexpr (N == 160) wgmma_rs_m64n160_e4m3(d, a, db, scale_d);
+    else if constexpr (N == 192) wgmma_rs_m64n192_e4m3(d, a, db, scale_d);
+    else if constexpr (N == 224) wgmma_rs_m64n224_e4m3(d, a, db, scale_d);
     else wgmma_rs_m64n256_e4m3(d, a, db, scale_d);
 }
 
