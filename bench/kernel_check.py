@@ -712,6 +712,13 @@ def matrix(quick):
         C("l-f16-d256-long", "f16", b=1, h=4, sq=4097, sk=4500, d=256, bwd=False),
         C("l-bf16-d256-long-causal-varlen", "bf16", h=2, hkv=1, d=256, varlen=[(8200, 8300), (5, 0), (17, 17)],
           wl=-1, wr=0, bwd=False),
+        # the 96-column tile (64 < d <= 96; its wide block from 4096 queries and keys): columns
+        # past d zero in shared memory, d = 80 leaves 16 of the 96 product columns zero too
+        C("l-bf16-d96-long-varlen-gqa", "bf16", h=4, hkv=2, d=96, varlen=[(4100, 4200), (17, 1023), (0, 5), (4096, 4097)],
+          bwd=False),
+        C("l-f16-d80-long-causal-alibi", "f16", b=1, h=2, sq=4099, sk=4133, d=80, wl=-1, wr=0, alibi="h", bwd=False),
+        C("l-bf16-d96-long-paged-pg16", "bf16", h=2, hkv=1, d=96, varlen=[(4100, 4200), (3, 0)], bwd=False, page=16),
+        C("l-f16-d96-fullmask-rows-bhsd", "f16", b=1, h=4, sq=300, sk=100, d=96, wl=3, wr=0, layout="bhsd", bwd=False),
     ]
     # decode shapes (split-KV path: sq <= 16, sk >= 256, d tile 64/128, f16/bf16/f32)
     G = "dec-"

@@ -98,6 +98,11 @@ struct FwdSm90Traits {
     static constexpr int kElemBytes = (int)sizeof(T_);
     static constexpr bool kFp8 = kElemBytes == 1;
     static constexpr int kHeadDim = kHeadDim_;
+    // Columns of the Q / K / V / O tiles in shared memory: whole 128-byte panels (the swizzle's
+    // width). A 96-column head-dim tile keeps 128 columns, loaded with zeros past d (TMA's
+    // out-of-bounds fill, or cp.async's), and its products read only the first 96: Q K^T in 6 k16
+    // steps, P V as an n96 wgmma over one and a half panels of V.
+    static constexpr int kHeadDimPad = (kHeadDim * kElemBytes + 127) / 128 * 128 / kElemBytes;
     static constexpr int kNWarpGroups = kNWarpGroups_;  // consumers
     static constexpr int kNConsumerThreads = 128 * kNWarpGroups;
     static constexpr int kNThreads = kNConsumerThreads + 128;  // + the producer warpgroup
@@ -131,12 +136,13 @@ struct FwdSm90Traits {
     // at d = 64 / 128 / 192 it measured level (within +-3%), on e4m3 1-4% slower.
     // CF_FWD_EARLY_RESCALE=0 / 1 forces it for A/B runs.
     static constexpr bool kEarlyRescale = CF_FWD_EARLY_RESCALE < 0 ? (!kFp8 && kHeadDim == 256) : CF_FWD_EARLY_RESCALE != 0;
-    static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
-    static constexpr int kKVStageBytes = kBlockN * kHeadDim * kElemBytes;
+    static constexpr int kQBytes = kBlockM * kHeadDimPad * kElemBytes;
+    static constexpr int kKVStageBytes = kBlockN * kHeadDimPad * kElemBytes;
     static constexpr int kVtKeys = kFp8 ? (kBlockN + 127) / 128 * 128 : kBlockN;  // keys of a V stage
-    static constexpr int kVStageBytes = kVtKeys * kHeadDim * kElemBytes;
+    static constexpr int kVStageBytes = kVtKeys * kHeadDimPad * kElemBytes;
 
-    static_assert((kHeadDim * kElemBytes) % 128 == 0 && kHeadDim <= 256, "wgmma forward: head-dim tiles of whole panels");
+    static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256 && (!kFp8 || kHeadDim == kHeadDimPad),
+                  "wgmma forward: k16 steps in whole 32-byte chunks; e4m3 head-dim tiles of whole panels");
     static_assert(!kFp8 || (kBlockN % 32 == 0 && kBlockN <= 256 && kSeparateO),
                   "e4m3: P V^T in k-steps of 32 keys; O (16-bit) has its own buffer");
     static_assert(kFp8 || std::is_same<Out_, T_>::value, "16-bit inputs: output of the same type");
@@ -175,6 +181,19 @@ struct FwdSm90Traits {
 #ifndef CF_FWD_D256_LONG_BN
 #define CF_FWD_D256_LONG_BN 80
 #endif
+// D = 96 (64 < d <= 96): the d = 128 shapes with 96 columns of products (25% fewer than on the
+// 128 tile, which d = 96 ran before; shared memory keeps 128 columns: kHeadDimPad). O takes 48
+// registers instead of 64, so the long block is 192 keys (S 96 + P 48 + O 48). H100, bf16 /
+// f16 (bench/NOTES.md "Forward: a 96-column tile"): +6-11% over the 128 tile at every N, the
+// 192-key block +2-7% over 176 from 8k. CF_FWD_D96_TILE=0 sends d = 96 to the 128 tile (A/B).
+#ifndef CF_FWD_D96_TILE
+#define CF_FWD_D96_TILE 1
+#endif
+#ifndef CF_FWD_D96_LONG_BN
+#define CF_FWD_D96_LONG_BN 192
+#endif
+template <typename T> using FwdSm90TraitsD96 = FwdSm90Traits<T, 96, 128, 2, 3, true, true, false>;
+template <typename T> using FwdSm90TraitsD96Long = FwdSm90Traits<T, 96, CF_FWD_D96_LONG_BN, 2, 2, true, true, false>;
 template <typename T> using FwdSm90TraitsD64Short = FwdSm90Traits<T, 64, 128, 2, 4, true, true, true>;
 template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 128, 3, 4, true, false, false>;
 template <typename T> using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, 3, true, true, false>;

@@ -143,7 +143,7 @@ inline int bwd_sm90_block_m(const CfFwdParams& f) {
 inline bool bwd_heavy_first(const CfFwdParams& f, int64_t ctas, int sms) {
     return f.window_right >= 0 && ctas <= 4 * (int64_t)sms;
 }
-enum class FwdSm90Config { kD64Short, kD64, kD128, kD192, kD256, kD128Long, kD192Long, kD256Long };
+enum class FwdSm90Config { kD64Short, kD64, kD96, kD128, kD192, kD256, kD96Long, kD128Long, kD192Long, kD256Long };
 
 // e4m3 forward (sm_90a only): the 128 head-dim tile up to d = 128 (d = 64 with zero-filled
 // columns: 8-bit rows of 64 bytes would need a second swizzle mode), else the 256 tile.
@@ -207,6 +207,8 @@ inline FwdSm90Config fwd_sm90_config(const CfFwdParams& p) {
     switch (round_head_dim(p.d)) {
         case 64: return p.seqlen_q <= kFwdSm90D64ShortMaxSeq ? FwdSm90Config::kD64Short : FwdSm90Config::kD64;
         case 96:
+            if (CF_FWD_D96_TILE) return fwd_sm90_long(p, 128) ? FwdSm90Config::kD96Long : FwdSm90Config::kD96;
+            return fwd_sm90_long(p, 128) ? FwdSm90Config::kD128Long : FwdSm90Config::kD128;
         case 128: return fwd_sm90_long(p, 128) ? FwdSm90Config::kD128Long : FwdSm90Config::kD128;
         case 192: return fwd_sm90_long(p, 192) ? FwdSm90Config::kD192Long : FwdSm90Config::kD192;
         default: return fwd_sm90_long(p, 256) ? FwdSm90Config::kD256Long : FwdSm90Config::kD256;

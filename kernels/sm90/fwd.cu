@@ -81,10 +81,10 @@ template <typename Kt>
 struct FwdSharedStorage {
     using T = typename Kt::Elem;
     using To = typename Kt::Out;
-    static constexpr int kQElems = Kt::kBlockM * Kt::kHeadDim, kKVElems = Kt::kBlockN * Kt::kHeadDim;
+    static constexpr int kQElems = Kt::kBlockM * Kt::kHeadDimPad, kKVElems = Kt::kBlockN * Kt::kHeadDimPad;
     alignas(1024) T q[kQElems];
     alignas(1024) T k[Kt::kStages][kKVElems];
-    alignas(1024) T v[Kt::kStages][Kt::kVtKeys * Kt::kHeadDim];  // e4m3: V^T tiles [D][kVtKeys]
+    alignas(1024) T v[Kt::kStages][Kt::kVtKeys * Kt::kHeadDimPad];  // e4m3: V^T tiles [D][kVtKeys]
     OptionalTile<To, kQElems, Kt::kSeparateO> o;  // own output staging buffer, else staged in q
     OptionalTile<uint8_t, Kt::kNWarpGroups * 64 * Kt::kBlockN, Kt::kPSmem> p;  // e4m3 P per warpgroup [64][kBlockN]
     // Pipeline barriers (full, then empty, per pipeline), contiguous: all pipelines are
@@ -168,7 +168,8 @@ struct FwdPipelines {
 template <typename Kt>
 struct FwdProducer {
     using T = typename Kt::Elem;
-    static constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, C = D / 8, NPT = 128;
+    // D: the tiles' columns (whole panels); columns from d on are loaded as zeros
+    static constexpr int D = Kt::kHeadDimPad, BM = Kt::kBlockM, BN = Kt::kBlockN, C = D / 8, NPT = 128;
     // cp.async loads one row pass at a time from d = 128 up and in a 32-register producer: with
     // the TMA path beside them, fully unrolled passes spilled the 40-register producer (8 / 20
     // bytes at d = 128 / 256) and the 32-register one of the d = 64 192 x 128 tile (76 bytes).
@@ -605,9 +606,11 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t 
     template cudaError_t launch_fwd_sm90<TRAITS<__nv_bfloat16>>(const CfFwdParams&, void*, cudaStream_t);
 CF_INST_FWD_SM90(FwdSm90TraitsD64Short)
 CF_INST_FWD_SM90(FwdSm90TraitsD64)
+CF_INST_FWD_SM90(FwdSm90TraitsD96)
 CF_INST_FWD_SM90(FwdSm90TraitsD128)
 CF_INST_FWD_SM90(FwdSm90TraitsD192)
 CF_INST_FWD_SM90(FwdSm90TraitsD256)
+CF_INST_FWD_SM90(FwdSm90TraitsD96Long)
 CF_INST_FWD_SM90(FwdSm90TraitsD128Long)
 CF_INST_FWD_SM90(FwdSm90TraitsD192Long)
 CF_INST_FWD_SM90(FwdSm90TraitsD256Long)
