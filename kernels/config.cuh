@@ -82,8 +82,8 @@ struct SplitTraits {
 // meanwhile) instead of in the consumers' rows of Q.
 // Shared memory: FwdSharedStorage (sm90/fwd.cu; panel layout of sm90/wgmma.cuh, 1024-byte
 // aligned tiles): Q [kBlockM][D] (+ O [kBlockM][D]) + K, V [kStages][kBlockN][D] + the pipeline
-// mbarriers; the launch asks for its sizeof and asserts it fits. Head-dim tiles that are whole
-// 64-column panels: 64, 128, 192, 256 (d = 96 runs on the 128 tile, see dispatch.cu).
+// mbarriers; the launch asks for its sizeof and asserts it fits. Head-dim tiles 64, 96, 128, 192,
+// 256; shared memory holds whole 64-column panels (96: 128 columns, see kHeadDimPad).
 // Out_: the output's element type (T_ but for e4m3 inputs, whose output is f16 or bf16).
 // kFp8 (e4m3 inputs): both products run on 8-bit wgmma (k32), which reads both operands K-major,
 // so V arrives transposed (sm90/fwd.cu: Fp8VtLayout): a V^T stage is [D][kVtKeys], whole 128-key
@@ -365,6 +365,9 @@ template <typename T_, int kHeadDim_, bool kGeneralLogits_, int kBlockM_ = (kHea
 struct BwdSm90Traits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
+    // Columns of the K / V / Q / dO tiles in shared memory (whole 64-column panels): d = 96 keeps
+    // 128 (zeros past d), its S^T / dP^T run 6 k16 steps and dV / dK are m64 x n96 products.
+    static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
     // logits_general() of the call: the plain instance splits P^T from dS^T (kOverlapP), the
     // general one keeps them fused (softcap's derivative needs the raw score, which P replaces)
     static constexpr bool kGeneralLogits = kGeneralLogits_;
@@ -399,18 +402,19 @@ struct BwdSm90Traits {
     // Stages of the Q / dO / lse / dsum ring (a third fits only the 64-query d = 128 step: 48
     // bytes too many at d = 64, none left by the 80-query step). The ping-pong needs three: warp 0
     // copies a step's lse / dsum rows two steps ahead (one step ahead would be too late).
-    static constexpr int kStages = kPingPong ? 3 : kHeadDim == 128 && kBlockM == 64 ? CF_BWD_STAGES : 2;
-    static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 2 * kStages * kBlockM * kHeadDim * 2 +
+    static constexpr int kStages = kPingPong ? 3 : kHeadDim >= 96 && kBlockM == 64 ? CF_BWD_STAGES : 2;
+    static constexpr int kSmemBytes = 2 * kBlockN * kHeadDimPad * 2 + 2 * kStages * kBlockM * kHeadDimPad * 2 +
                                       2 * kBlockN * kBlockM * 2 + 2 * kStages * kBlockM * 4 + 2 * kDqSlots * kDqRows * 64 * 4 +
                                       2 * kStages * 8;
 
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma backward: head-dim tiles 64 and 128");
+    static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128, "wgmma backward: head-dim tiles 64, 96, 128");
     static_assert(kBlockN == 2 * 64, "one m64 slice of keys per warpgroup");
     // dQ = dS K is m64 x n64 per warpgroup: split over query rows (d = 64) or columns (d = 128);
     // dQ^T is m64 x n80 per warpgroup, split over columns
-    static_assert((kHeadDim == 64 && kBlockM == 128) || (kHeadDim == 128 && (kBlockM == 64 || kBlockM == 80)),
+    static_assert((kHeadDim == 64 && kBlockM == 128) || (kHeadDim == 96 && kBlockM == 64) ||
+                      (kHeadDim == 128 && (kBlockM == 64 || kBlockM == 80)),
                   "dQ split");
-    static_assert(2 * kBlockM * kHeadDim >= kBlockN * kHeadDim, "dK/dV staging fits in Q / dO");
+    static_assert(2 * kBlockM >= kBlockN, "dK/dV staging fits in Q / dO");
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 shared memory");
     static_assert(!kProducerWG || kConsumerRegs > kLaunchRegs, "setmaxnreg: consumers gain what the producer gives up");
 };

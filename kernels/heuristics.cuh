@@ -111,14 +111,21 @@ inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc) {
 // D = 64 with short queries: 128 x 128 persistent tiles (hiding the prologue / epilogue of short
 // tiles matters most); longer: 192 x 128 (3 consumer warpgroups; 192 x 96 was 2-10% faster than
 // 128 x 128 there, and 192 x 128 is 2-14% faster than 192 x 96). D = 128: 128 x 128.
-// Which head-dim tiles the Hopper forward takes (the rest run the mma.sync kernel): d = 96 runs on
-// the 128 tile (zero-filled columns; wgmma tiles are whole 64-column panels); d <= 32 stays on
-// the mma.sync kernel's own 32 tile.
+// Which head-dim tiles the Hopper forward takes (the rest run the mma.sync kernel): d = 96 has a
+// 96-column tile (config.cuh FwdSm90TraitsD96: shared memory keeps whole 64-column panels, zeros
+// past d); d <= 32 stays on the mma.sync kernel's own 32 tile.
 inline bool fwd_sm90_takes(int rounded_d) { return rounded_d >= 64; }
-// Which head-dim tile the Hopper backward runs for a rounded head dim (0: the mma.sync kernel).
-// d = 96 runs on the 128 tile with zero-filled columns, as in the forward (measured faster than
-// the mma.sync 96 tile: bench/NOTES.md "Backward v4–v5"); d <= 32 stays on mma.sync.
-inline int bwd_sm90_tile(int rounded_d) { return rounded_d == 96 ? 128 : rounded_d >= 64 ? rounded_d : 0; }
+// Which head-dim tile the Hopper backward runs for a rounded head dim (0: the mma.sync kernel);
+// d <= 32 stays on mma.sync. d = 96 has its own tile: the 128 tile's step with 96 columns of
+// S^T / dP^T / dV / dK products (config.cuh BwdSm90Traits::kHeadDimPad); it ran on the 128 tile
+// with zero-filled columns before (faster than the mma.sync 96 tile: bench/NOTES.md "Backward
+// v4–v5"), which CF_BWD_D96_TILE=0 restores for A/B runs.
+#ifndef CF_BWD_D96_TILE
+#define CF_BWD_D96_TILE 1
+#endif
+inline int bwd_sm90_tile(int rounded_d) {
+    return rounded_d == 96 && !CF_BWD_D96_TILE ? 128 : rounded_d >= 64 ? rounded_d : 0;
+}
 // Query rows per step of the Hopper backward's 128 head-dim tile: 64, or 80 (FA3's d = 128 step:
 // 25% more products per step against the step's fixed costs). CF_BWD_BM80 (build-time, for A/B
 // runs): 0 = always 64 (the 80 kernels are not built), 1 = 80 without causal or window masks

@@ -466,7 +466,7 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
             if (e != cudaSuccess) return e;
             done = true;
         }
-    } else if constexpr (sizeof(T) == 2 && D == 128) {
+    } else if constexpr (sizeof(T) == 2 && (D == 96 || D == 128)) {
         if (wgmma) {
             auto run = [&](auto plain, auto general) {
                 using Plain = decltype(plain);
@@ -474,7 +474,7 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
                 return logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General>, general)
                                          : launch_sm90(bwd_dkdv_sm90_kernel<Plain>, plain);
             };
-            if constexpr (CF_BWD_BM80 != 0)
+            if constexpr (CF_BWD_BM80 != 0 && D == 128)
                 e = bwd_sm90_block_m(f) == 80 ? run(BwdSm90Traits<T, D, false, 80>{}, BwdSm90Traits<T, D, true, 80>{})
                                               : run(BwdSm90Traits<T, D, false, 64>{}, BwdSm90Traits<T, D, true, 64>{});
             else

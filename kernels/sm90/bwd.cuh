@@ -229,7 +229,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NCT = Kt::kNConsumerThreads;
-    constexpr int C = D / 8;     // chunks per Q/K/V/dO row
+    // DP: the tiles' columns in shared memory (whole panels; d = 96 keeps 128, zeros past d); the
+    // products read D of them (dQ = dS K reads all DP: its second 64-column half at d = 96 adds
+    // zeros into dq_accum's second panel, which has room for them)
+    constexpr int DP = Kt::kHeadDimPad;
+    constexpr int C = D / 8;     // chunks per dK / dV row
     constexpr int KS = D / 16;   // k16 steps of S^T and dP^T
     constexpr int MS = BM / 16;  // k16 steps of dV / dK (query rows)
     constexpr int NS = BN / 16;  // k16 steps of dQ (keys)
@@ -241,11 +245,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     extern __shared__ __align__(1024) unsigned char smem_sm90[];
     if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
     T* sK = reinterpret_cast<T*>(smem_sm90);
-    T* sV = sK + BN * D;
+    T* sV = sK + BN * DP;
     constexpr int NST = Kt::kStages;
-    T* sQ = sV + BN * D;          // [NST][BM*D]
-    T* sdO = sQ + NST * BM * D;   // [NST][BM*D]
-    T* sdS = sdO + NST * BM * D;  // [2][BN][BM] (dS^T, double-buffered; kDqT: dS, [2][BM][BN])
+    T* sQ = sV + BN * DP;          // [NST][BM*DP]
+    T* sdO = sQ + NST * BM * DP;   // [NST][BM*DP]
+    T* sdS = sdO + NST * BM * DP;  // [2][BN][BM] (dS^T, double-buffered; kDqT: dS, [2][BM][BN])
     float* sL = reinterpret_cast<float*>(sdS + 2 * BN * BM);  // [NST][BM]
     float* sD = sL + NST * BM;                                // [NST][BM]
     float* sDq = sD + NST * BM;  // [2 warpgroups][kDqSlots][kDqRows][64] dQ staging (f32)
@@ -270,7 +274,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     };
     const Pipeline<NST> pipe(smem_addr(bars));
     auto load_step = [&](int it) {
-        bwd_load_step<BM, D, Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
+        bwd_load_step<BM, DP, Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
     };
     // With the producer warpgroup, warp 0 of the consumers copies step it's lse / dsum rows at the
     // start of step it - 1: every consumer warp read the stage's previous rows (step it - 2) before
@@ -281,7 +285,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
         pipe.producer_commit_cp_async(it);
     };
-    bwd_start<NCT, D, Kt::kProducerWG>(f, w, pipe, sK, sV, load_step, tid);
+    bwd_start<NCT, DP, Kt::kProducerWG>(f, w, pipe, sK, sV, load_step, tid);
     if constexpr (Kt::kProducerWG) {
         if (tid >= NCT) {
             // The producer warpgroup: its first warp loads steps 1.. as their stages free up.
@@ -455,7 +459,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             const int hq = w.head(it), m0 = w.row0(it);
             const int st = pipe.stage(it);
             pipe.consumer_wait(it);
-            const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
+            const uint32_t tQ = smem_addr(sQ + st * BM * DP), tdO = smem_addr(sdO + st * BM * DP);
             const LogitInfo li(f, b, hq);
             float sT[NA], dpT[NA];
             turn_wait();
@@ -529,7 +533,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         }
         pipe.consumer_wait(it);  // this step's tiles landed (and the fence for the cp.async part)
         CF_BTRACE(trace, wg, it, 1);
-        const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
+        const uint32_t tQ = smem_addr(sQ + st * BM * DP), tdO = smem_addr(sdO + st * BM * DP);
         const LogitInfo li(f, b, hq);
 
         // ---- S^T = K Q^T, dP^T = V dO^T
