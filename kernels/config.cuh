@@ -160,7 +160,7 @@ struct FwdSm90Traits {
 //   D = 64, longer:  192 x 128 tiles (3 consumer warpgroups at 160 registers, the producer at 32;
 //            +2-14% over 192 x 96 from 4k: bench/NOTES.md "Forward d = 64: 192 x 128"; 128 x 128
 //            and persistent launches measured 2-10% slower than 192 x 96 there).
-//   D = 128: 128 x 128 tiles, persistent; 3 stages (output staged in Q: no room for a buffer).
+//   D = 96 / 128: 128 x 128 tiles, persistent; 2 stages and O in its own buffer (CF_FWD_D128_SEPO).
 //   D = 192: 128 x 64 tiles, 3 stages, persistent (Q 48 KB + K/V 144 KB).
 //   D = 256: 128 x 64 tiles, 2 stages, persistent (Q 64 KB + K/V 128 KB). O 128 + S 32 + P 16.
 // and for long sequences (heuristics.cuh fwd_sm90_config) wider key blocks in 2 stages, which
@@ -192,11 +192,21 @@ struct FwdSm90Traits {
 #ifndef CF_FWD_D96_LONG_BN
 #define CF_FWD_D96_LONG_BN 192
 #endif
-template <typename T> using FwdSm90TraitsD96 = FwdSm90Traits<T, 96, 128, 2, 3, true, true, false>;
+// The 128 x 128 tiles of d = 96 / 128 (below the wide blocks' lengths): 2 stages and O in a buffer
+// of its own (CF_FWD_D128_SEPO 1), or 3 stages with O staged in Q's rows (0: the producer cannot
+// load the next tile's Q until the epilogue has stored O). H100: 1 is +1-12% at N <= 2048, level
+// at 4096 against the wide block (bench/NOTES.md "Forward: O in its own buffer for short tiles").
+// The same at d = 192's 128 x 64 tile (2 stages + O) measured -2% / +4% at 512: not taken.
+#ifndef CF_FWD_D128_SEPO
+#define CF_FWD_D128_SEPO 1
+#endif
+template <typename T>
+using FwdSm90TraitsD96 = FwdSm90Traits<T, 96, 128, 2, CF_FWD_D128_SEPO ? 2 : 3, true, true, CF_FWD_D128_SEPO != 0>;
 template <typename T> using FwdSm90TraitsD96Long = FwdSm90Traits<T, 96, CF_FWD_D96_LONG_BN, 2, 2, true, true, false>;
 template <typename T> using FwdSm90TraitsD64Short = FwdSm90Traits<T, 64, 128, 2, 4, true, true, true>;
 template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 128, 3, 4, true, false, false>;
-template <typename T> using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, 3, true, true, false>;
+template <typename T>
+using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, CF_FWD_D128_SEPO ? 2 : 3, true, true, CF_FWD_D128_SEPO != 0>;
 template <typename T> using FwdSm90TraitsD192 = FwdSm90Traits<T, 192, 64, 2, 3, true, true, false>;
 template <typename T> using FwdSm90TraitsD256 = FwdSm90Traits<T, 256, 64, 2, 2, true, true, false>;
 template <typename T> using FwdSm90TraitsD128Long = FwdSm90Traits<T, 128, CF_FWD_D128_LONG_BN, 2, 2, true, true, false>;
