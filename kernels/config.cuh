@@ -218,7 +218,7 @@ template <typename T> using FwdSm90TraitsD256Long = FwdSm90Traits<T, 256, CF_FWD
 //   (3 consumer warpgroups at d = 128, 192 x 128: 160 registers each, spilled 144 bytes.)
 //   D = 128 long (heuristics.cuh fwd_fp8_long): 128 x 192, 3 stages: Q 16 KB + K 24 KB, V^T
 //   32 KB (two 128-key panels, the second half used) x 3 + O 32 KB = 216 KB; S 96 + P 24 + O 64
-//   registers, no spills. H100: +3-5% from 8k, level at 4k, 4-14% slower up to 2k (bench/NOTES.md
+//   registers, no spills. H100: +0-7% at 8k-16k, level at 4k, 4-14% slower up to 2k (bench/NOTES.md
 //   "FP8 forward: wider key blocks"); 224 keys (2 stages) measured the same, 192 in 2 stages 2-3%
 //   below 3. CF_FP8_D128_LONG_BN picks another width for A/B runs.
 //   CF_FP8_D128_BN=256 (build-time): 128 x 256 tiles at d = 128 with P through shared memory
