@@ -49,9 +49,10 @@ fn backward_masks_all_dtypes() {
     }
 }
 
-/// MHA, GQA and MQA, head dims including ones that are not powers of two. On Hopper, 96 runs on
-/// the 128 wgmma tile and 160 / 192 / 256 on the wide backward kernel (two warpgroups, one per
-/// gradient); the varlen and softcap cases take its general-logit path and its GQA partials.
+/// MHA, GQA and MQA, head dims including ones that are not powers of two. On Hopper, 72 / 96 run
+/// on the 96-column wgmma tiles (128 columns in shared memory, zeros past d) and 160 / 192 / 256
+/// on the wide backward kernel (two warpgroups, one per gradient); the varlen and softcap cases
+/// take its general-logit path and its GQA partials.
 #[test]
 fn heads_and_head_dims() {
     let mut cases = vec![];
