@@ -205,6 +205,12 @@ using FwdSm90TraitsD96 = FwdSm90Traits<T, 96, 128, 2, CF_FWD_D128_SEPO ? 2 : 3, 
 template <typename T> using FwdSm90TraitsD96Long = FwdSm90Traits<T, 96, CF_FWD_D96_LONG_BN, 2, 2, true, true, false>;
 template <typename T> using FwdSm90TraitsD64Short = FwdSm90Traits<T, 64, 128, 2, 4, true, true, true>;
 template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 128, 3, 4, true, false, false>;
+// D = 64 without masks up to 2048 queries: the same 192 x 128 tile, persistent with its own O
+// buffer (Q 24 KB + K/V 128 KB + O 24 KB), so that the next tile's loads overlap the epilogue.
+// H100: +1-2% over the 128 x 128 tile at 512-1k, +10% at 2k; level or 1% slower than the
+// one-CTA-per-tile launch at 4k, 2-4% slower from 8k; under causal masks 15-20% slower than
+// 128 x 128 at 512-2k (bench/NOTES.md "Eleventh session").
+template <typename T> using FwdSm90TraitsD64Persistent = FwdSm90Traits<T, 64, 128, 3, 4, true, true, true>;
 template <typename T>
 using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, CF_FWD_D128_SEPO ? 2 : 3, true, true, CF_FWD_D128_SEPO != 0>;
 template <typename T> using FwdSm90TraitsD192 = FwdSm90Traits<T, 192, 64, 2, 3, true, true, false>;

@@ -202,6 +202,7 @@ cudaError_t fwd_sm90(const CfFwdParams& p, cudaStream_t s) {
     switch (fwd_sm90_config(p)) {
         case FwdSm90Config::kD64Short: return launch_fwd_sm90<FwdSm90TraitsD64Short<T>>(p, nullptr, s);
         case FwdSm90Config::kD64: return launch_fwd_sm90<FwdSm90TraitsD64<T>>(p, nullptr, s);
+        case FwdSm90Config::kD64Persistent: return launch_fwd_sm90<FwdSm90TraitsD64Persistent<T>>(p, nullptr, s);
         case FwdSm90Config::kD96: return launch_fwd_sm90<FwdSm90TraitsD96<T>>(p, nullptr, s);
         case FwdSm90Config::kD128: return launch_fwd_sm90<FwdSm90TraitsD128<T>>(p, nullptr, s);
         case FwdSm90Config::kD192: return launch_fwd_sm90<FwdSm90TraitsD192<T>>(p, nullptr, s);

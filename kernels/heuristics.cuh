@@ -110,7 +110,8 @@ inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc) {
 // Forward on Hopper: which FwdSm90Traits configuration (config.cuh) runs for head-dim tile D.
 // D = 64 with short queries: 128 x 128 persistent tiles (hiding the prologue / epilogue of short
 // tiles matters most); longer: 192 x 128 (3 consumer warpgroups; 192 x 96 was 2-10% faster than
-// 128 x 128 there, and 192 x 128 is 2-14% faster than 192 x 96). D = 128: 128 x 128.
+// 128 x 128 there, and 192 x 128 is 2-14% faster than 192 x 96); without masks, short queries
+// run the 192 x 128 tile persistent (config.cuh FwdSm90TraitsD64Persistent). D = 128: 128 x 128.
 // Which head-dim tiles the Hopper forward takes (the rest run the mma.sync kernel): d = 96 has a
 // 96-column tile (config.cuh FwdSm90TraitsD96: shared memory keeps whole 64-column panels, zeros
 // past d); d <= 32 stays on the mma.sync kernel's own 32 tile.
@@ -150,7 +151,7 @@ inline int bwd_sm90_block_m(const CfFwdParams& f) {
 inline bool bwd_heavy_first(const CfFwdParams& f, int64_t ctas, int sms) {
     return f.window_right >= 0 && ctas <= 4 * (int64_t)sms;
 }
-enum class FwdSm90Config { kD64Short, kD64, kD96, kD128, kD192, kD256, kD96Long, kD128Long, kD192Long, kD256Long };
+enum class FwdSm90Config { kD64Short, kD64, kD64Persistent, kD96, kD128, kD192, kD256, kD96Long, kD128Long, kD192Long, kD256Long };
 
 // e4m3 forward (sm_90a only): the 128 head-dim tile up to d = 128 (d = 64 with zero-filled
 // columns: 8-bit rows of 64 bytes would need a second swizzle mode), else the 256 tile.
@@ -212,7 +213,11 @@ inline bool fwd_sm90_long(const CfFwdParams& p, int tile) {
 }
 inline FwdSm90Config fwd_sm90_config(const CfFwdParams& p) {
     switch (round_head_dim(p.d)) {
-        case 64: return p.seqlen_q <= kFwdSm90D64ShortMaxSeq ? FwdSm90Config::kD64Short : FwdSm90Config::kD64;
+        case 64: {
+            const bool masked = p.window_left >= 0 || p.window_right >= 0;
+            if (p.seqlen_q > kFwdSm90D64ShortMaxSeq) return FwdSm90Config::kD64;
+            return masked ? FwdSm90Config::kD64Short : FwdSm90Config::kD64Persistent;
+        }
         case 96:
             if (CF_FWD_D96_TILE) return fwd_sm90_long(p, 128) ? FwdSm90Config::kD96Long : FwdSm90Config::kD96;
             return fwd_sm90_long(p, 128) ? FwdSm90Config::kD128Long : FwdSm90Config::kD128;

@@ -606,6 +606,7 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t 
     template cudaError_t launch_fwd_sm90<TRAITS<__nv_bfloat16>>(const CfFwdParams&, void*, cudaStream_t);
 CF_INST_FWD_SM90(FwdSm90TraitsD64Short)
 CF_INST_FWD_SM90(FwdSm90TraitsD64)
+CF_INST_FWD_SM90(FwdSm90TraitsD64Persistent)
 CF_INST_FWD_SM90(FwdSm90TraitsD96)
 CF_INST_FWD_SM90(FwdSm90TraitsD128)
 CF_INST_FWD_SM90(FwdSm90TraitsD192)
