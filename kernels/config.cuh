@@ -13,6 +13,10 @@ inline int round_head_dim(int d) {
     return d <= 32 ? 32 : d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : d <= 192 ? 192 : 256;
 }
 
+// Columns of a head-dim tile in the sm_90a kernels' shared memory: whole 128-byte panels (the
+// wgmma swizzle's width), zeros past d; the products read only the tile's own columns.
+constexpr int panel_padded_cols(int cols, int elem_bytes) { return (cols * elem_bytes + 127) / 128 * 128 / elem_bytes; }
+
 // ------------------------------------------------------------------ forward (tensor cores)
 // CTA = kNWarps warps over kBlockM query rows (each warp owns kMTiles m16 tiles), looping over
 // kBlockN keys per step. Shared memory: Q [kBlockM][D] + K [kBlockN][D] + V [kBlockN][D].
@@ -102,7 +106,7 @@ struct FwdSm90Traits {
     // width). A 96-column head-dim tile keeps 128 columns, loaded with zeros past d (TMA's
     // out-of-bounds fill, or cp.async's), and its products read only the first 96: Q K^T in 6 k16
     // steps, P V as an n96 wgmma over one and a half panels of V.
-    static constexpr int kHeadDimPad = (kHeadDim * kElemBytes + 127) / 128 * 128 / kElemBytes;
+    static constexpr int kHeadDimPad = panel_padded_cols(kHeadDim, kElemBytes);
     static constexpr int kNWarpGroups = kNWarpGroups_;  // consumers
     static constexpr int kNConsumerThreads = 128 * kNWarpGroups;
     static constexpr int kNThreads = kNConsumerThreads + 128;  // + the producer warpgroup
@@ -383,7 +387,7 @@ struct BwdSm90Traits {
     static constexpr int kHeadDim = kHeadDim_;
     // Columns of the K / V / Q / dO tiles in shared memory (whole 64-column panels): d = 96 keeps
     // 128 (zeros past d), its S^T / dP^T run 6 k16 steps and dV / dK are m64 x n96 products.
-    static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+    static constexpr int kHeadDimPad = panel_padded_cols(kHeadDim, (int)sizeof(T_));
     // logits_general() of the call: the plain instance splits P^T from dS^T (kOverlapP), the
     // general one keeps them fused (softcap's derivative needs the raw score, which P replaces)
     static constexpr bool kGeneralLogits = kGeneralLogits_;

@@ -220,7 +220,7 @@ inline FwdSm90Config fwd_sm90_config(const CfFwdParams& p) {
         }
         case 96:
             if (CF_FWD_D96_TILE) return fwd_sm90_long(p, 128) ? FwdSm90Config::kD96Long : FwdSm90Config::kD96;
-            return fwd_sm90_long(p, 128) ? FwdSm90Config::kD128Long : FwdSm90Config::kD128;
+            [[fallthrough]];  // the 128 tile (A/B runs)
         case 128: return fwd_sm90_long(p, 128) ? FwdSm90Config::kD128Long : FwdSm90Config::kD128;
         case 192: return fwd_sm90_long(p, 192) ? FwdSm90Config::kD192Long : FwdSm90Config::kD192;
         default: return fwd_sm90_long(p, 256) ? FwdSm90Config::kD256Long : FwdSm90Config::kD256;
