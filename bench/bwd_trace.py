@@ -29,10 +29,18 @@ points = sys.argv[1:] or ["128,0,8192", "128,0,16384", "64,0,8192"]
 # (name, from event, to event); "tail" ends at the next step's event 0
 phases = [("data", 0, 1), ("issSd", 1, 2), ("S", 2, 3), ("P", 3, 4), ("dP", 4, 5), ("dS/iss", 5, 6),
           ("stDS", 6, 7), ("barDS", 7, 8), ("dQ", 8, 9), ("stage", 9, 10), ("tail", 10, 11)]
+# The wide kernel (d = 192 / 256, sm90/bwd_wide.cuh; events 8 and 10 at d = 256 only): warpgroup 0
+# computes S^T, waits for warpgroup 1's dP^T (xchg), P^T / dS^T (pds), stores them and issues the
+# next step's loads (stPdS); warpgroup 1 computes dP^T, stores it (xchg) and waits (barDS).
+narrow_phases = phases
+wide_phases = [("data", 0, 1), ("SdP", 1, 2), ("rel", 2, 3), ("xchg", 3, 4), ("pds", 4, 5), ("stPdS", 5, 6),
+               ("barDS", 6, 7), ("dVKQ", 7, 8), ("barRd", 8, 9), ("stage", 9, 10), ("-", 10, 11)]
 print(f"{'point':16s} wg " + " ".join(f"{n:>6s}" for n in [p[0] for p in phases] + ["next", "step"]) +
       "   (cycles per step, mean)")
+print(f"{'  (d >= 192)':16s}    " + " ".join(f"{n:>6s}" for n in [p[0] for p in wide_phases]))
 for pt in points:
     d, causal, N = (int(x) for x in pt.split(","))
+    phases = wide_phases if d >= 192 else narrow_phases
     c = kc.Case("trace", "bf16", b=16384 // N, h=2048 // d, sq=N, d=d, wl=-1, wr=(0 if causal else -1))
     q, k, v, do, o, fp, fws, stream = kc.bench_setup(c, dev)
     kc.check(kc.call_fwd(fp, fws, stream), "cf_fwd")

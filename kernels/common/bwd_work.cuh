@@ -66,11 +66,15 @@ struct DkdvCta {
     }
 };
 
-template <typename T, int BN, int BM, bool kHeavyFirst = false>
+// kRotate: without masks, the CTA walks its query blocks starting at its key block's index
+// (mod their count) instead of at 0, so that the CTAs of a head, which run together, reduce their
+// dQ tiles into different rows rather than all into the same 64 (the wide kernels, whose 64 KB of
+// dQ reductions a step bind them; bench/NOTES.md "Backward, twelfth session").
+template <typename T, int BN, int BM, bool kHeavyFirst = false, bool kRotate = false>
 struct DkdvWork {
     SeqInfo si;
     MaskInfo mk;
-    int b, hkv_i, split, n0, h_begin, mb_lo, nm, total_it, dch;
+    int b, hkv_i, split, n0, h_begin, mb_lo, nm, total_it, dch, rot;
     const T* kg;  // K / V rows of this KV head, row 0 of the sequence
     const T* vg;
 
@@ -92,12 +96,17 @@ struct DkdvWork {
         mb_lo = m_lo / BM;
         nm = m_hi > m_lo ? (m_hi + BM - 1) / BM - mb_lo : 0;
         total_it = nm * max(h_end - h_begin, 0);
+        rot = kRotate && f.window_left < 0 && f.window_right < 0 && nm > 0 ? c.kb % nm : 0;
         kg = si.k<T>(f, hkv_i);
         vg = si.v<T>(f, hkv_i);
     }
     __device__ __forceinline__ bool empty() const { return n0 >= si.sk; }
     __device__ __forceinline__ int head(int it) const { return h_begin + it / nm; }
-    __device__ __forceinline__ int row0(int it) const { return (mb_lo + it % nm) * BM; }
+    __device__ __forceinline__ int row0(int it) const {
+        int r = it % nm;
+        if constexpr (kRotate) r = r + rot < nm ? r + rot : r + rot - nm;
+        return (mb_lo + r) * BM;
+    }
 
     // cp.async copies of the CTA's K and V rows. Loader: the kernel's shared layout (TileLoader /
     // PanelLoader: Loader::load<ROWS>(dst, src, row_stride, valid_rows, valid_chunks, tid, fallback)).

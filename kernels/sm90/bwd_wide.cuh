@@ -17,13 +17,13 @@
 // D-wide product per warpgroup plus half of dQ, so both warpgroups issue the same MMA volume.
 // Step protocol: the TMA / mbarrier ring of bwd.cuh for Q / dO / lse / dsum, no CTA-wide barrier
 // per step; named barriers (both warpgroups): dP^T exchanged, P^T / dS^T stored, (atomic mode)
-// every product of the step done reading shared memory. Each warpgroup stages its dQ tiles in two
-// slots (slot 0: dS^T + P^T / the dP^T exchange; slot 1: the step's Q / dO stage, or at d = 192 a
-// region of its own), so step it's stage is released only in step it + 1, after that step's S^T
-// / dP^T products, once the bulk reductions have read the slots (bulk_wait_read + a warpgroup
-// barrier); warp 0 then issues step it + 1 into it (after its P^T / dS^T stores). A warpgroup
+// every product of the step done reading shared memory. Each warpgroup stages its dQ tiles in the
+// step's Q (warpgroup 0) / dO (warpgroup 1) stage (at d = 192 warpgroup 0's first tile in a region
+// of its own), so step it's stage is released only in step it + 1, once the bulk reductions have
+// read the tiles (bulk_wait_read + a warpgroup barrier): warpgroup 1 after its dP^T stores,
+// warpgroup 0 after its P^T / dS^T stores, then warp 0 issues step it + 1 into it. A warpgroup
 // overwrites the dP^T exchange / dS^T / P^T only after the other one passed the barrier that
-// follows its last read of them (program order) and after that wait.
+// follows its last read of them (program order).
 #pragma once
 #include "../config.cuh"
 #include "../common/bwd_work.cuh"
@@ -31,6 +31,12 @@
 #include "pipeline.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
+
+// Build-time switch for A/B runs: the wide kernels' rotated query-block order without masks
+// (common/bwd_work.cuh DkdvWork kRotate).
+#ifndef CF_BWD_WIDE_ROTATE
+#define CF_BWD_WIDE_ROTATE 1
+#endif
 
 namespace cf {
 
@@ -56,8 +62,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     constexpr int ND = D / 2;     // accumulators of an m64 x D product
     constexpr int DQ0 = Kt::kDq0, DQ1 = D - DQ0;
     // named barriers (0 is __syncthreads): dP^T exchanged, dS^T / P^T stored, the step's products
-    // done reading shared memory (all 256 threads); kBarWg + wg: one warpgroup's dQ staging
-    constexpr uint32_t kBarDp = 1, kBarDs = 2, kBarRead = 3, kBarWg = 4;
+    // done reading shared memory (all 256 threads); kBarWg + wg: one warpgroup's dQ staging;
+    // kBarRel: warpgroup 1 has released step it - 1's stage (warpgroup 0 loads step it + 1 into it)
+    constexpr uint32_t kBarDp = 1, kBarDs = 2, kBarRead = 3, kBarWg = 4, kBarRel = 6;
 
     extern __shared__ __align__(1024) unsigned char smem_sm90[];
     if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
@@ -77,7 +84,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3, wt = tid & 127;  // warpgroup, warp / thread within it
     const int g = lane >> 2, q4 = lane & 3;
-    const DkdvWork<T, BN, BM, CF_BWD_HEAVY_FIRST != 0> w(p, ws);
+    const DkdvWork<T, BN, BM, CF_BWD_HEAVY_FIRST != 0, CF_BWD_WIDE_ROTATE != 0> w(p, ws);
+    const bool trace = blockIdx.x == 1 && blockIdx.y == 0 && blockIdx.z == 0;
+    (void)trace;
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
@@ -94,9 +103,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int key_l0 = 16 * wq + g;  // local key of accumulator rows (e < 2); +8 for e >= 2
 
     for (int it = 0; it < total_it; ++it) {
+        CF_BTRACE(trace, wg, it, 0);
         const int hq = w.head(it), m0 = w.row0(it);
         const int st = pipe.stage(it);
         pipe.consumer_wait(it);  // this step's tiles landed (and the fence for the cp.async part)
+        CF_BTRACE(trace, wg, it, 1);
         const uint32_t tQ = smem_addr(sQ + st * BM * D), tdO = smem_addr(sdO + st * BM * D);
 
         // ---- S^T = K Q^T (warpgroup 0) / dP^T = V dO^T (warpgroup 1): 64 keys x BM queries
@@ -110,28 +121,40 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             wg_commit();
             wg_wait<0>();
             reg_fence(sc);
+        CF_BTRACE(trace, wg, it, 2);
         }
 
-        // ---- Step it - 1 is over: the bulk reductions it issued last have read their staging
-        //      slots (slot 0 is overwritten below, slot 1 is that step's Q / dO stage), so its stage
-        //      goes back to the loader. Waiting here, after this step's first products, rather
-        //      than at the top of the step leaves those products' time for the reads (ncu put 30%
-        //      of the stall samples on these waits when they came first).
-        if (it > 0) {
-            if (ws.dq_accum != nullptr) {
-                if (wt == 0) bulk_wait_read<0>();
-                named_bar_sync(kBarWg + wg, 128);
+        // ---- Step it - 1 is over once the bulk reductions it issued have read their staging
+        //      tiles (in its Q / dO stage, and sSlot at d = 192): then that stage goes back to the
+        //      loader. Each warpgroup waits as late as it can: warpgroup 1 after its dP^T stores,
+        //      warpgroup 0 just before warp 0 loads step it + 1 into that stage (kBarRel: warpgroup
+        //      1 has released it too). A reduction of 32 KB per warpgroup takes ~2500 cycles to read
+        //      (bwd_trace.py, d = 256); waited for right after this step's first products, it
+        //      held both warpgroups ~1000 cycles a step.
+        auto release_prev = [&] {
+            if (it > 0) {
+                if (ws.dq_accum != nullptr) {
+                    if (wt == 0) bulk_wait_read<0>();
+                    named_bar_sync(kBarWg + wg, 128);
+                }
+                pipe.consumer_release(it - 1, lane);
             }
-            pipe.consumer_release(it - 1, lane);
-        }
+        };
+        CF_BTRACE(trace, wg, it, 3);
 
         if (wg == 1) {
             // ---- dP^T to warpgroup 0 (thread wt of both warpgroups holds the same elements)
 #pragma unroll
             for (int c = 0; c < NA / 4; ++c) sX[c * 128 + wt] = make_float4(sc[4 * c], sc[4 * c + 1], sc[4 * c + 2], sc[4 * c + 3]);
             named_bar_arrive(kBarDp, 256);
+            release_prev();
+            named_bar_arrive(kBarRel, 256);
+            CF_BTRACE(trace, wg, it, 4);
+            CF_BTRACE(trace, wg, it, 5);
+            CF_BTRACE(trace, wg, it, 6);
         } else {
             named_bar_sync(kBarDp, 256);
+            CF_BTRACE(trace, wg, it, 4);
             float dp[NA];
 #pragma unroll
             for (int c = 0; c < NA / 4; ++c) {
@@ -145,6 +168,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             const LogitInfo li(f, w.b, hq);
             const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
             bwd_p_ds<BM>(li, mk, sc, dp, sL + st * BM, sD + st * BM, full, m0, n0 + key_l0, q4);
+            CF_BTRACE(trace, wg, it, 5);
             // ---- P^T and dS^T -> shared (bf16 panels [keys][queries]): n8 tile j of the
             //      accumulators holds queries 8j + 2 q4 (+1) of keys key_l0 (+8)
             unsigned char* pP = reinterpret_cast<unsigned char*>(sP);
@@ -163,9 +187,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             // fallback's writes, which racecheck sees, unlike the ring's mbarriers). Here, with
             // S^T and dP^T dead: issued right after kBarDp, warp 0's load code beside the live
             // accumulators made ptxas serialise the d = 192 kernel's wgmma (C7511).
+            release_prev();
+            named_bar_sync(kBarRel, 256);  // and warpgroup 1 has released it
             if (warp == 0 && it + 1 < total_it) load_step(it + 1);
+            CF_BTRACE(trace, wg, it, 6);
         }
         named_bar_sync(kBarDs, 256);  // P^T and dS^T are in shared
+        CF_BTRACE(trace, wg, it, 7);
 
         // ---- dV += P^T dO (warpgroup 0) / dK += dS^T Q (warpgroup 1): A = [keys][queries]
         //      K-major, B = [queries][d] MN-major. One instruction stream for both roles (only
@@ -179,16 +207,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         if (ws.dq_accum != nullptr) {
             // ---- dQ = dS K, this warpgroup's columns (A = dS^T read MN-major, B = K MN-major),
             //      then its 64 x 64 tiles through shared memory into bulk reductions (tiled
-            //      dq_accum). Two staging slots per warpgroup, so that the second tile need not
-            //      wait for the first one's read: slot 0 reuses dS^T + P^T (warpgroup 0) / the dP^T
-            //      exchange (warpgroup 1), slot 1 this step's Q (warpgroup 0) / dO (warpgroup 1)
-            //      stage; all are free once both warpgroups' products of the step have completed
-            //      (kBarRead), and the stage stays held until the next step has seen the reads done.
-            //      At d = 192 only warpgroup 0 has a second tile, and it goes through a region of
-            //      its own (sSlot; shared memory has room there), see below.
-            float* const slot[2] = {reinterpret_cast<float*>(sdS) + wg * 64 * 64,
-                                    reinterpret_cast<float*>(wg == 0 ? sQ + st * BM * D : sdO + st * BM * D)};
-            static_assert(BM * D * (int)sizeof(T) >= 64 * 64 * 4, "a dQ tile fits in a Q / dO stage");
+            //      dq_accum). The tiles are staged in this step's Q (warpgroup 0) / dO (warpgroup 1)
+            //      stage, free once both warpgroups' products of the step have completed (kBarRead)
+            //      and held until the next step has seen the reads done (release_prev): two tiles
+            //      at d = 256, so that the second need not wait for the first one's read; at d = 192
+            //      one (warpgroup 0's first tile goes through a region of its own, sSlot, see
+            //      below). Nothing the next step writes early (the dP^T exchange, dS^T, P^T) is a
+            //      staging tile, so its wait for the reads can come late.
+            float* const stage_f = reinterpret_cast<float*>(wg == 0 ? sQ + st * BM * D : sdO + st * BM * D);
+            float* const slot[2] = {stage_f, stage_f + 64 * 64};
+            static_assert(BM * D * (int)sizeof(T) >= (D == 256 ? 2 : 1) * 64 * 64 * 4, "dQ tiles fit in a Q / dO stage");
             const int pnl0 = wg * (DQ0 / 64);  // this warpgroup's first dQ panel
             // Both warpgroups reach the kBarRead barrier through one instruction: bar.sync is
             // .aligned, which PTX requires every participating thread to execute at the same
@@ -196,7 +224,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             if constexpr (D == 192) {
                 // One 64-column panel at a time (32 accumulators, not 64): warpgroup 0's panel 0
                 // goes out through its own region (sSlot) before its panel 1's product, which
-                // still reads dS^T, so that panel 1 can take slot 0 (dS^T + P^T) after kBarRead;
+                // still reads dS^T, and panel 1 goes to the Q stage (slot 0) after kBarRead;
                 // warpgroup 1 has panel 2 only. With both of warpgroup 0's panels in registers
                 // this kernel sat at the edge where ptxas serialises its wgmma (C7511), and
                 // unrelated changes (a field added to BwdWs) tipped it over.
@@ -219,6 +247,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                     panel_product(1);
                 }
                 named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
+                CF_BTRACE(trace, wg, it, 9);
                 panel_store(slot[0], wg == 0 ? 1 : pnl0);
             } else {
                 // d = 256: two panels per warpgroup, in one product, into slots 0 and 1
@@ -230,16 +259,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 wg_wait<0>();
                 reg_fence(dq);
                 reg_fence(acc);
+                CF_BTRACE(trace, wg, it, 8);
                 named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
+                CF_BTRACE(trace, wg, it, 9);
 #pragma unroll
                 for (int pp = 0; pp < 2; ++pp)
                     reduce_dq_tile<DQ0 / 8>(dq, 8 * pp, slot[pp], ws.dq_tile_rows(f, si, hq, pnl0 + pp, m0),
                                             kBarWg + wg, wt, 16 * wq + g, q4);
+        CF_BTRACE(trace, wg, it, 10);
             }
         } else {
             wg_wait<0>();
             reg_fence(acc);
         }
+        CF_BTRACE(trace, wg, it, 11);
     }
 
     if (ws.dq_accum != nullptr && wt == 0) bulk_wait<0>();  // the last reduction is done with shared memory
