@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/candle-flash-out}
 mkdir -p "$OUT"
-if [ ! -d gpu-bin ]; then mkdir -p gpu-bin && tar -C gpu-bin -xJf gpu-pack/bin.tar.xz; fi
+source scripts/unpack-gpu-bin.sh
 modes=${1:-fwd,bwd,fwd_bwd}
 dtype=${2:-bf16}
 seqlens=${SEQLENS:-512,1024,2048,4096,8192,16384}

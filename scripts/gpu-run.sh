@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/candle-flash-out}
 mkdir -p "$OUT"
 what=${1:-all}
-if [ ! -d gpu-bin ]; then mkdir -p gpu-bin && tar -C gpu-bin -xJf gpu-pack/bin.tar.xz; fi
+source scripts/unpack-gpu-bin.sh
 # shellcheck disable=SC1091
 source gpu-bin/cuda-libs.sh >/dev/null
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
