@@ -86,9 +86,9 @@ fn tile_breaking_lengths() {
 }
 
 /// Keys seen by thousands of query rows (GQA 4:1 and MQA, 2047 rows per head): dV and dK are sums
-/// of 8-16k terms per element. The f32 SIMT backward (d > 128 on CUDA) once summed them in one
-/// sequential chain, ~6x the naive f32 error at 800 terms (fuzz, d = 256); it now adds each query
-/// block's sum into the total. Three keys, not one: with a single key dS = P (dP - D) is exactly
+/// of 8-16k terms per element (and, with the shape turned around, dQ of 2047). The f32 SIMT
+/// backward (d > 128 on CUDA) once summed them in one sequential chain, ~6x the naive f32 error
+/// at 800 terms (fuzz, d = 256); it now adds each block's sum into a compensated total. Three keys, not one: with a single key dS = P (dP - D) is exactly
 /// zero in the reference (D = rowsum(P dP) = dP), while D = rowsum(dO O) rounds differently from
 /// dP, and dK then measures only that rounding summed over every row.
 #[test]
@@ -98,6 +98,7 @@ fn long_gradient_sums() {
         for d in [64, 256] {
             cases.push(Case::new(dtype, (2047, 3), (8, 2), d));
             cases.push(Case::new(dtype, (2047, 3), (8, 1), d));
+            cases.push(Case::new(dtype, (3, 2047), (8, 2), d)); // dQ: sums over 2047 keys
         }
     }
     sweep(&cases, true);

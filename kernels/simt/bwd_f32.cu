@@ -35,6 +35,16 @@ cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t
     return cudaGetLastError();
 }
 
+// total += x with compensation c (Kahan): the rounding of each add is carried into the next, so a
+// long chain of block sums (a key's dV over every query row of a KV group: 512 blocks at 16k rows)
+// errs like one add. nvcc does not reassociate these without fast-math.
+__device__ __forceinline__ void kahan_add(float& total, float& c, float x) {
+    const float y = x - c;
+    const float t = total + y;
+    c = (t - total) - y;
+    total = t;
+}
+
 // ------------------------------------------------------------------ f32 dK / dV
 // CTA: 16 keys of one KV head; loops over all query heads of that KV head and the query blocks
 // (32 rows) that see these keys. Scores: thread -> key tid&15, rows (tid>>4) + 8k. Accumulation:
@@ -71,8 +81,9 @@ __global__ void __launch_bounds__(F32BwdTraits::kNThreads) bwd_dkdv_f32_kernel(c
     load_rows_f32<BN, NTH>(sK, kg + (int64_t)n0 * f.k_row_stride, f.k_row_stride, sV, vg + (int64_t)n0 * f.v_row_stride,
                             f.v_row_stride, si.sk - n0, d, ld, tid);
     float dk[32], dv[32];
+    float ck[32], cv[32];  // compensation of the running totals (Kahan: see the block sums below)
 #pragma unroll
-    for (int m = 0; m < 32; ++m) dk[m] = dv[m] = 0.f;
+    for (int m = 0; m < 32; ++m) dk[m] = dv[m] = ck[m] = cv[m] = 0.f;
 
     for (int hq = hk * group; hq < (hk + 1) * group; ++hq) {
         const LogitInfo li(f, b, hq);
@@ -126,8 +137,8 @@ __global__ void __launch_bounds__(F32BwdTraits::kNThreads) bwd_dkdv_f32_kernel(c
                         av = fmaf(sP[il * (BN + 1) + jr], sdO[il * ld + c], av);
                         ak = fmaf(sdS[il * (BN + 1) + jr], sQ[il * ld + c], ak);
                     }
-                    dv[m] += av;
-                    dk[m] += ak;
+                    kahan_add(dv[m], cv[m], av);
+                    kahan_add(dk[m], ck[m], ak);
                 }
             }
         }
@@ -182,9 +193,9 @@ __global__ void __launch_bounds__(F32DqTraits::kNThreads) bwd_dq_f32_kernel(cons
         L = NaturalUnits::lse(si.lse(f, h)[i]);
         Dv = ws.dsum_rows(si, h)[i];
     }
-    float dq[32];
+    float dq[32], cq[32];  // cq: compensation (kahan_add)
 #pragma unroll
-    for (int m = 0; m < 32; ++m) dq[m] = 0.f;
+    for (int m = 0; m < 32; ++m) dq[m] = cq[m] = 0.f;
 
     if (n_hi > n_lo) {
         for (int n0 = (n_lo / BN) * BN; n0 < n_hi; n0 += BN) {
@@ -211,9 +222,9 @@ __global__ void __launch_bounds__(F32DqTraits::kNThreads) bwd_dq_f32_kernel(cons
             for (int m = 0; m < 32; ++m) {
                 if (m < d8) {
                     const int c = sub + 8 * m;
-                    float a = 0.f;  // the key block's sum, then one add (as dV / dK above)
+                    float a = 0.f;  // the key block's sum, then one compensated add (as dV / dK)
                     for (int jl = 0; jl < BN; ++jl) a = fmaf(sdS[r * (BN + 1) + jl], sK[jl * ld + c], a);
-                    dq[m] += a;
+                    kahan_add(dq[m], cq[m], a);
                 }
             }
         }
