@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             wg_commit();
             wg_wait<0>();
             reg_fence(sc);
-        CF_BTRACE(trace, wg, it, 2);
+            CF_BTRACE(trace, wg, it, 2);
         }
 
         // ---- Step it - 1 is over once the bulk reductions it issued have read their staging
@@ -182,11 +182,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                     *reinterpret_cast<uint32_t*>(pdS + off) = pack2<T>(dp[4 * j + 2 * r], dp[4 * j + 2 * r + 1]);
                 }
             fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)
-            // step it + 1 into the stage both warpgroups released above (warpgroup 1 before its
-            // kBarDp arrival: that barrier also orders its slot-1 stores before a cp.async
-            // fallback's writes, which racecheck sees, unlike the ring's mbarriers). Here, with
-            // S^T and dP^T dead: issued right after kBarDp, warp 0's load code beside the live
-            // accumulators made ptxas serialise the d = 192 kernel's wgmma (C7511).
+            // step it + 1 into the stage both warpgroups released (release_prev; kBarRel also
+            // orders warpgroup 1's staging stores before a cp.async fallback's writes, which
+            // racecheck sees, unlike the ring's mbarriers). Here, with S^T and dP^T dead: issued
+            // right after kBarDp, warp 0's load code beside the live accumulators made ptxas
+            // serialise the d = 192 kernel's wgmma (C7511).
             release_prev();
             named_bar_sync(kBarRel, 256);  // and warpgroup 1 has released it
             if (warp == 0 && it + 1 < total_it) load_step(it + 1);
@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 for (int pp = 0; pp < 2; ++pp)
                     reduce_dq_tile<DQ0 / 8>(dq, 8 * pp, slot[pp], ws.dq_tile_rows(f, si, hq, pnl0 + pp, m0),
                                             kBarWg + wg, wt, 16 * wq + g, q4);
-        CF_BTRACE(trace, wg, it, 10);
+                CF_BTRACE(trace, wg, it, 10);
             }
         } else {
             wg_wait<0>();
