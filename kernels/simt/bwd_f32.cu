@@ -127,10 +127,10 @@ __global__ void __launch_bounds__(F32BwdTraits::kNThreads) bwd_dkdv_f32_kernel(c
 #pragma unroll
             for (int m = 0; m < 32; ++m) {
                 if (m < d8) {
-                    // Each query block's sum on its own, then one add into the running total: a
-                    // key's dV / dK sum over every query row of the group's heads (thousands of
-                    // terms), and one sequential chain of them drifted to 6x the error of the
-                    // naive f32 computation (fuzz: d = 256, GQA 4:1, 200 rows, one key).
+                    // Each query block's sum on its own, then one compensated add into the
+                    // running total: a key's dV / dK sum over every query row of the group's heads
+                    // (thousands of terms), and one sequential chain of them drifted to 6x the
+                    // error of the naive f32 computation (fuzz: d = 256, GQA 4:1, 200 rows, one key).
                     const int c = sub + 8 * m;
                     float av = 0.f, ak = 0.f;
                     for (int il = 0; il < BM; ++il) {
