@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Timing grid: several builds of the kernels vs SDPA flash (FA2), forward and backward.
-usage: grid.py name=libdir[=kernel_check.py] ...  (POINTS='bf16,64,1,512;...' selects points)
+usage: grid.py name=libdir[=kernel_check.py] ...  (POINTS='bf16,64,1,512;...' selects points;
+a name ending in _det times that build's deterministic backward)
 A build of an older C interface is driven by that revision's kernel_check.py (third field), so a
 new build and the previous one are timed side by side in one run."""
 import ctypes, importlib.util, os, sys
@@ -74,7 +75,8 @@ for dt, d, causal, N in points:
         fws = m.fwd_workspace(fp, dev) if hasattr(m, "fwd_workspace") else None
         fwp = fws.data_ptr() if fws is not None else None
         fwd_fn[n] = lambda n=n, fp=fp, fwp=fwp: fwd_call(n, fp, fwp, stream)
-        bp = kc.bwd_params(fp, do, dq, dk, dv, False, cls=m.CfBwdParams)
+        # a build named *_det runs the backward in deterministic mode
+        bp = kc.bwd_params(fp, do, dq, dk, dv, False, det=n.endswith("_det"), cls=m.CfBwdParams)
         if hasattr(bp, "total_q"):
             bp.total_q, bp.total_k = B * N, B * N
         ws = torch.empty(libs[n].cf_bwd_workspace_size(ctypes.byref(bp)) // 4 + 64, dtype=torch.float32, device=dev)

@@ -664,6 +664,14 @@ def matrix(quick):
         C("bf16-d128-bm80-det-1023", "bf16", b=1, h=2, sq=1023, sk=700, d=128, det=True),
         C("f16-d96-bm80-gqa-headloop", "f16", b=2, h=8, hkv=2, sq=400, sk=2900, d=96),
         C("bf16-d128-bm80-q17-k1023", "bf16", b=2, h=4, hkv=1, sq=17, sk=1023, d=128),
+        # deterministic mode on the sm_90a kernels: dQ reductions in key-block order (DqOrder), with
+        # many key blocks adding into every query block (unordered, two runs would differ), a
+        # sliding window (the first key block of a query block is not 0), GQA splits and varlen
+        C("bf16-det-ordered-d128-2k", "bf16", b=2, h=4, sq=2048, d=128, det=True),
+        C("f16-det-ordered-d64-gqa-window", "f16", b=1, h=8, hkv=2, sq=1500, sk=2100, d=64, wl=700, wr=90, det=True),
+        C("bf16-det-ordered-d256-causal", "bf16", b=1, h=3, sq=1100, d=256, wl=-1, wr=0, det=True),
+        C("f16-det-ordered-d192-varlen", "f16", h=4, hkv=2, d=192, varlen=[(700, 900), (0, 3), (513, 1300)], det=True),
+        C("bf16-det-ordered-d96-sq-lt-sk", "bf16", b=2, h=2, sq=300, sk=1900, d=96, wl=-1, wr=0, det=True),
     ]
     # forward shapes with more tiles than the sm90 kernel's persistent grid (132 CTAs on an H100):
     # CTAs loop over tile pairs, the producer runs into the next tile

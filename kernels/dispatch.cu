@@ -351,7 +351,7 @@ int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream) {
 size_t cf_bwd_workspace_size(const CfBwdParams* p) {
     using namespace cf;
     if (check_bwd(p) != CF_OK) return 0;
-    return plan_bwd(*p, bwd_tensor_cores(*p)).total;
+    return plan_bwd(*p, bwd_tensor_cores(*p), bwd_sm90_tile_for(p->fwd) != 0).total;
 }
 
 int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
@@ -360,7 +360,7 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
     if (st != CF_OK) return st;
     const CfFwdParams& f = p->fwd;
     if (f.b == 0 || (f.seqlen_q == 0 && f.seqlen_k == 0)) return CF_OK;
-    const BwdPlan pl = plan_bwd(*p, bwd_tensor_cores(*p));
+    const BwdPlan pl = plan_bwd(*p, bwd_tensor_cores(*p), bwd_sm90_tile_for(f) != 0);
     if (pl.total > 0 && workspace == nullptr) return CF_ERR_BAD_ARGUMENT;
     char* base = static_cast<char*>(workspace);
     BwdWs ws;
@@ -373,6 +373,8 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
     ws.heavy_first = 0;  // set per launch by the sm_90a dK/dV kernels' launcher (sm80/bwd.cuh)
     ws.total_q = pl.total_q;
     ws.total_k = pl.total_k;
+    ws.dq_sem = pl.ordered_dq ? reinterpret_cast<int*>(base + pl.sem_off) : nullptr;
+    ws.dq_sem_blocks = pl.sem_blocks;
 
     cudaError_t e;
     if (pl.atomic_dq) {

@@ -13,6 +13,10 @@
 
 namespace cf {
 
+// Whether a call has any window (causal is a window with right = 0): the tile choices below
+// that keep masked calls off the tiles measured only without masks.
+inline bool has_window(const CfFwdParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
+
 // Split-KV (flash-decoding) plan for few query rows and long keys: nsplit > 1 when the
 // one-pass grid would leave most of the GPU idle. f32: only on the tensor-core path (dispatch.cu's
 // split_plan says so; the SIMT kernels have no split). pack = query heads per CTA (GQA group; 1 with
@@ -65,21 +69,28 @@ inline SplitPlan plan_split(const CfFwdParams& p) {
 // Backward workspace plan; a pure function of the parameters (cf_bwd_workspace_size and cf_bwd
 // must agree, so no device query).
 struct BwdPlan {
-    size_t dsum_off, dq_off, dkv_off, total;
-    int nsplit, hps;
+    size_t dsum_off, dq_off, sem_off, dkv_off, total;
+    int nsplit, hps, sem_blocks;
     int64_t total_q, total_k;
-    bool atomic_dq;
+    bool atomic_dq;   // the dK/dV kernels add dQ into dq_accum (else the separate dQ pass runs)
+    bool ordered_dq;  // ... in key-block order (deterministic mode on the sm_90a kernels)
 };
 
 inline size_t round256(size_t x) { return (x + 255) & ~size_t(255); }
 
 // tc: the tensor-core kernels run (16-bit, or f32 on 3xTF32; dispatch.cu decides), else SIMT.
-inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc) {
+// sm90: the sm_90a dK/dV kernels run. Deterministic mode there adds dQ in the dK/dV kernel too,
+// each query block's reductions in key-block order (BwdWs::dq_sem, counters after dq_accum),
+// instead of the mma.sync kernels' separate dQ pass, which recomputes S and dP.
+inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc, bool sm90) {
     const CfFwdParams& f = p.fwd;
     BwdPlan pl{};
     pl.total_q = f.total_q;
     pl.total_k = f.total_k;
-    pl.atomic_dq = tc && p.deterministic == 0;
+    // (the counters are int-indexed; beyond that, the dQ pass)
+    pl.ordered_dq = tc && sm90 && p.deterministic != 0 && 2 * (int64_t)f.b * f.h * ((f.seqlen_q + 63) / 64) <= INT32_MAX;
+    pl.atomic_dq = tc && (p.deterministic == 0 || pl.ordered_dq);
+    pl.sem_blocks = (f.seqlen_q + 63) / 64;
     // GQA/MQA on tensor cores: split the query heads of a KV head over several CTAs when the
     // grid would otherwise be small (partials summed in a fixed order by a reduction kernel).
     pl.nsplit = 1;
@@ -101,6 +112,8 @@ inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc) {
     // the tiled layout (sm_90a) holds the rows layout's floats and more; one size for both
     if (pl.atomic_dq)
         off += round256(sizeof(float) * (size_t)(pl.total_q + BwdWs::kDqSpareRows) * f.h * 64 * BwdWs::dq_panels(f.d));
+    pl.sem_off = off;  // zeroed with dq_accum (one memset up to dkv_off)
+    if (pl.ordered_dq) off += round256(sizeof(int) * 2 * (size_t)f.b * f.h * pl.sem_blocks);
     pl.dkv_off = off;
     if (pl.nsplit > 1) off += round256(sizeof(float) * 2 * (size_t)pl.nsplit * pl.total_k * f.hkv * f.d);
     pl.total = off;
@@ -137,7 +150,7 @@ inline int bwd_sm90_tile(int rounded_d) {
 #define CF_BWD_BM80 0
 #endif
 inline int bwd_sm90_block_m(const CfFwdParams& f) {
-    const bool masked = f.window_left >= 0 || f.window_right >= 0;
+    const bool masked = has_window(f);
     return CF_BWD_BM80 == 2 || (CF_BWD_BM80 == 1 && !masked) ? 80 : 64;
 }
 // Whether the sm_90a dK/dV kernels take their CTAs key block slowest (common/bwd_work.cuh
@@ -214,7 +227,7 @@ inline bool fwd_sm90_long(const CfFwdParams& p, int tile) {
 inline FwdSm90Config fwd_sm90_config(const CfFwdParams& p) {
     switch (round_head_dim(p.d)) {
         case 64: {
-            const bool masked = p.window_left >= 0 || p.window_right >= 0;
+            const bool masked = has_window(p);
             if (p.seqlen_q > kFwdSm90D64ShortMaxSeq) return FwdSm90Config::kD64;
             return masked ? FwdSm90Config::kD64Short : FwdSm90Config::kD64Persistent;
         }

@@ -26,6 +26,10 @@ struct BwdWs {
     int hps;       // query heads per split
     int heavy_first;  // the sm_90a dK/dV kernels take their CTAs key block slowest (DkdvCta)
     int64_t total_q, total_k;
+    // Deterministic mode on the sm_90a kernels: the counters that order the dQ reductions
+    // (sm90/tma.cuh DqOrder), [b][h][dq_sem_blocks][2 warpgroups]; nullptr otherwise.
+    int* dq_sem;
+    int dq_sem_blocks;  // 64-row query blocks per (sequence, head): seqlen_q / 64 rounded up
 
     // Row 0 of (sequence si, head h) in each buffer.
     __device__ __forceinline__ float* dsum_rows(const SeqInfo& si, int h) const { return dsum + (int64_t)h * total_q + si.q_row0; }
@@ -46,6 +50,11 @@ struct BwdWs {
         return dkv + ((int64_t)split * total_k + si.k_row0) * ((int64_t)f.hkv * f.d) + (int64_t)hk * f.d;
     }
     __device__ __forceinline__ int64_t dkv_v_offset(const CfFwdParams& f) const { return (int64_t)nsplit * total_k * f.hkv * f.d; }
+    // Index in dq_sem of the counter of (sequence b, head h, the query block starting at row m0,
+    // warpgroup wg); plan_bwd keeps the count within int.
+    __device__ __forceinline__ int dq_counter(int b, const CfFwdParams& f, int h, int m0, int wg) const {
+        return (((b * f.h + h) * dq_sem_blocks + (m0 >> 6)) << 1) + wg;
+    }
 };
 
 
@@ -69,8 +78,11 @@ struct DkdvCta {
 // kRotate: without masks, the CTA walks its query blocks starting at its key block's index
 // (mod their count) instead of at 0, so that the CTAs of a head, which run together, reduce their
 // dQ tiles into different rows rather than all into the same 64 (the wide kernels, whose 64 KB of
-// dQ reductions a step bind them; bench/NOTES.md "Backward, twelfth session").
-template <typename T, int BN, int BM, bool kHeavyFirst = false, bool kRotate = false>
+// dQ reductions a step bind them; bench/NOTES.md "Backward, twelfth session"). Not with kReverse
+// (deterministic mode): there a query block's reductions go in key-block order, and a rotated CTA
+// would reach the block it waits on last.
+// kReverse: deterministic mode's query-block order (row0), and no rotation.
+template <typename T, int BN, int BM, bool kHeavyFirst = false, bool kRotate = false, bool kReverse = false>
 struct DkdvWork {
     SeqInfo si;
     MaskInfo mk;
@@ -96,15 +108,29 @@ struct DkdvWork {
         mb_lo = m_lo / BM;
         nm = m_hi > m_lo ? (m_hi + BM - 1) / BM - mb_lo : 0;
         total_it = nm * max(h_end - h_begin, 0);
-        rot = kRotate && f.window_left < 0 && f.window_right < 0 && nm > 0 ? c.kb % nm : 0;
+        // MaskInfo's windows, not the raw ones: a window as wide as the sequence is no mask
+        rot = kRotate && !kReverse && mk.wl < 0 && mk.wr < 0 && nm > 0 ? c.kb % nm : 0;
         kg = si.k<T>(f, hkv_i);
         vg = si.v<T>(f, hkv_i);
     }
     __device__ __forceinline__ bool empty() const { return n0 >= si.sk; }
+    // Deterministic dQ: how many key blocks add into step it's query block (BM rows from m0)
+    // before this CTA's does, i.e. this key block minus the first key block the rows see.
+    __device__ __forceinline__ int dq_turn(int m0) const {
+        int lo, hi;
+        mk.key_range(m0, min(m0 + BM, si.sq) - 1, lo, hi);
+        return n0 / BN - lo / BN;
+    }
     __device__ __forceinline__ int head(int it) const { return h_begin + it / nm; }
+    // Deterministic mode walks the query blocks last first: a query block's reductions go in
+    // key-block order, and under causal or sliding-window masks key block kb's last query block
+    // is at or after key block kb - 1's, so every CTA of a head starts on the last block (causal)
+    // or reaches a block after the CTA before it; first first, kb would wait ~2 steps per key
+    // block for kb - 1 (causal d = 128, 16k: 288 -> 234 TF/s instead of a gain).
     __device__ __forceinline__ int row0(int it) const {
         int r = it % nm;
         if constexpr (kRotate) r = r + rot < nm ? r + rot : r + rot - nm;
+        if constexpr (kReverse) r = nm - 1 - r;
         return (mb_lo + r) * BM;
     }
 

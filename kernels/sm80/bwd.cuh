@@ -457,12 +457,16 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
         return launch_dkdv(kern, traits, ws90, make_bwd_tma_maps(p, Kt::kBlockM));
     };
     bool done = false;
+    // deterministic mode with dQ in the dK/dV kernel (heuristics.cuh plan_bwd: sm_90a only)
+    [[maybe_unused]] const bool ordered = ws.dq_sem != nullptr;
     if constexpr (sizeof(T) == 2 && D == 64) {
         if (wgmma) {
             using Plain = BwdSm90Traits<T, D, false>;
             using General = BwdSm90Traits<T, D, true>;
-            e = logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General>, General{})
-                                  : launch_sm90(bwd_dkdv_sm90_kernel<Plain>, Plain{});
+            e = ordered ? (logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General, true>, General{})
+                                             : launch_sm90(bwd_dkdv_sm90_kernel<Plain, true>, Plain{}))
+                        : (logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General>, General{})
+                                             : launch_sm90(bwd_dkdv_sm90_kernel<Plain>, Plain{}));
             if (e != cudaSuccess) return e;
             done = true;
         }
@@ -471,6 +475,9 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
             auto run = [&](auto plain, auto general) {
                 using Plain = decltype(plain);
                 using General = decltype(general);
+                if (ordered)
+                    return logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General, true>, general)
+                                             : launch_sm90(bwd_dkdv_sm90_kernel<Plain, true>, plain);
                 return logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General>, general)
                                          : launch_sm90(bwd_dkdv_sm90_kernel<Plain>, plain);
             };
@@ -485,7 +492,9 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
     } else if constexpr (sizeof(T) == 2 && (D == 192 || D == 256)) {
         if (wgmma) {
             using Kt = BwdSm90WideTraits<T, D>;
-            if ((e = launch_sm90(bwd_dkdv_sm90_wide_kernel<Kt>, Kt{})) != cudaSuccess) return e;
+            e = ordered ? launch_sm90(bwd_dkdv_sm90_wide_kernel<Kt, true>, Kt{})
+                        : launch_sm90(bwd_dkdv_sm90_wide_kernel<Kt>, Kt{});
+            if (e != cudaSuccess) return e;
             done = true;
         }
     }

@@ -223,7 +223,10 @@ __device__ __forceinline__ void bwd_start(const CfFwdParams& f, const Work& w, c
 }
 #endif
 
-template <typename Kt>
+// kOrdered: deterministic mode (ws.dq_sem set): the dQ reductions in key-block order (DqOrder),
+// the query blocks last first (DkdvWork kReverse). A template parameter, so that the default
+// kernel carries none of it (a run-time switch cost d = 64 ~2%).
+template <typename Kt, bool kOrdered = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     bwd_dkdv_sm90_kernel(const CfBwdParams p, const BwdWs ws, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -259,7 +262,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
     const int g = lane >> 2, q4 = lane & 3;
-    const DkdvWork<T, BN, BM, CF_BWD_HEAVY_FIRST != 0> w(p, ws);
+    const DkdvWork<T, BN, BM, CF_BWD_HEAVY_FIRST != 0, false, kOrdered> w(p, ws);
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
@@ -373,6 +376,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     };
 
     constexpr bool kLateFlush = CF_BWD_LATE_FLUSH != 0 && !kDqT;
+    // kOrdered: step s's reductions wait for their turn (sm90/tma.cuh DqOrder; thread 0 of the
+    // warpgroup, which issues them), and the turn passes on once they have completed: dq_signal,
+    // about half a step after the reduction was issued (at the next dS^T barrier).
+    [[maybe_unused]] DqOrder order;
+    auto dq_turn = [&](int s) {
+        if constexpr (kOrdered)
+            if (wt == 0) order.turn(ws.dq_sem, ws.dq_counter(b, f, w.head(s), w.row0(s), wg), w.dq_turn(w.row0(s)));
+    };
+    auto dq_signal = [&] {
+        if constexpr (kOrdered)
+            if (wt == 0) order.signal(ws.dq_sem);
+    };
     // This warpgroup's dQ staging tile of step s, and the wait that frees it for the warpgroup's
     // stores: thread 0 waits until the reduction from the same tile kDqSlots steps ago has read
     // it (with two tiles, step s - 1's reduction, the newest group, may still be reading the
@@ -404,6 +419,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             wg_wait<0>();
             reg_fence(dqt);
             wait_dq_tile_free();
+            dq_turn(s);
             reduce_dqt_tile<BM>(dqt, dq_tile(s), dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
             return;
         }
@@ -416,6 +432,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         if constexpr (kLateFlush) {
             stage_dq_tile<NQ / 4>(dq, 0, dq_tile(s), 16 * wq + g, q4);  // flushed by flush_dq(s)
         } else {
+            dq_turn(s);
             reduce_dq_tile<NQ / 4>(dq, 0, dq_tile(s), dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
         }
         CF_BTRACE(trace, wg, s, 10);
@@ -423,7 +440,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // kLateFlush: step s's staged dQ tile goes out (fence, barrier, bulk reduction) in step s + 1,
     // right after that step's S^T / dP^T are issued, instead of at the end of step s, where both
     // warpgroups did it with the tensor cores idle (bwd_trace.py: ~600 of a ~4600-cycle step).
-    auto flush_dq = [&](int s) { flush_dq_tile(dq_tile(s), dq_dst(s), 1 + wg, wt); };
+    auto flush_dq = [&](int s) {
+        dq_turn(s);
+        flush_dq_tile(dq_tile(s), dq_dst(s), 1 + wg, wt);
+    };
 
     if constexpr (Kt::kPingPong) {
         // ---- ping-pong schedule (build-time CF_BWD_PINGPONG, off: measured 2-7% slower than the
@@ -450,6 +470,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // dQ(s) (its product complete): staged and reduced into dq_accum
         auto stage_dq = [&](float (&dq)[NQ], int s) {
             wait_dq_tile_free();
+            dq_turn(s);  // (signals the previous step's reduction first)
             reduce_dq_tile<NQ / 4>(dq, 0, dq_tile(s), dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
         };
         if (wg == 1 && total_it > 0) named_bar_arrive(5, 256);  // warpgroup 0 takes the first turn
@@ -604,6 +625,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             }
             fence_async_smem();
             CF_BTRACE(trace, wg, it, 7);
+            dq_signal();  // the reductions issued early in this step (late flush) or in the last one
             named_bar_sync(kBarDs, 256);  // both warpgroups' dS (dS^T) rows are in place
             CF_BTRACE(trace, wg, it, 8);
             if constexpr (kDqT) {
@@ -636,6 +658,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     if constexpr (kLateFlush)
         if (ws.dq_accum != nullptr && total_it > 0) flush_dq(total_it - 1);
     }  // lockstep schedule
+    dq_signal();
     if (ws.dq_accum != nullptr && wt == 0) bulk_wait<0>();  // the last reduction is done with shared memory
 
     // ---- write dK (scaled) and dV. Element 4j+e: key key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1).

@@ -50,7 +50,8 @@ __device__ __forceinline__ void wide_dq_product(float (&dq)[N / 2], uint32_t tdS
 }
 #endif
 
-template <typename Kt>
+// kOrdered: deterministic mode, as in bwd_dkdv_sm90_kernel.
+template <typename Kt, bool kOrdered = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     bwd_dkdv_sm90_wide_kernel(const CfBwdParams p, const BwdWs ws, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3, wt = tid & 127;  // warpgroup, warp / thread within it
     const int g = lane >> 2, q4 = lane & 3;
-    const DkdvWork<T, BN, BM, CF_BWD_HEAVY_FIRST != 0, CF_BWD_WIDE_ROTATE != 0> w(p, ws);
+    const DkdvWork<T, BN, BM, CF_BWD_HEAVY_FIRST != 0, CF_BWD_WIDE_ROTATE != 0, kOrdered> w(p, ws);
     const bool trace = blockIdx.x == 1 && blockIdx.y == 0 && blockIdx.z == 0;
     (void)trace;
     if (w.empty()) return;
@@ -94,6 +95,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const Pipeline<2> pipe(smem_addr(bars));
     auto load_step = [&](int it) { bwd_load_step<BM, D, false>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane); };
     bwd_start<NTH, D>(f, w, pipe, sK, sV, load_step, tid);
+
+    // kOrdered: a step's reductions take their turn (sm90/tma.cuh DqOrder; thread 0 of the
+    // warpgroup, before the first of them) and pass it on once they have completed (in the next
+    // step's release_prev, where the wait for their reads was).
+    [[maybe_unused]] DqOrder order;
+    constexpr bool ordered = kOrdered;
 
     float acc[ND];  // dV on warpgroup 0, dK on warpgroup 1
 #pragma unroll
@@ -134,7 +141,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         auto release_prev = [&] {
             if (it > 0) {
                 if (ws.dq_accum != nullptr) {
-                    if (wt == 0) bulk_wait_read<0>();
+                    if (wt == 0) {
+                        if constexpr (ordered) order.signal(ws.dq_sem);  // waits for the writes too
+                        else bulk_wait_read<0>();
+                    }
                     named_bar_sync(kBarWg + wg, 128);
                 }
                 pipe.consumer_release(it - 1, lane);
@@ -216,6 +226,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             //      staging tile, so its wait for the reads can come late.
             float* const stage_f = reinterpret_cast<float*>(wg == 0 ? sQ + st * BM * D : sdO + st * BM * D);
             float* const slot[2] = {stage_f, stage_f + 64 * 64};
+            auto take_turn = [&] {  // before this warpgroup's first reduction of the step
+                if (ordered && wt == 0) order.turn(ws.dq_sem, ws.dq_counter(w.b, f, hq, m0, wg), w.dq_turn(m0));
+            };
             static_assert(BM * D * (int)sizeof(T) >= (D == 256 ? 2 : 1) * 64 * 64 * 4, "dQ tiles fit in a Q / dO stage");
             const int pnl0 = wg * (DQ0 / 64);  // this warpgroup's first dQ panel
             // Both warpgroups reach the kBarRead barrier through one instruction: bar.sync is
@@ -243,11 +256,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 };
                 panel_product(pnl0);  // warpgroup 0: panel 0; warpgroup 1: panel 2
                 if (wg == 0) {
+                    take_turn();
                     panel_store(sSlot, 0);
                     panel_product(1);
                 }
                 named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
                 CF_BTRACE(trace, wg, it, 9);
+                if (wg == 1) take_turn();
                 panel_store(slot[0], wg == 0 ? 1 : pnl0);
             } else {
                 // d = 256: two panels per warpgroup, in one product, into slots 0 and 1
@@ -262,6 +277,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 CF_BTRACE(trace, wg, it, 8);
                 named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
                 CF_BTRACE(trace, wg, it, 9);
+                take_turn();
 #pragma unroll
                 for (int pp = 0; pp < 2; ++pp)
                     reduce_dq_tile<DQ0 / 8>(dq, 8 * pp, slot[pp], ws.dq_tile_rows(f, si, hq, pnl0 + pp, m0),
@@ -275,7 +291,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         CF_BTRACE(trace, wg, it, 11);
     }
 
-    if (ws.dq_accum != nullptr && wt == 0) bulk_wait<0>();  // the last reduction is done with shared memory
+    if (ws.dq_accum != nullptr && wt == 0) {
+        if constexpr (ordered) order.signal(ws.dq_sem);
+        bulk_wait<0>();  // the last reduction is done with shared memory
+    }
 
     // ---- write dK (scaled; warpgroup 1) and dV (warpgroup 0).
     //      Element 4j+e: key key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1).

@@ -188,6 +188,48 @@ __device__ __forceinline__ void bulk_wait() {
     asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// ---- deterministic dQ (BwdWs::dq_sem): the bulk reductions into one (sequence, head, 64-row
+// query block, warpgroup) part of dq_accum are made in key-block order, so that every element
+// receives its f32 additions in the same order on every run. Each such part has a counter in
+// global memory (zeroed before the launch) holding how many key blocks have added into it; the
+// CTA of key block kb waits until it reads kb - (the first key block touching the query block),
+// issues its reductions, and once they have completed adds 1. A CTA waits only for CTAs of lower
+// key blocks of the same head, which the launch order (key block fastest, or DkdvCta's key block
+// slowest) starts first, as FlashAttention-3's deterministic backward relies on too.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// Orders global accesses of the generic proxy (the counters) against the async proxy's (the
+// bulk reductions).
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+
+// One warpgroup's turn-taking (its thread wt == 0 only, which issues the reductions). Counters
+// are indices into BwdWs::dq_sem (32-bit: one register fewer than a pointer in the kernels' loops).
+struct DqOrder {
+    int pending = -1;  // counter of the part whose reductions were issued last, not yet signalled
+    // The reductions issued since turn() have completed (wait for them): the next key block's turn.
+    __device__ __forceinline__ void signal(int* counters) {
+        if (pending >= 0) {
+            bulk_wait<0>();
+            fence_proxy_async_global();
+            red_release_gpu_add(counters + pending, 1);
+            pending = -1;
+        }
+    }
+    // Before the first reduction into a part: signal the previous part, then wait for this one's turn.
+    __device__ __forceinline__ void turn(int* counters, int counter, int before) {
+        signal(counters);
+        while (ld_acquire_gpu(counters + counter) < before) __nanosleep(32);
+        fence_proxy_async_global();
+        pending = counter;
+    }
+};
+
 // One [64][64] f32 tile of dQ (the tiled dq_accum layout of common/bwd_work.cuh) from an m64
 // accumulator slice: n8 tiles j0 .. j0 + 7 of `dq` (element 4j + 2r (+1): row r0 + 8r, column
 // 8 (j - j0) + 2 q4 (+1)), r0 = 16 * warp + lane / 4 within the tile. Chunk c of row r sits at
