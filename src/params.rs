@@ -87,8 +87,8 @@ pub struct FlashAttnOptions {
     /// ignored. Forward only, CPU only (an error on CUDA).
     pub mm_prefix_ranges: Option<Tensor>,
     /// Backward only: give bit-identical gradients run to run (no order-dependent atomics). On
-    /// Hopper dQ's additions then go in key-block order inside the dK/dV kernel (0.75-0.85x the
-    /// default backward's speed at long sequences); elsewhere a separate dQ pass runs.
+    /// Hopper dQ's additions then go in key-block order inside the dK/dV kernel (about 0.7-0.8x
+    /// the default backward's speed); elsewhere a separate dQ pass runs.
     pub deterministic: bool,
     /// CUDA: copy the varlen offsets, ALiBi slopes and the paged block table to the host and
     /// check their values on every call (a stream synchronisation; not capturable in a CUDA
