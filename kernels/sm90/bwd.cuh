@@ -378,7 +378,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     constexpr bool kLateFlush = CF_BWD_LATE_FLUSH != 0 && !kDqT;
     // kOrdered: step s's reductions wait for their turn (sm90/tma.cuh DqOrder; thread 0 of the
     // warpgroup, which issues them), and the turn passes on once they have completed: dq_signal,
-    // about half a step after the reduction was issued (at the next dS^T barrier).
+    // after the next P^T / dS^T (~1000 cycles after the late flush's issue). At the dS^T barrier
+    // instead (~1700 cycles), d = 64 ran 5-11% slower, d = 128 the same: the turn's wait chains
+    // the CTAs of a head (bench/NOTES.md "Thirteenth session").
     [[maybe_unused]] DqOrder order;
     auto dq_turn = [&](int s) {
         if constexpr (kOrdered)
@@ -602,6 +604,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             pack_a(pa, sT);
             issue_rs(dv, pa, tdO);
         }
+        dq_signal();  // the reduction issued early in this step (late flush), ~1000 cycles ago
         pack_a(dsa, dpT);
         issue_rs(dk, dsa, tQ);
         CF_BTRACE(trace, wg, it, 6);
@@ -625,7 +628,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             }
             fence_async_smem();
             CF_BTRACE(trace, wg, it, 7);
-            dq_signal();  // the reductions issued early in this step (late flush) or in the last one
+            dq_signal();  // (without the late flush: the reduction of the last step)
             named_bar_sync(kBarDs, 256);  // both warpgroups' dS (dS^T) rows are in place
             CF_BTRACE(trace, wg, it, 8);
             if constexpr (kDqT) {
