@@ -239,7 +239,9 @@ cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {
         case 96: return fwd_sm80<float, 96>(p, s);
         case 128: return fwd_sm80<float, 128>(p, s);
         case 192: return fwd_sm80<float, 192>(p, s);
-        default: return fwd_sm80<float, 256>(p, s);
+        default:  // Hopper: the 16-key block (two CTAs per SM; config.cuh FwdTraits kNarrow)
+            if (p.block_table == nullptr && sm90a_available()) return run_fwd_tc<float, 256, false, true>(p, s);
+            return fwd_sm80<float, 256>(p, s);
     }
 }
 

@@ -146,9 +146,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
 }
 
 // ------------------------------------------------------------------ launchers
-template <typename T, int D, bool kPaged>
+template <typename T, int D, bool kPaged, bool kNarrow>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream) {
-    using Kt = FwdTraits<T, D, kPaged>;
+    using Kt = FwdTraits<T, D, kPaged, kNarrow>;
     auto kern = fwd_tc_kernel<Kt>;
     const int smem = Kt::kSmemBytes;
     if (smem > 48 * 1024) {
@@ -181,5 +181,6 @@ CF_INST_FWD(float, 96)
 CF_INST_FWD(float, 128)
 CF_INST_FWD(float, 192)
 CF_INST_FWD(float, 256)
+template cudaError_t run_fwd_tc<float, 256, false, true>(const CfFwdParams&, cudaStream_t);
 
 }  // namespace cf
