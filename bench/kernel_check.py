@@ -1018,6 +1018,11 @@ def bench_setup(c, dev):
     o = torch.empty_like(q)
     lse = torch.empty(c.b, c.h, c.sq, dtype=torch.float32, device=dev)
     fp = fwd_params(c, q, k, v, o, lse, None, None, None)
+    # fp holds lse's address only: keep the tensor alive with it (returned neither, it was freed
+    # here and its memory handed to the callers' next tensors, so a backward read the lse of
+    # whatever was written there: garbage f32 gradients at d = 192 / 256 in --f32-bench's error
+    # column, which were the harness's, not the kernels')
+    fp._keep = lse
     return q, k, v, do, o, fp, fwd_workspace(fp, dev), torch.cuda.current_stream().cuda_stream
 
 

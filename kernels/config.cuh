@@ -34,6 +34,8 @@ constexpr int panel_padded_cols(int cols, int elem_bytes) { return (cols * elem_
 // 128, so that two CTAs (8 warps) share an SM's 227 KB; at 128 KB one CTA of 4 warps ran alone.
 // H100 against PyTorch's efficient SDPA in f32: 0.80-0.87x -> 0.88-0.98x (bench/NOTES.md
 // "Thirteenth session"). Not on sm_80 (164 KB: one CTA either way, and twice the per-block work).
+// Paged K/V takes it too, so that a paged call keeps the contiguous call's bits; that instance
+// spills 8 bytes (a 64-bit address: one STL before the key loop, two LDL.64 per key block).
 template <typename T_, int kHeadDim_, bool kPaged_ = false, bool kNarrow_ = false>
 struct FwdTraits {
     using Elem = T_;

@@ -239,9 +239,10 @@ cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {
         case 96: return fwd_sm80<float, 96>(p, s);
         case 128: return fwd_sm80<float, 128>(p, s);
         case 192: return fwd_sm80<float, 192>(p, s);
-        default:  // Hopper: the 16-key block (two CTAs per SM; config.cuh FwdTraits kNarrow)
-            if (p.block_table == nullptr && sm90a_available()) return run_fwd_tc<float, 256, false, true>(p, s);
-            return fwd_sm80<float, 256>(p, s);
+        default:  // Hopper: the 16-key block (two CTAs per SM; config.cuh FwdTraits kNarrow), paged
+                  // K/V too (a paged call must give the contiguous call's bits)
+            if (!sm90a_available()) return fwd_sm80<float, 256>(p, s);
+            return p.block_table != nullptr ? run_fwd_tc<float, 256, true, true>(p, s) : run_fwd_tc<float, 256, false, true>(p, s);
     }
 }
 

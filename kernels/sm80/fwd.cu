@@ -182,5 +182,6 @@ CF_INST_FWD(float, 128)
 CF_INST_FWD(float, 192)
 CF_INST_FWD(float, 256)
 template cudaError_t run_fwd_tc<float, 256, false, true>(const CfFwdParams&, cudaStream_t);
+template cudaError_t run_fwd_tc<float, 256, true, true>(const CfFwdParams&, cudaStream_t);
 
 }  // namespace cf
