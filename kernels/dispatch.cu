@@ -223,9 +223,9 @@ cudaError_t fwd_fp8(const CfFwdParams& p, void* ws, cudaStream_t s) {
 }
 
 // mma.sync forward: paged K/V has its own instantiation (sm80/fwd.cu says why).
-template <typename T, int D>
+template <typename T, int D, bool kNarrow = false>
 cudaError_t fwd_sm80(const CfFwdParams& p, cudaStream_t s) {
-    return p.block_table != nullptr ? run_fwd_tc<T, D, true>(p, s) : run_fwd_tc<T, D, false>(p, s);
+    return p.block_table != nullptr ? run_fwd_tc<T, D, true, kNarrow>(p, s) : run_fwd_tc<T, D, false, kNarrow>(p, s);
 }
 
 // f32 forward: the 3xTF32 mma.sync kernel of the rounded head dim, or the SIMT kernel.
@@ -241,8 +241,7 @@ cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {
         case 192: return fwd_sm80<float, 192>(p, s);
         default:  // Hopper: the 16-key block (two CTAs per SM; config.cuh FwdTraits kNarrow), paged
                   // K/V too (a paged call must give the contiguous call's bits)
-            if (!sm90a_available()) return fwd_sm80<float, 256>(p, s);
-            return p.block_table != nullptr ? run_fwd_tc<float, 256, true, true>(p, s) : run_fwd_tc<float, 256, false, true>(p, s);
+            return sm90a_available() ? fwd_sm80<float, 256, true>(p, s) : fwd_sm80<float, 256>(p, s);
     }
 }
 

@@ -87,10 +87,10 @@ inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc, bool sm90) {
     BwdPlan pl{};
     pl.total_q = f.total_q;
     pl.total_k = f.total_k;
-    // (the counters are int-indexed; beyond that, the dQ pass)
-    pl.ordered_dq = tc && sm90 && p.deterministic != 0 && 2 * (int64_t)f.b * f.h * ((f.seqlen_q + 63) / 64) <= INT32_MAX;
-    pl.atomic_dq = tc && (p.deterministic == 0 || pl.ordered_dq);
     pl.sem_blocks = (f.seqlen_q + 63) / 64;
+    // (the counters are int-indexed; beyond that, the dQ pass)
+    pl.ordered_dq = tc && sm90 && p.deterministic != 0 && 2 * (int64_t)f.b * f.h * pl.sem_blocks <= INT32_MAX;
+    pl.atomic_dq = tc && (p.deterministic == 0 || pl.ordered_dq);
     // GQA/MQA on tensor cores: split the query heads of a KV head over several CTAs when the
     // grid would otherwise be small (partials summed in a fixed order by a reduction kernel).
     pl.nsplit = 1;

@@ -459,28 +459,23 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
     bool done = false;
     // deterministic mode with dQ in the dK/dV kernel (heuristics.cuh plan_bwd: sm_90a only)
     [[maybe_unused]] const bool ordered = ws.dq_sem != nullptr;
+    // bwd_dkdv_sm90_kernel of the plain- or general-logits traits, ordered or not
+    [[maybe_unused]] auto run = [&](auto plain, auto general) {
+        using Plain = decltype(plain);
+        using General = decltype(general);
+        if (ordered)
+            return logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General, true>, general)
+                                     : launch_sm90(bwd_dkdv_sm90_kernel<Plain, true>, plain);
+        return logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General>, general)
+                                 : launch_sm90(bwd_dkdv_sm90_kernel<Plain>, plain);
+    };
     if constexpr (sizeof(T) == 2 && D == 64) {
         if (wgmma) {
-            using Plain = BwdSm90Traits<T, D, false>;
-            using General = BwdSm90Traits<T, D, true>;
-            e = ordered ? (logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General, true>, General{})
-                                             : launch_sm90(bwd_dkdv_sm90_kernel<Plain, true>, Plain{}))
-                        : (logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General>, General{})
-                                             : launch_sm90(bwd_dkdv_sm90_kernel<Plain>, Plain{}));
-            if (e != cudaSuccess) return e;
+            if ((e = run(BwdSm90Traits<T, D, false>{}, BwdSm90Traits<T, D, true>{})) != cudaSuccess) return e;
             done = true;
         }
     } else if constexpr (sizeof(T) == 2 && (D == 96 || D == 128)) {
         if (wgmma) {
-            auto run = [&](auto plain, auto general) {
-                using Plain = decltype(plain);
-                using General = decltype(general);
-                if (ordered)
-                    return logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General, true>, general)
-                                             : launch_sm90(bwd_dkdv_sm90_kernel<Plain, true>, plain);
-                return logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General>, general)
-                                         : launch_sm90(bwd_dkdv_sm90_kernel<Plain>, plain);
-            };
             if constexpr (CF_BWD_BM80 != 0 && D == 128)
                 e = bwd_sm90_block_m(f) == 80 ? run(BwdSm90Traits<T, D, false, 80>{}, BwdSm90Traits<T, D, true, 80>{})
                                               : run(BwdSm90Traits<T, D, false, 64>{}, BwdSm90Traits<T, D, true, 64>{});

@@ -384,7 +384,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     [[maybe_unused]] DqOrder order;
     auto dq_turn = [&](int s) {
         if constexpr (kOrdered)
-            if (wt == 0) order.turn(ws.dq_sem, ws.dq_counter(b, f, w.head(s), w.row0(s), wg), w.dq_turn(w.row0(s)));
+            if (wt == 0) {
+                const int m0 = w.row0(s);
+                order.turn(ws.dq_sem, ws.dq_counter(b, f, w.head(s), m0, wg), w.dq_turn(m0));
+            }
     };
     auto dq_signal = [&] {
         if constexpr (kOrdered)

@@ -100,7 +100,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // warpgroup, before the first of them) and pass it on once they have completed (in the next
     // step's release_prev, where the wait for their reads was).
     [[maybe_unused]] DqOrder order;
-    constexpr bool ordered = kOrdered;
 
     float acc[ND];  // dV on warpgroup 0, dK on warpgroup 1
 #pragma unroll
@@ -142,7 +141,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             if (it > 0) {
                 if (ws.dq_accum != nullptr) {
                     if (wt == 0) {
-                        if constexpr (ordered) order.signal(ws.dq_sem);  // waits for the writes too
+                        if constexpr (kOrdered) order.signal(ws.dq_sem);  // waits for the writes too
                         else bulk_wait_read<0>();
                     }
                     named_bar_sync(kBarWg + wg, 128);
@@ -227,7 +226,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             float* const stage_f = reinterpret_cast<float*>(wg == 0 ? sQ + st * BM * D : sdO + st * BM * D);
             float* const slot[2] = {stage_f, stage_f + 64 * 64};
             auto take_turn = [&] {  // before this warpgroup's first reduction of the step
-                if (ordered && wt == 0) order.turn(ws.dq_sem, ws.dq_counter(w.b, f, hq, m0, wg), w.dq_turn(m0));
+                if (kOrdered && wt == 0) order.turn(ws.dq_sem, ws.dq_counter(w.b, f, hq, m0, wg), w.dq_turn(m0));
             };
             static_assert(BM * D * (int)sizeof(T) >= (D == 256 ? 2 : 1) * 64 * 64 * 4, "dQ tiles fit in a Q / dO stage");
             const int pnl0 = wg * (DQ0 / 64);  // this warpgroup's first dQ panel
@@ -292,7 +291,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     }
 
     if (ws.dq_accum != nullptr && wt == 0) {
-        if constexpr (ordered) order.signal(ws.dq_sem);
+        if constexpr (kOrdered) order.signal(ws.dq_sem);
         bulk_wait<0>();  // the last reduction is done with shared memory
     }
 
