@@ -631,6 +631,18 @@ def matrix(quick):
             C(f"{dt}-fullmask-rows", dt, b=1, h=2, sq=64, sk=16, d=64, wl=3, wr=0),
             C(f"{dt}-det-gqa-causal", dt, b=2, h=4, hkv=2, sq=200, d=64, wl=-1, wr=0, det=True),
         ]
+    # f32 at d = 192 / 256: the 3xTF32 backward's 32 x 64 tiles and the dQ pass's 16-key blocks
+    # (config.cuh BwdTraits / BwdDqTraits kF32Wide), over several key and query blocks
+    for d in (192, 256):
+        cases += [
+            C(f"f32-wide-d{d}-causal-q300-k257", "f32", b=1, h=2, sq=300, sk=257, d=d, wl=-1, wr=0),
+            C(f"f32-wide-d{d}-gqa-softcap", "f32", b=2, h=4, hkv=1, sq=150, d=d, softcap=3.0, qmul=3),
+            C(f"f32-wide-d{d}-det-varlen-window", "f32", h=2, d=d, varlen=[(50, 60), (0, 4), (100, 90)], wl=10, wr=5,
+              det=True),
+            C(f"f32-wide-d{d}-det-mqa-causal", "f32", b=1, h=4, hkv=1, sq=200, d=d, wl=-1, wr=0, det=True),
+            C(f"f32-wide-d{d}-alibi-fullmask-rows", "f32", b=1, h=2, sq=64, sk=16, d=d, wl=3, wr=0, alibi="h"),
+        ]
+    cases += [C("f32-wide-d136", "f32", b=1, h=2, sq=97, sk=130, d=136), C("f32-wide-d200", "f32", b=1, h=2, sq=130, d=200)]
     cases += [
         C("bf16-window-left-only", "bf16", b=1, h=2, sq=300, d=64, wl=32, wr=-1),
         C("f16-window-right-only", "f16", b=1, h=2, sq=300, d=64, wl=-1, wr=8),

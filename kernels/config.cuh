@@ -261,27 +261,33 @@ template <typename O> using FwdSm90Fp8TraitsD256 = FwdSm90Traits<__nv_fp8_e4m3, 
 // ------------------------------------------------------------------ backward (tensor cores)
 // dK/dV kernel: CTA = 8 warps over kBlockN keys of one KV head, looping over kBlockM query rows
 // per step (and over the query heads of its split). Three warp layouts:
-//   A (S = Q K^T, dP = dO V^T, kBlockM x kBlockN): kAWarpsM x kAWarpsN warps, 16*kAMT x 32 each
-//     (computed as kAHalves passes of 32/kAHalves keys to bound live registers)
+//   A (S = Q K^T, dP = dO V^T, kBlockM x kBlockN): kAWarpsM x kAWarpsN warps, 16*kAMT x kAKeys
+//     each (computed as kAHalves passes of kAKeys/kAHalves keys to bound live registers)
 //   B (dV += P^T dO, dK += dS^T Q, kBlockN x D): 4 x 2 warps, 16*kBMT keys x D/2 columns each
 //     (the 2 warps interleave 16-column pairs)
 //   C (atomic dQ += dS K, kBlockM x D): kCWarpsM x kCWarpsD warps, 16*kCMT rows x D/kCWarpsD
 //     columns each (interleaved 16-column pairs), at most 32 columns at a time
 // Shared: K, V [kBlockN][D]; Q, dO [kStages][kBlockM][D]; P, dS [kBlockM][kBlockN];
-// lse, D [kStages][kBlockM] (f32). dK/dV are staged through the Q and dO buffers at the end.
-// f32 (3xTF32, d <= 128): 64 x 64 tiles (the operands take twice the registers and shared
-// memory), Q/dO double-buffered up to d = 64 (d = 128 single: 163 KB otherwise).
+// lse, D [kStages][kBlockM] (f32). dK/dV are staged through the K and V buffers at the end.
+// f32 (3xTF32): 64 x 64 tiles (the operands take twice the registers and shared memory), Q/dO
+// double-buffered up to d = 64 (d = 128 single: 163 KB otherwise). f32 at d = 192 / 256
+// (kF32Wide): 32 query rows per step (64 would need 288 KB at d = 256), layout A's warps 16 x 16
+// (the 32 rows leave 8 per warp otherwise) and layout C 4 warps wide; 160 KB at d = 192 (every
+// sm_80 part), 208 KB at d = 256 (Hopper's 227 KB: dispatch.cu asks the device).
 template <typename T_, int kHeadDim_>
 struct BwdTraits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr bool kF32 = sizeof(T_) == 4;
-    static constexpr int kBlockM = kHeadDim == 64 && !kF32 ? 128 : 64;  // d = 64: 128 x 128 tiles (fewer steps)
+    static constexpr bool kF32Wide = kF32 && kHeadDim > 128;
+    // d = 64: 128 x 128 tiles (fewer steps)
+    static constexpr int kBlockM = kF32Wide ? 32 : kHeadDim == 64 && !kF32 ? 128 : 64;
     static constexpr int kBlockN = kHeadDim <= 128 && !kF32 ? 128 : 64;
     static constexpr int kNWarps = 8;
     static constexpr int kNThreads = kNWarps * 32;
     static constexpr int kStages = kHeadDim <= (kF32 ? 64 : 128) ? 2 : 1;  // Q/dO double buffering
-    static constexpr int kAWarpsN = kBlockN / 32, kAWarpsM = kNWarps / kAWarpsN;
+    static constexpr int kAKeys = kF32Wide ? 16 : 32;  // keys per warp in layout A
+    static constexpr int kAWarpsN = kBlockN / kAKeys, kAWarpsM = kNWarps / kAWarpsN;
     static constexpr int kAMT = kBlockM / (16 * kAWarpsM);
     static constexpr int kAHalves = ((kAMT == 2 && kHeadDim == 96) || kAMT == 4) ? 2 : 1;  // phase A in 2 key halves
     static constexpr int kBWarpsN = 4, kBWarpsD = 2;
@@ -291,7 +297,7 @@ struct BwdTraits {
                                    : (kBMT == 2 && kHeadDim == 128) ? 2 : (kBlockM == 128 ? 4 : kBlockM / 16);  // no spills
     // sm_90 unroll of phase A's k loop (full, except d = 128 with one pass over 32 keys)
     static constexpr int kAUnroll90 = (kHeadDim == 128 && kAHalves == 1) ? 4 : kHeadDim / 16;
-    static constexpr int kCWarpsD = (kBlockN == 128 && kHeadDim % 64 == 0) ? 4 : 2;
+    static constexpr int kCWarpsD = ((kBlockN == 128 || kF32Wide) && kHeadDim % 64 == 0) ? 4 : 2;
     static constexpr int kCWarpsM = kNWarps / kCWarpsD;
     static constexpr int kCMT = kBlockM / (16 * kCWarpsM);
     static constexpr int kCPairs = kHeadDim / 16 / kCWarpsD;            // 16-column pairs per warp
@@ -304,10 +310,10 @@ struct BwdTraits {
     static_assert((kHeadDim / 16) % kBWarpsD == 0 && kBNT % 2 == 0, "layout B columns");
     static_assert(16 * kCMT * kCWarpsM == kBlockM && (kHeadDim / 16) % kCWarpsD == 0, "layout C");
     static_assert(kCWarpsD * 2 <= 4 || kHeadDim % 64 == 0, "pair stride 8 needs 8-chunk swizzle");
-    static_assert(kStages * kBlockM >= kBlockN, "dK/dV staging fits in the Q/dO buffers");
     static_assert((kBlockN / 8) % 8 == 0, "P/dS rows: 8-chunk swizzle (transposed reads)");
-    static_assert(!kF32 || kHeadDim <= 128, "f32: head-dim tiles up to 128 (larger ones run the SIMT kernels)");
-    static_assert(kSmemBytes <= 163 * 1024, "must fit sm_80's 163 KB");
+    static_assert(kAKeys % 16 == 0 && kAKeys / 8 / kAHalves >= 1, "layout A: whole n8 tiles per half");
+    static_assert(kSmemBytes <= 163 * 1024 || (kF32Wide && kSmemBytes <= 227 * 1024),
+                  "must fit sm_80's 163 KB (f32 at d = 256: Hopper's 227 KB, dispatch.cu checks)");
 };
 
 // Deterministic dQ kernel: like the forward, 4 warps each owning 16 query rows, looping over
@@ -317,14 +323,16 @@ struct BwdDqTraits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = 64;
-    static constexpr int kBlockN = kHeadDim <= (sizeof(T_) == 4 ? 64 : 128) ? 64 : 32;
+    static constexpr bool kF32Wide = sizeof(T_) == 4 && kHeadDim > 128;
+    // f32 at d = 192 / 256: 16-key blocks (144 / 192 KB; the latter Hopper's, dispatch.cu checks)
+    static constexpr int kBlockN = kF32Wide ? 16 : kHeadDim <= (sizeof(T_) == 4 ? 64 : 128) ? 64 : 32;
     static constexpr int kNWarps = 4;
     static constexpr int kNThreads = kNWarps * 32;
     static constexpr int kSmemBytes = (2 * kBlockM * kHeadDim + 4 * kBlockN * kHeadDim) * (int)sizeof(T_);
 
     static_assert(kBlockM == 16 * kNWarps, "one m16 tile per warp");
     static_assert(kBlockN % 16 == 0, "dS*K k-steps of 16 keys");
-    static_assert(kSmemBytes <= 160 * 1024, "must fit sm_80's 163 KB");
+    static_assert(kSmemBytes <= 160 * 1024 || (kF32Wide && kSmemBytes <= 227 * 1024), "must fit sm_80's 163 KB");
 };
 
 // sm_90a dK/dV kernel (wgmma, sm90/bwd.cuh): CTA = 2 warpgroups over kBlockN keys of one KV

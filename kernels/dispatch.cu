@@ -66,6 +66,19 @@ cudaError_t current_sm_count(int& sms) {
     return e;
 }
 
+// The most dynamic shared memory one block may opt in to (Hopper 227 KB, A100 163 KB, the
+// other sm_8x parts 99 KB): the f32 backward's tiles at d = 256 need Hopper's.
+cudaError_t current_smem_optin(int& bytes) {
+    static std::atomic<int> cache[64];  // per device: 0 = not read yet
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    if (dev >= 0 && dev < 64 && (bytes = cache[dev].load()) > 0) return cudaSuccess;
+    e = cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e == cudaSuccess && dev >= 0 && dev < 64) cache[dev].store(bytes);
+    return e;
+}
+
 namespace {
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
@@ -152,8 +165,10 @@ int check_fwd(const CfFwdParams* p, bool probe_maps = false) {
 
 // f32 runs on tensor cores (3xTF32: sm80/fwd.cu, sm80/bwd.cuh) when its tensors meet the 16-byte
 // rules of the tile loads (tensor_aligned with 4-byte elements: rows and strides of multiples of
-// 4 floats), else on the SIMT kernels, which take any stride. The backward's tensor-core tiles
-// stop at d = 128. CANDLE_FLASH_F32_SIMT=1 keeps f32 on the SIMT kernels (to compare).
+// 4 floats), else on the SIMT kernels, which take any stride. The backward's tiles at d = 192 /
+// 256 take more shared memory than sm_80's 99 KB parts have (d = 256: more than the A100's too):
+// where the device has less than they need, the SIMT kernels. CANDLE_FLASH_F32_SIMT=1 keeps f32
+// on the SIMT kernels (to compare).
 bool f32_simt_forced() {
     static const bool forced = [] {
         const char* v = std::getenv("CANDLE_FLASH_F32_SIMT");
@@ -171,7 +186,18 @@ bool f32_fwd_tensor_cores(const CfFwdParams& p) {
 }
 bool f32_bwd_tensor_cores(const CfBwdParams& p) {
     const CfFwdParams& f = p.fwd;
-    if (!f32_fwd_tensor_cores(f) || round_head_dim(f.d) > 128) return false;
+    if (!f32_fwd_tensor_cores(f)) return false;
+    const int rd = round_head_dim(f.d);
+    if (rd > 128) {
+        const int need = rd == 192 ? std::max(BwdTraits<float, 192>::kSmemBytes, BwdDqTraits<float, 192>::kSmemBytes)
+                                   : std::max(BwdTraits<float, 256>::kSmemBytes, BwdDqTraits<float, 256>::kSmemBytes);
+        int have = 0;
+        if (current_smem_optin(have) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return false;
+        }
+        if (have < need) return false;
+    }
     const bool vq = f.cu_seqlens_q != nullptr, vk = f.cu_seqlens_k != nullptr;
     return tensor_aligned(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, vq, 4) &&
            tensor_aligned(p.dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, vq, 4) &&
@@ -287,14 +313,16 @@ cudaError_t bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
 }
 
 
-// f32 backward (after dsum): the 3xTF32 mma.sync kernels (d <= 128), or the SIMT ones.
+// f32 backward (after dsum): the 3xTF32 mma.sync kernels, or the SIMT ones.
 cudaError_t bwd_f32(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
     if (!f32_bwd_tensor_cores(p)) return run_bwd_f32(p, ws, s);
     switch (round_head_dim(p.fwd.d)) {
         case 32: return run_bwd_tc<float, 32>(p, ws, false, s);
         case 64: return run_bwd_tc<float, 64>(p, ws, false, s);
         case 96: return run_bwd_tc<float, 96>(p, ws, false, s);
-        default: return run_bwd_tc<float, 128>(p, ws, false, s);
+        case 128: return run_bwd_tc<float, 128>(p, ws, false, s);
+        case 192: return run_bwd_tc<float, 192>(p, ws, false, s);
+        default: return run_bwd_tc<float, 256>(p, ws, false, s);
     }
 }
 

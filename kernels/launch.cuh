@@ -13,6 +13,8 @@ namespace cf {
 bool sm90a_available();
 // Streaming multiprocessors of the current device.
 cudaError_t current_sm_count(int& sms);
+// The current device's opt-in limit of dynamic shared memory per block, in bytes.
+cudaError_t current_smem_optin(int& bytes);
 
 // The timeline probes (CF_FWD_TRACE / CF_BWD_TRACE builds, bench/*_trace.py): copies a probe's
 // device buffer `sym` out to dst, then clears it; 0 on success.

@@ -87,8 +87,9 @@ fn tile_breaking_lengths() {
 
 /// Keys seen by thousands of query rows (GQA 4:1 and MQA, 2047 rows per head): dV and dK are sums
 /// of 8-16k terms per element (and, with the shape turned around, dQ of 2047). The f32 SIMT
-/// backward (d > 128 on CUDA) once summed them in one sequential chain, ~6x the naive f32 error
-/// at 800 terms (fuzz, d = 256); it now adds each block's sum into a compensated total.
+/// backward (then d > 128 on CUDA) once summed them in one sequential chain, ~6x the naive f32
+/// error at 800 terms (fuzz, d = 256); it now adds each block's sum into a compensated total. The
+/// 3xTF32 backward (d = 256 on Hopper) stages its sums per call (docs/kernels.md).
 /// Three keys, not one: with a single key dS = P (dP - D) is exactly zero in the reference
 /// (D = rowsum(P dP) = dP), while D = rowsum(dO O) rounds differently from dP, and dK then
 /// measures only that rounding summed over every row.

@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk[mt][t][e] = dv[mt][t][e] = 0.f;
 
-    const int wa_m = warp % AWM, wa_n = warp / AWM;  // A: rows 16*AMT*wa_m, keys 32*wa_n
+    const int wa_m = warp % AWM, wa_n = warp / AWM;  // A: rows 16*AMT*wa_m, keys kAKeys*wa_n
     const int wb_n = warp % 4, wb_d = warp / 4;      // B: keys 16*BMT*wb_n, column pairs 2t + wb_d
     const int wc_m = warp % CWM, wc_d = warp / CWM;  // C: rows 16*CMT*wc_m, column pairs CD*t + wc_d
     const int ra0 = 16 * AMT * wa_m, rb0 = 16 * BMT * wb_n, rc0 = 16 * CMT * wc_m;
@@ -86,8 +86,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
         const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
 #pragma unroll
         for (int hf = 0; hf < AH; ++hf) {
-            constexpr int NTA = 4 / AH;
-            const int key0 = 32 * wa_n + (32 / AH) * hf;  // first key (local) of this half
+            constexpr int AK = Kt::kAKeys, NTA = AK / 8 / AH;
+            const int key0 = AK * wa_n + (AK / AH) * hf;  // first key (local) of this half
             float s[AMT][NTA][4], dpa[AMT][NTA][4];
 #pragma unroll
             for (int mt = 0; mt < AMT; ++mt)
@@ -203,9 +203,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
 
     cp_async_wait<0>();
     if (ws.nsplit == 1) {
-        __syncthreads();  // all shared reads done: reuse the Q / dO buffers as dK / dV staging
-        T* sOk = sQ;
-        T* sOv = sdO;
+        __syncthreads();  // all shared reads done: reuse the K / V buffers (BN x D) as dK / dV staging
+        T* sOk = sK;
+        T* sOv = sV;
 #pragma unroll
         for (int mt = 0; mt < BMT; ++mt)
 #pragma unroll
