@@ -30,21 +30,21 @@ constexpr int panel_padded_cols(int cols, int elem_bytes) { return (cols * elem_
 // f32 (3xTF32, common/tile.cuh): every product costs 3 mmas and every operand twice the
 // registers (big + small parts) and twice the shared memory, so 64 query rows above d = 64 (S 32
 // + O 64 registers at d = 128) and 32 keys above d = 128 (the tiles fit sm_80's shared memory).
-// kNarrow (f32 at d = 256 on Hopper only): 16 keys per block, 96 KB of shared memory instead of
-// 128, so that two CTAs (8 warps) share an SM's 227 KB; at 128 KB one CTA of 4 warps ran alone.
-// H100 against PyTorch's efficient SDPA in f32: 0.80-0.87x -> 0.88-0.98x (bench/NOTES.md
-// "Thirteenth session"). Not on sm_80 (164 KB: one CTA either way, and twice the per-block work).
-// Paged K/V takes it too, so that a paged call keeps the contiguous call's bits; that instance
-// spills 8 bytes (a 64-bit address: one STL before the key loop, two LDL.64 per key block).
-template <typename T_, int kHeadDim_, bool kPaged_ = false, bool kNarrow_ = false>
+// kHopperTile (f32 at d = 256 where the device has 192 KB of shared memory for a block: Hopper):
+// 128 query rows on 8 warps (each still 16 rows: O 128 registers) over the same 32-key blocks,
+// 192 KB; every K / V block then serves twice the rows. H100 against PyTorch's efficient SDPA in
+// f32: 0.84-1.00x on the 16-key block of two 4-warp CTAs per SM (the thirteenth session's)
+// -> 0.90-1.16x (bench/NOTES.md "Fourteenth session"). Paged K/V takes it too, so that a paged
+// call keeps the contiguous call's bits.
+template <typename T_, int kHeadDim_, bool kPaged_ = false, bool kHopperTile_ = false>
 struct FwdTraits {
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr bool kPaged = kPaged_;
     static constexpr bool kF32 = sizeof(T_) == 4;
-    static constexpr int kBlockM = kHeadDim <= (kF32 || kPaged ? 64 : 128) ? 128 : 64;
-    static constexpr int kBlockN = kF32 && kHeadDim > 128 ? (kNarrow_ ? 16 : 32) : 64;
-    static constexpr int kNWarps = 4;
+    static constexpr int kBlockM = kHopperTile_ || kHeadDim <= (kF32 || kPaged ? 64 : 128) ? 128 : 64;
+    static constexpr int kBlockN = kF32 && kHeadDim > 128 ? 32 : 64;
+    static constexpr int kNWarps = kHopperTile_ ? 8 : 4;
     static constexpr int kNThreads = kNWarps * 32;
     static constexpr int kMTiles = kBlockM / (16 * kNWarps);
     static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * (int)sizeof(T_);
@@ -52,8 +52,9 @@ struct FwdTraits {
     static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dim tile: multiple of 32, <= 256");
     static_assert(kBlockM == 16 * kNWarps * kMTiles, "warps own whole m16 tiles");
     static_assert(kBlockN % 16 == 0, "P*V k-steps of 16 keys");
-    static_assert(kSmemBytes <= 160 * 1024, "must fit sm_80's 163 KB");
-    static_assert(!kNarrow_ || (kF32 && kHeadDim == 256), "the narrow block is f32 d = 256's");
+    static_assert(kSmemBytes <= 160 * 1024 || (kHopperTile_ && kSmemBytes <= 227 * 1024),
+                  "must fit sm_80's 163 KB (the Hopper tile: Hopper's 227 KB, dispatch.cu checks)");
+    static_assert(!kHopperTile_ || (kF32 && kHeadDim == 256), "the Hopper tile is f32 d = 256's");
 };
 
 // ------------------------------------------------------------------ forward, split-KV decode (sm80/fwd_split.cu)

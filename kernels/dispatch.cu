@@ -80,6 +80,16 @@ cudaError_t current_smem_optin(int& bytes) {
 }
 
 namespace {
+// Whether the device gives a block `bytes` of shared memory (false if it cannot be asked).
+bool smem_fits(int bytes) {
+    int have = 0;
+    if (current_smem_optin(have) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return have >= bytes;
+}
+
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 // Alignment needed by the 16-byte vector loads/stores (and TMA rows) of the tensor-core kernels:
@@ -191,12 +201,7 @@ bool f32_bwd_tensor_cores(const CfBwdParams& p) {
     if (rd > 128) {
         const int need = rd == 192 ? std::max(BwdTraits<float, 192>::kSmemBytes, BwdDqTraits<float, 192>::kSmemBytes)
                                    : std::max(BwdTraits<float, 256>::kSmemBytes, BwdDqTraits<float, 256>::kSmemBytes);
-        int have = 0;
-        if (current_smem_optin(have) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return false;
-        }
-        if (have < need) return false;
+        if (!smem_fits(need)) return false;
     }
     const bool vq = f.cu_seqlens_q != nullptr, vk = f.cu_seqlens_k != nullptr;
     return tensor_aligned(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, vq, 4) &&
@@ -249,10 +254,12 @@ cudaError_t fwd_fp8(const CfFwdParams& p, void* ws, cudaStream_t s) {
 }
 
 // mma.sync forward: paged K/V has its own instantiation (sm80/fwd.cu says why).
-template <typename T, int D, bool kNarrow = false>
+template <typename T, int D, bool kHopperTile = false>
 cudaError_t fwd_sm80(const CfFwdParams& p, cudaStream_t s) {
-    return p.block_table != nullptr ? run_fwd_tc<T, D, true, kNarrow>(p, s) : run_fwd_tc<T, D, false, kNarrow>(p, s);
+    return p.block_table != nullptr ? run_fwd_tc<T, D, true, kHopperTile>(p, s)
+                                    : run_fwd_tc<T, D, false, kHopperTile>(p, s);
 }
+
 
 // f32 forward: the 3xTF32 mma.sync kernel of the rounded head dim, or the SIMT kernel.
 cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {
@@ -265,9 +272,10 @@ cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {
         case 96: return fwd_sm80<float, 96>(p, s);
         case 128: return fwd_sm80<float, 128>(p, s);
         case 192: return fwd_sm80<float, 192>(p, s);
-        default:  // Hopper: the 16-key block (two CTAs per SM; config.cuh FwdTraits kNarrow), paged
-                  // K/V too (a paged call must give the contiguous call's bits)
-            return sm90a_available() ? fwd_sm80<float, 256, true>(p, s) : fwd_sm80<float, 256>(p, s);
+        default:  // Hopper: the 128-row 8-warp tile (config.cuh FwdTraits kHopperTile), paged K/V
+                  // too (a paged call must give the contiguous call's bits)
+            return smem_fits(FwdTraits<float, 256, false, true>::kSmemBytes) ? fwd_sm80<float, 256, true>(p, s)
+                                                                             : fwd_sm80<float, 256>(p, s);
     }
 }
 

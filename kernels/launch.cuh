@@ -26,9 +26,9 @@ inline int read_and_clear_trace(const Sym& sym, long long* dst) {
 }
 
 // mma.sync forward (sm80/fwd.cu), every head-dim tile of config.cuh; kPaged: K/V through the
-// block table (p.block_table set), else contiguous; kNarrow: FwdTraits' 16-key block (f32,
-// d = 256, Hopper).
-template <typename T, int D, bool kPaged, bool kNarrow = false>
+// block table (p.block_table set), else contiguous; kHopperTile: FwdTraits' 128-row 8-warp tile
+// (f32, d = 256, 192 KB of shared memory).
+template <typename T, int D, bool kPaged, bool kHopperTile = false>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);
 // sm_90a wgmma forward (sm90/fwd.cu) with configuration Kt (one of the FwdSm90Traits* of
 // config.cuh); call only when sm90a_available(). The workspace (cf_fwd's) holds V^T for e4m3

@@ -146,9 +146,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
 }
 
 // ------------------------------------------------------------------ launchers
-template <typename T, int D, bool kPaged, bool kNarrow>
+template <typename T, int D, bool kPaged, bool kHopperTile>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream) {
-    using Kt = FwdTraits<T, D, kPaged, kNarrow>;
+    using Kt = FwdTraits<T, D, kPaged, kHopperTile>;
     auto kern = fwd_tc_kernel<Kt>;
     const int smem = Kt::kSmemBytes;
     if (smem > 48 * 1024) {
