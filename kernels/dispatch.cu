@@ -175,9 +175,9 @@ int check_fwd(const CfFwdParams* p, bool probe_maps = false) {
 
 // f32 runs on tensor cores (3xTF32: sm80/fwd.cu, sm80/bwd.cuh) when its tensors meet the 16-byte
 // rules of the tile loads (tensor_aligned with 4-byte elements: rows and strides of multiples of
-// 4 floats), else on the SIMT kernels, which take any stride. The backward's tiles at d = 192 /
-// 256 take more shared memory than sm_80's 99 KB parts have (d = 256: more than the A100's too):
-// where the device has less than they need, the SIMT kernels. CANDLE_FLASH_F32_SIMT=1 keeps f32
+// 4 floats), else on the SIMT kernels, which take any stride. The tiles at d = 192 / 256 take
+// more shared memory than sm_80's 99 KB parts have (the backward's at d = 256: more than the
+// A100's too): where the device has less than they need, the SIMT kernels. CANDLE_FLASH_F32_SIMT=1 keeps f32
 // on the SIMT kernels (to compare).
 bool f32_simt_forced() {
     static const bool forced = [] {
@@ -188,6 +188,10 @@ bool f32_simt_forced() {
 }
 bool f32_fwd_tensor_cores(const CfFwdParams& p) {
     if (p.dtype != CF_F32 || f32_simt_forced()) return false;
+    // the 64 x 64 / 64 x 32 tiles at d = 192 / 256 take 144 / 128 KB: more than sm_86 / sm_89 give
+    const int rd = round_head_dim(p.d);
+    if (rd > 128 && !smem_fits(rd == 192 ? FwdTraits<float, 192>::kSmemBytes : FwdTraits<float, 256>::kSmemBytes))
+        return false;
     const bool vq = p.cu_seqlens_q != nullptr, vk = p.cu_seqlens_k != nullptr && p.block_table == nullptr;
     return tensor_aligned(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, vq, 4) &&
            tensor_aligned(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, vk, 4) &&
