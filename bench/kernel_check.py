@@ -1077,7 +1077,8 @@ def bench_f32(dev):
     """f32 on CUDA: ours (3xTF32 tensor cores, or SIMT under CANDLE_FLASH_F32_SIMT=1) against
     PyTorch's memory-efficient SDPA in f32, forward and backward, with each one's max error
     against f64 on the same inputs (the first N). Env F32_DIMS / F32_NS pick head dims and
-    lengths (default 64,128 / 512..4096). Returns table lines."""
+    lengths (default 64,128 / 512..4096); F32_DET=1 times the deterministic backward. Returns
+    table lines."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
     lines = [f"f32 {'SIMT' if os.environ.get('CANDLE_FLASH_F32_SIMT') else 'tensor cores'}: "
@@ -1093,7 +1094,7 @@ def bench_f32(dev):
                 q, k, v, do, o, fp, fws, stream = bench_setup(c, dev)
                 t_f = median_cuda_time(lambda: call_fwd(fp, fws, stream), reps=10)
                 dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-                bp = bwd_params(fp, do, dq, dk, dv, False)
+                bp = bwd_params(fp, do, dq, dk, dv, False, det=os.environ.get("F32_DET", "0") not in ("", "0"))
                 ws = torch.empty(lib.cf_bwd_workspace_size(ctypes.byref(bp)) // 4 + 64, dtype=torch.float32, device=dev)
                 t_b = median_cuda_time(lambda: lib.cf_bwd(ctypes.byref(bp), ws.data_ptr(), stream), reps=10)
                 qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
