@@ -53,30 +53,25 @@ bool sm90a_available() {
     return ok;
 }
 
-// Asked on every forward of a decode shape (by cf_fwd_workspace_size and again by cf_fwd) and
-// by every persistent launch: read once per device, like sm90a_available().
-cudaError_t current_sm_count(int& sms) {
+// A device attribute read once per device: they are asked on every forward of a decode shape
+// (the SM count, by cf_fwd_workspace_size and again by cf_fwd), by every persistent launch and by
+// the f32 tile choices (the shared-memory limit), like sm90a_available().
+template <cudaDeviceAttr kAttr>
+cudaError_t cached_device_attribute(int& value) {
     static std::atomic<int> cache[64];  // per device: 0 = not read yet
     int dev = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) return e;
-    if (dev >= 0 && dev < 64 && (sms = cache[dev].load()) > 0) return cudaSuccess;
-    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (e == cudaSuccess && dev >= 0 && dev < 64) cache[dev].store(sms);
+    if (dev >= 0 && dev < 64 && (value = cache[dev].load()) > 0) return cudaSuccess;
+    e = cudaDeviceGetAttribute(&value, kAttr, dev);
+    if (e == cudaSuccess && dev >= 0 && dev < 64) cache[dev].store(value);
     return e;
 }
-
-// The most dynamic shared memory one block may opt in to (Hopper 227 KB, A100 163 KB, the
-// other sm_8x parts 99 KB): the f32 backward's tiles at d = 256 need Hopper's.
+cudaError_t current_sm_count(int& sms) { return cached_device_attribute<cudaDevAttrMultiProcessorCount>(sms); }
+// The most dynamic shared memory one block may opt in to (Hopper 227 KB, A100 163 KB, the other
+// sm_8x parts 99 KB): the f32 tiles at d = 192 / 256 need more than the smallest.
 cudaError_t current_smem_optin(int& bytes) {
-    static std::atomic<int> cache[64];  // per device: 0 = not read yet
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e != cudaSuccess) return e;
-    if (dev >= 0 && dev < 64 && (bytes = cache[dev].load()) > 0) return cudaSuccess;
-    e = cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (e == cudaSuccess && dev >= 0 && dev < 64) cache[dev].store(bytes);
-    return e;
+    return cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(bytes);
 }
 
 namespace {

@@ -296,7 +296,7 @@ struct SwzPtr {
 // rounded to tf32 (11 significant bits): a b ~ a_big b_big + a_big b_small + a_small b_big, the
 // 3xTF32 recipe of CUTLASS (OpMultiplyAddFastF32, what PyTorch's f32 memory-efficient attention
 // runs). What it drops (a_small b_small, small's rounding) is ~2^-22 relative: f32-level error at
-// 3 tensor-core products per product, provided the accumulation rounds (mma3_tf32_fold, kStaged
+// 3 tensor-core products per product, provided the accumulation rounds (mma3_tf32 kFold, kStaged
 // below).
 // Fragments (m16n8k8 .row.col, lane = 4g + q): A a[0] (row g, k q), a[1] (g+8, q), a[2] (g, q+4),
 // a[3] (g+8, q+4); B b[0] (k q, col g), b[1] (k q+4, col g); C as for m16n8k16.
@@ -335,67 +335,53 @@ __device__ __forceinline__ void mma1688_tf32(float (&d)[4], const uint32_t (&a)[
 // tiles at a time (all of them at once: 4 registers per tile, too many at d = 128): per group
 // the small terms first, each pass over the group's tiles before the next (consecutive mmas
 // never chain on one accumulator).
+// kFold, for a product whose k range is one call's (S = Q K^T, dP = dO V^T, atomic dQ): the
+// three products go into zeroed registers, added to acc once (round to nearest). The tensor
+// cores add into their accumulator with truncation, three times per k-step; on the running sum
+// that biased error grew with d (d = 256 causal: O 3x, dQ 9x the error of exact f32 against f64;
+// folded: 0.5-1.4x, bench/NOTES.md "Fourteenth session"). Two m tiles: groups of 2 n8 tiles
+// (fewer live partial sums).
 constexpr int kF32Group = 4;
 constexpr int f32_group(int nt) { return nt % kF32Group == 0 ? kF32Group : nt % 3 == 0 ? 3 : nt % 2 == 0 ? 2 : 1; }
-template <int MT, int NT, typename LoadB>
+template <bool kFold, int MT, int NT, typename LoadB>
 __device__ __forceinline__ void mma3_tf32(float (&acc)[MT][NT][4], const Tf32Split<4> (&a)[MT], LoadB load_b) {
-    constexpr int G = f32_group(NT);
+    constexpr int G = kFold && MT >= 2 ? (NT % 2 == 0 ? 2 : 1) : f32_group(NT);
 #pragma unroll
     for (int n0 = 0; n0 < NT; n0 += G) {
         Tf32Split<2> b[G];
 #pragma unroll
         for (int j = 0; j < G; ++j) b[j] = load_b(n0 + j);
+        // the three passes into x[mt][off + j]: acc itself, or the zeroed partial sums (kFold)
+        auto passes = [&](auto& x, int off) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int j = 0; j < G; ++j) mma1688_tf32(acc[mt][n0 + j], a[mt].small, b[j].big[0], b[j].big[1]);
+                for (int j = 0; j < G; ++j) mma1688_tf32(x[mt][off + j], a[mt].small, b[j].big[0], b[j].big[1]);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int j = 0; j < G; ++j) mma1688_tf32(acc[mt][n0 + j], a[mt].big, b[j].small[0], b[j].small[1]);
+                for (int j = 0; j < G; ++j) mma1688_tf32(x[mt][off + j], a[mt].big, b[j].small[0], b[j].small[1]);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int j = 0; j < G; ++j) mma1688_tf32(acc[mt][n0 + j], a[mt].big, b[j].big[0], b[j].big[1]);
-    }
-}
-// The same for a product whose k range is one call's (S = Q K^T, dP = dO V^T, atomic dQ): each
-// k-step's three products go into zeroed registers, added to acc once (round to nearest). The
-// tensor cores add into their accumulator with truncation, three times per k-step; on the running
-// sum that biased error grew with d (d = 256 causal: O 3x, dQ 9x the error of exact f32 against
-// f64; folded: 0.6-1.0x, bench/NOTES.md "Fourteenth session"). Two m tiles: groups of 2 n8
-// tiles (fewer live partial sums).
-template <int MT, int NT, typename LoadB>
-__device__ __forceinline__ void mma3_tf32_fold(float (&acc)[MT][NT][4], const Tf32Split<4> (&a)[MT], LoadB load_b) {
-    constexpr int G = MT >= 2 ? (NT % 2 == 0 ? 2 : 1) : f32_group(NT);
+                for (int j = 0; j < G; ++j) mma1688_tf32(x[mt][off + j], a[mt].big, b[j].big[0], b[j].big[1]);
+        };
+        if constexpr (kFold) {
+            float part[MT][G][4];
 #pragma unroll
-    for (int n0 = 0; n0 < NT; n0 += G) {
-        Tf32Split<2> b[G];
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int j = 0; j < G; ++j) b[j] = load_b(n0 + j);
-        float part[MT][G][4];
+                for (int j = 0; j < G; ++j) part[mt][j][0] = part[mt][j][1] = part[mt][j][2] = part[mt][j][3] = 0.f;
+            passes(part, 0);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int j = 0; j < G; ++j) part[mt][j][0] = part[mt][j][1] = part[mt][j][2] = part[mt][j][3] = 0.f;
+                for (int j = 0; j < G; ++j)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < G; ++j) mma1688_tf32(part[mt][j], a[mt].small, b[j].big[0], b[j].big[1]);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < G; ++j) mma1688_tf32(part[mt][j], a[mt].big, b[j].small[0], b[j].small[1]);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < G; ++j) mma1688_tf32(part[mt][j], a[mt].big, b[j].big[0], b[j].big[1]);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < G; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[mt][n0 + j][e] += part[mt][j][e];
+                    for (int e = 0; e < 4; ++e) acc[mt][n0 + j][e] += part[mt][j][e];
+        } else {
+            passes(acc, n0);
+        }
     }
 }
 // Element (row, col) of a swizzled f32 tile with C chunks per row.
@@ -479,7 +465,7 @@ __device__ __forceinline__ Tf32Split<4> f32_a_regs(const uint32_t (&a)[4]) {
 // from f32 (measured: 2-3x the error of exact f32 at 1k rows); staged, every n8 group sums the
 // KS k-steps into zeroed registers and adds them to acc once (round to nearest), as CUTLASS's
 // 3xTF32 mainloop does. A fragments are then loaded once per group. Otherwise (one call's k
-// range) each k-step is folded into acc (mma3_tf32_fold).
+// range) each k-step is folded into acc (mma3_tf32 kFold).
 constexpr int kF32Unroll = 2;
 template <int MT, int NT, int KS, int KUNROLL, bool kStaged, typename LoadA, typename LoadB>
 __device__ __forceinline__ void f32_gemm(float (&acc)[MT][NT][4], LoadA load_a, LoadB load_b) {
@@ -491,7 +477,7 @@ __device__ __forceinline__ void f32_gemm(float (&acc)[MT][NT][4], LoadA load_a, 
             Tf32Split<4> a[MT];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) a[mt] = load_a(mt, ks);
-            mma3_tf32_fold(acc, a, [&](int nt) { return load_b(nt, ks); });
+            mma3_tf32<true>(acc, a, [&](int nt) { return load_b(nt, ks); });
         }
     } else {
         constexpr int G = f32_group(NT);
@@ -507,7 +493,7 @@ __device__ __forceinline__ void f32_gemm(float (&acc)[MT][NT][4], LoadA load_a, 
                 Tf32Split<4> a[MT];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) a[mt] = load_a(mt, ks);
-                mma3_tf32(part, a, [&](int j) { return load_b(n0 + j, ks); });
+                mma3_tf32<false>(part, a, [&](int j) { return load_b(n0 + j, ks); });
             }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
