@@ -1,5 +1,5 @@
-// Backward pass, tensor-core kernels (f16/bf16 on m16n8k16; f32 as 3xTF32 on m16n8k8, d <= 128:
-// common/tile.cuh), FA2 algorithm:
+// Backward pass, tensor-core kernels (f16/bf16 on m16n8k16; f32 as 3xTF32 on m16n8k8, 32-row steps at
+// d = 192 / 256: config.cuh BwdTraits; common/tile.cuh), FA2 algorithm:
 //   dsum  = rowsum(dO * O)                                (bwd_dot_do_o_kernel, simt/bwd_f32.cu)
 //   dK/dV: one CTA per 64 keys of a KV head, looping over the query blocks (and the query heads
 //          of its split): recompute P = exp(logit - lse), dV += P^T dO, dP = dO V^T,
