@@ -85,7 +85,6 @@ bool smem_fits(int bytes) {
     return have >= bytes;
 }
 
-
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 // Alignment needed by the 16-byte vector loads/stores (and TMA rows) of the tensor-core kernels:
 // strides in elements of elem_bytes bytes (2: f16 / bf16, 1: e4m3) that are whole 16 bytes.
@@ -170,10 +169,10 @@ int check_fwd(const CfFwdParams* p, bool probe_maps = false) {
 
 // f32 runs on tensor cores (3xTF32: sm80/fwd.cu, sm80/bwd.cuh) when its tensors meet the 16-byte
 // rules of the tile loads (tensor_aligned with 4-byte elements: rows and strides of multiples of
-// 4 floats), else on the SIMT kernels, which take any stride. The tiles at d = 192 / 256 take
+// 4 floats), else on the SIMT kernels, which take any stride. Some tiles at d = 192 / 256 take
 // more shared memory than sm_80's 99 KB parts have (the backward's at d = 256: more than the
-// A100's too): where the device has less than they need, the SIMT kernels. CANDLE_FLASH_F32_SIMT=1 keeps f32
-// on the SIMT kernels (to compare).
+// A100's too): where the device has less than they need, the SIMT kernels.
+// CANDLE_FLASH_F32_SIMT=1 keeps f32 on the SIMT kernels (to compare).
 bool f32_simt_forced() {
     static const bool forced = [] {
         const char* v = std::getenv("CANDLE_FLASH_F32_SIMT");
@@ -183,7 +182,7 @@ bool f32_simt_forced() {
 }
 bool f32_fwd_tensor_cores(const CfFwdParams& p) {
     if (p.dtype != CF_F32 || f32_simt_forced()) return false;
-    // the 64 x 64 / 64 x 32 tiles at d = 192 / 256 take 144 / 128 KB: more than sm_86 / sm_89 give
+    // the 64 x 32 tiles take 96 / 128 KB at d = 192 / 256: the latter more than sm_86 / sm_89 give
     const int rd = round_head_dim(p.d);
     if (rd > 128 && !smem_fits(rd == 192 ? FwdTraits<float, 192>::kSmemBytes : FwdTraits<float, 256>::kSmemBytes))
         return false;
