@@ -559,7 +559,7 @@ def run_case(c, dev, gen):
     if c.dtype == "f32":
         # f32 on tensor cores (3xTF32) computes with 22-bit operands: one operand rounding of a
         # length-d dot product is ~2^-22 sqrt(d) (the floor; it was 3x that until the products
-        # rounded their accumulation, tile.cuh mma3_tf32_fold: the truncating sums passed at up
+        # rounded their accumulation, tile.cuh mma3_tf32<kFold>: the truncating sums passed at up
         # to 0.56 of the old floor, 1.7 of this one); the SIMT kernels (CANDLE_FLASH_F32_SIMT=1,
         # or misaligned f32) compute in exact f32 and keep 2e-6.
         simt = os.environ.get("CANDLE_FLASH_F32_SIMT", "0") not in ("", "0")

@@ -4,9 +4,9 @@
 //! against the reference, so the subset cannot pass by computing nothing.
 //!
 //! What each case reaches (kernels/dispatch.cu decides): per dtype (f16/bf16: tensor cores; f32:
-//! tensor cores as 3xTF32, the backward at head dim 256 where the device has the shared memory
-//! (Hopper), else and for rows that are not 16-byte aligned the SIMT kernels, `f32_simt_kernels`)
-//! and head-dim tile (32 ... 256),
+//! tensor cores as 3xTF32 where the device has the shared memory of the tiles (the backward at
+//! head dim 256: Hopper), else and for rows that are not 16-byte aligned the SIMT kernels,
+//! `f32_simt_kernels`) and head-dim tile (32 ... 256),
 //!   prefill      the one-pass forward (sm_90a: the persistent 128 x 128 configurations for
 //!                d <= 128, 128 x 64 for 192 / 256; Q, K, V by TMA), the
 //!                backward's dsum, dK/dV with atomic dQ, the dQ conversion, and the GQA split
