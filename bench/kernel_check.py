@@ -1077,19 +1077,23 @@ def bench_f32(dev):
     """f32 on CUDA: ours (3xTF32 tensor cores, or SIMT under CANDLE_FLASH_F32_SIMT=1) against
     PyTorch's memory-efficient SDPA in f32, forward and backward, with each one's max error
     against f64 on the same inputs (the first N). Env F32_DIMS / F32_NS pick head dims and
-    lengths (default 64,128 / 512..4096); F32_DET=1 times the deterministic backward. Returns
-    table lines."""
+    lengths (default 64,128 / 512..4096); F32_DET=1 times the deterministic backward; F32_CAUSAL=1 / 0
+    only causal / only unmasked; F32_TOKENS=16384 the crate grid's shapes. Returns table lines."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
     lines = [f"f32 {'SIMT' if os.environ.get('CANDLE_FLASH_F32_SIMT') else 'tensor cores'}: "
              "B H N D causal | fwd ms ours / eff, ratio | bwd ms ours / eff, ratio | TF/s fwd ours eff | "
              "max err vs f64: o ours / eff / naive, dq ours / eff / naive"]
     B, H = 4, 16
+    # F32_TOKENS=16384: the crate grid's shapes instead (B = tokens / N, H = 2048 / d)
+    tokens = int(os.environ.get("F32_TOKENS", "0"))
     dims = [int(x) for x in os.environ.get("F32_DIMS", "64,128").split(",")]
     ns = [int(x) for x in os.environ.get("F32_NS", "512,1024,2048,4096").split(",")]
     for d in dims:
-        for causal in (False, True):
+        for causal in {"1": (True,), "0": (False,)}.get(os.environ.get("F32_CAUSAL", ""), (False, True)):
             for N in ns:
+                if tokens:
+                    B, H = max(1, tokens // N), 2048 // d
                 c = Case("bench-f32", "f32", b=B, h=H, sq=N, d=d, wl=-1, wr=(0 if causal else -1))
                 q, k, v, do, o, fp, fws, stream = bench_setup(c, dev)
                 t_f = median_cuda_time(lambda: call_fwd(fp, fws, stream), reps=10)

@@ -153,16 +153,36 @@ inline int bwd_sm90_block_m(const CfFwdParams& f) {
     const bool masked = has_window(f);
     return CF_BWD_BM80 == 2 || (CF_BWD_BM80 == 1 && !masked) ? 80 : 64;
 }
-// Whether the sm_90a dK/dV kernels take their CTAs key block slowest (common/bwd_work.cuh
-// DkdvCta): under causal-like masks the first key blocks of a head carry the most steps, and in
-// launch order (key block fastest) the last head's heaviest CTA starts in the last wave. Only on
-// grids of at most 4 waves: there one CTA is a large part of an SM's work (GQA 4:1 causal, N = 8k:
-// 512 CTAs, the heaviest 512 steps against ~1000 per SM; bwd +24% on an H200, +7% on an H100;
-// N = 2k +31-34%), while on larger
-// grids of many heads (N = 2k, B = 8: 2048 CTAs) key block slowest loses the heads' Q / dO
-// locality in L2 (-15%) and the tail is a few percent (bench/NOTES.md "Backward, ninth session").
-inline bool bwd_heavy_first(const CfFwdParams& f, int64_t ctas, int sms) {
-    return f.window_right >= 0 && ctas <= 4 * (int64_t)sms;
+// Whether a grid starts every head's heaviest CTAs first, across heads: the dK/dV kernels take
+// their CTAs key block slowest (common/bwd_work.cuh DkdvCta), the query-block grids (the mma.sync
+// forward and dQ kernels) query block slowest, last first (common/mask.cuh QueryBlockCta). Under
+// causal-like masks the first key blocks / last query blocks of a head carry the most work, and
+// in launch order the last head's heaviest CTA starts in the last wave. Only on grids of at most
+// 4 waves (`slots`: the CTAs the device runs at once): there one CTA is a large part of an SM's
+// work (GQA 4:1 causal, N = 8k: 512 CTAs, the heaviest 512 steps against ~1000 per SM; sm_90a bwd
+// +24% on an H200, +7% on an H100; N = 2k +31-34%), while on larger grids of many heads (N = 2k,
+// B = 8: 2048 CTAs) the new order loses the heads' Q / dO (K / V) locality in L2 (-15%) and the
+// tail is a few percent (bench/NOTES.md "Backward, ninth session", "Fifteenth session").
+// `max_waves`: 4 for the sm_90a dK/dV kernels (measured there); see mma_sync_heavy_first for the
+// mma.sync kernels.
+inline bool heavy_first_order(const CfFwdParams& f, int64_t ctas, int64_t slots, int max_waves = 4) {
+    // (ctas <= 65535 also lets QueryBlockCta put the query blocks and the sequences on grid axes
+    // y and z, whose limit that is)
+    return f.window_right >= 0 && ctas <= max_waves * slots && ctas <= 65535;
+}
+// The same choice for the mma.sync kernels (sm80/; `query_grid`: the forward and dQ grids, else
+// dK/dV). f32 runs 3xTF32, bound by the tensor cores even when no K / V tile is shared in L2:
+// up to 16 waves (H100, f32 causal, B·N = 16384: d = 256 forward +9-10% at 512-4k, backward +5-7%
+// from 2k; d = 64 / 128 forward +3-5%). The 16-bit forward up to 16 waves only while every head
+// keeps two or more of a wave's slots (2·h·b <= slots), so that the CTAs running at once still
+// share K / V in L2 (d = 128 at 4k / 16k +12%, d = 256 at 2k +7-17%; d = 64 at 1k, 512 heads,
+// -12% without that rule). The 16-bit dK/dV kernels keep launch order (their timings moved by
+// less than the run-to-run spread, and the order cost the d = 256 instance 4 bytes of spills on
+// sm_90a). Measured with CANDLE_FLASH_DISABLE_SM90A on an H100 (bench/NOTES.md "Fifteenth
+// session"); on an A100 these kernels are the only ones.
+inline bool mma_sync_heavy_first(const CfFwdParams& f, int64_t ctas, int64_t slots, bool query_grid) {
+    if (f.dtype == CF_F32) return heavy_first_order(f, ctas, slots, 16);
+    return query_grid && heavy_first_order(f, ctas, slots, 16) && 2 * (int64_t)f.h * f.b <= slots;
 }
 enum class FwdSm90Config { kD64Short, kD64, kD64Persistent, kD96, kD128, kD192, kD256, kD96Long, kD128Long, kD192Long, kD256Long };
 

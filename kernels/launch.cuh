@@ -3,6 +3,8 @@
 // in dispatch.cu only: a launcher launches what it is asked to, it makes no choice of its own.
 #pragma once
 #include <cuda_runtime.h>
+#include <atomic>
+#include <cstdint>
 #include "common/bwd_work.cuh"
 
 namespace cf {
@@ -15,6 +17,25 @@ bool sm90a_available();
 cudaError_t current_sm_count(int& sms);
 // The current device's opt-in limit of dynamic shared memory per block, in bytes.
 cudaError_t current_smem_optin(int& bytes);
+
+// The CTAs of one wave of `kern` (launched with `threads` threads and `smem` bytes of dynamic
+// shared memory, after its shared-memory attribute is set): how many one SM runs at once
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor) times the SMs. Asked once per device for each
+// `Tag` (the kernel's traits), like the device attributes: launches ask it per call.
+template <typename Tag, typename Kern>
+cudaError_t wave_slots(Kern kern, int threads, int smem, int64_t& slots) {
+    static std::atomic<int> per_sm[64];  // per device: 0 = not asked yet
+    int dev = 0, sms = 0, n = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess || (e = current_sm_count(sms)) != cudaSuccess) return e;
+    const bool cached = dev >= 0 && dev < 64;
+    if (!cached || (n = per_sm[dev].load()) <= 0) {
+        if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, threads, smem)) != cudaSuccess) return e;
+        if (cached) per_sm[dev].store(n);
+    }
+    slots = (int64_t)n * sms;
+    return cudaSuccess;
+}
 
 // The timeline probes (CF_FWD_TRACE / CF_BWD_TRACE builds, bench/*_trace.py): copies a probe's
 // device buffer `sym` out to dst, then clears it; 0 on success.

@@ -24,7 +24,7 @@ struct BwdWs {
     int nsplit;    // CTAs sharing the query heads of one KV head (1 = write dk/dv directly)
     int dq_tiled;  // dq_accum in the tiled layout (the sm_90a kernels run)
     int hps;       // query heads per split
-    int heavy_first;  // the sm_90a dK/dV kernels take their CTAs key block slowest (DkdvCta)
+    int heavy_first;  // the CTA order across heads (heuristics.cuh heavy_first_order): DkdvCta, QueryBlockCta
     int64_t total_q, total_k;
     // Deterministic mode on the sm_90a kernels: the counters that order the dQ reductions
     // (sm90/tma.cuh DqOrder), [b][h][dq_sem_blocks][2 warpgroups]; nullptr otherwise.
@@ -60,7 +60,7 @@ struct BwdWs {
 
 // The CTA's (key block, KV head * nsplit + split, batch). The grid is (key blocks, KV heads *
 // nsplit, batch), launched x fastest: neighbouring key blocks of one head run together and share
-// its Q / dO in L2. With ws.heavy_first (heuristics.cuh bwd_heavy_first: causal-like masks, whose
+// its Q / dO in L2. With ws.heavy_first (heuristics.cuh heavy_first_order: causal-like masks, whose
 // first key blocks see the most queries, on grids of a few waves) the kernels that take kHeavyFirst
 // renumber the CTAs key block slowest, so that every head's heaviest blocks start in the first
 // wave instead of the last head's in the last one.

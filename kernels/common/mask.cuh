@@ -118,16 +118,31 @@ __device__ __forceinline__ float descale_of(const CfDescale& d, int b, int x) {
     return d.ptr ? d.ptr[(int64_t)b * d.batch_stride + x / d.head_div] : 1.f;
 }
 
-// Query block of this CTA in a grid of one CTA per query block (blockIdx.x): with causal-like
-// masks (right window bounded, left unbounded) the last query blocks see the most keys, so
-// they are started first.
-__device__ __forceinline__ int heavy_first_block(const CfFwdParams& p) {
-    return (p.window_right >= 0 && p.window_left < 0) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-}
+// Which (query block, head, sequence) a CTA of a one-CTA-per-query-block grid works on. With
+// causal-like masks (right window bounded, left unbounded) the last query blocks see the most
+// keys, so they are started first: the grid (query block, head, sequence), launched x fastest,
+// takes its query blocks reversed within each head. With `across_heads` (the host's choice:
+// heuristics.cuh heavy_first_order / mma_sync_heavy_first, grids of a few waves) the grid is
+// launched (head, sequence, query block) instead (`grid`), i.e. query block slowest, reversed:
+// every head's last block starts before any head's second last, where in the first order the
+// last heads' heaviest blocks would start in the last wave and set its length. (Swapping the
+// grid's axes, rather than renumbering a flat index, keeps integer divisions out of the
+// kernels' prologue.)
+struct QueryBlockCta {
+    int qb, h, b;
+    __host__ static dim3 grid(int query_blocks, int h, int b, bool across_heads) {
+        return across_heads ? dim3(h, b, query_blocks) : dim3(query_blocks, h, b);
+    }
+    __device__ __forceinline__ static QueryBlockCta of(const CfFwdParams& p, bool across_heads) {
+        if (across_heads) return {(int)(gridDim.z - 1 - blockIdx.z), (int)blockIdx.x, (int)blockIdx.y};
+        const bool reversed = p.window_right >= 0 && p.window_left < 0;
+        return {(int)(reversed ? gridDim.x - 1 - blockIdx.x : blockIdx.x), (int)blockIdx.y, (int)blockIdx.z};
+    }
+};
 
-// What a CTA of a one-CTA-per-query-block grid (blockIdx = (query block, head, sequence)) works
-// on: rows [m0, m_last] of head h (KV head hk), which see keys [n_lo, n_hi). The forward and the
-// dQ kernels (sm80, SIMT) start from it.
+// What a CTA of a one-CTA-per-query-block grid works on (QueryBlockCta): rows [m0, m_last] of
+// head h (KV head hk), which see keys [n_lo, n_hi). The forward and the dQ kernels (sm80, SIMT)
+// start from it.
 // kPath: which K/V the kernel reads (SeqInfo).
 template <KvPath kPath = KvPath::kContiguous>
 struct QueryBlockWork {
@@ -135,11 +150,13 @@ struct QueryBlockWork {
     MaskInfo mk;
     int h, hk, m0, m_last, n_lo, n_hi;
 
-    __device__ __forceinline__ QueryBlockWork(const CfFwdParams& p, int block_m)
-        : si(p, blockIdx.z, KvKind<kPath>{}), mk(si.sq, si.sk, p.window_left, p.window_right) {
-        h = blockIdx.y;
+    __device__ __forceinline__ QueryBlockWork(const CfFwdParams& p, int block_m, bool across_heads = false)
+        : QueryBlockWork(p, block_m, QueryBlockCta::of(p, across_heads)) {}
+    __device__ __forceinline__ QueryBlockWork(const CfFwdParams& p, int block_m, QueryBlockCta c)
+        : si(p, c.b, KvKind<kPath>{}), mk(si.sq, si.sk, p.window_left, p.window_right) {
+        h = c.h;
         hk = kv_head(p, h);
-        m0 = heavy_first_block(p) * block_m;
+        m0 = c.qb * block_m;
         m_last = min(m0 + block_m, si.sq) - 1;
         mk.key_range(m0, m_last, n_lo, n_hi);
     }

@@ -46,7 +46,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q4 = lane & 3;
-    const DkdvWork<T, BN, BM> w(p, ws);
+    // The CTA order across heads for f32 only (heuristics.cuh mma_sync_heavy_first).
+    const DkdvWork<T, BN, BM, std::is_same<T, float>::value> w(p, ws);
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
@@ -264,7 +265,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dq_tc_kernel(const CfBwd
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q4 = lane & 3;
-    const QueryBlockWork<> w(f, BM);
+    const QueryBlockWork<> w(f, BM, ws.heavy_first != 0);
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
@@ -436,25 +437,26 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
         using Kt = decltype(traits);
         return dim3((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
     };
-    auto launch_dkdv = [&](auto kern, auto traits, const BwdWs& kws, auto... extra) -> cudaError_t {
+    // Every kernel takes its CTA order (`heavy_first`, over the CTAs of one wave of it) in its
+    // copy of ws; a query-block grid (`query_grid`) is then launched in QueryBlockCta's layout.
+    auto launch_grid = [&](auto kern, auto traits, dim3 grid, bool sm90, bool query_grid, auto... extra) -> cudaError_t {
         using Kt = decltype(traits);
         cudaError_t err = set_smem(kern, Kt::kSmemBytes);
-        if (err != cudaSuccess) return err;
-        const dim3 grid = dkdv_grid(traits);
-        if (grid.x == 0) return cudaSuccess;
+        if (err != cudaSuccess || grid.x == 0) return err;
+        int64_t slots = 0;
+        if ((err = wave_slots<Kt>(kern, Kt::kNThreads, Kt::kSmemBytes, slots)) != cudaSuccess) return err;
+        const int64_t ctas = (int64_t)grid.x * grid.y * grid.z;
+        BwdWs kws = ws;
+        kws.heavy_first = sm90 ? heavy_first_order(f, ctas, slots) : mma_sync_heavy_first(f, ctas, slots, query_grid);
+        if (query_grid) grid = QueryBlockCta::grid(grid.x, grid.y, grid.z, kws.heavy_first);
         kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, kws, extra...);
         return cudaGetLastError();
     };
-    // the sm_90a kernels also take their CTA order (bwd_heavy_first) in their copy of ws
+    auto launch_dkdv = [&](auto kern, auto traits) { return launch_grid(kern, traits, dkdv_grid(traits), false, false); };
+    // the sm_90a kernels also take the TMA maps of Q and dO
     auto launch_sm90 = [&](auto kern, auto traits) -> cudaError_t {
         using Kt = decltype(traits);
-        int sms = 0;
-        const cudaError_t err = current_sm_count(sms);
-        if (err != cudaSuccess) return err;
-        BwdWs ws90 = ws;
-        const dim3 grid = dkdv_grid(traits);
-        ws90.heavy_first = bwd_heavy_first(f, (int64_t)grid.x * grid.y * grid.z, sms);
-        return launch_dkdv(kern, traits, ws90, make_bwd_tma_maps(p, Kt::kBlockM));
+        return launch_grid(kern, traits, dkdv_grid(traits), true, false, make_bwd_tma_maps(p, Kt::kBlockM));
     };
     bool done = false;
     // deterministic mode with dQ in the dK/dV kernel (heuristics.cuh plan_bwd: sm_90a only)
@@ -493,16 +495,11 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
             done = true;
         }
     }
-    if (!done && (e = launch_dkdv(bwd_dkdv_tc_kernel<BwdTraits<T, D>>, BwdTraits<T, D>{}, ws)) != cudaSuccess) return e;
+    if (!done && (e = launch_dkdv(bwd_dkdv_tc_kernel<BwdTraits<T, D>>, BwdTraits<T, D>{})) != cudaSuccess) return e;
     if (ws.dq_accum == nullptr) {
         using Kt = BwdDqTraits<T, D>;
-        auto kern = bwd_dq_tc_kernel<Kt>;
-        if ((e = set_smem(kern, Kt::kSmemBytes)) != cudaSuccess) return e;
         const dim3 grid((f.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM, f.h, f.b);
-        if (grid.x > 0) {
-            kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, ws);
-            if ((e = cudaGetLastError()) != cudaSuccess) return e;
-        }
+        if ((e = launch_grid(bwd_dq_tc_kernel<Kt>, Kt{}, grid, false, true)) != cudaSuccess) return e;
     } else {
         const dim3 grid((f.seqlen_q + 7) / 8, f.h, f.b);
         if (grid.x > 0) {

@@ -5,6 +5,7 @@
 // first (the boundary block is masked while the rest runs unmasked). Masking, logits and the
 // online softmax are common/mask.cuh and common/softmax.cuh.
 #include "../config.cuh"
+#include "../heuristics.cuh"
 #include "../launch.cuh"
 #include "../common/softmax.cuh"
 
@@ -13,8 +14,9 @@ namespace cf {
 // Kt::kPaged: K/V through the block table (flash_api.h). Its own instantiation (dispatch.cu): this
 // kernel is at its register limit, and the table code in the contiguous one made it spill
 // (ptxas -v); the paged one runs 64-row tiles for d = 96 / 128 (config.cuh).
+// across_heads: the CTA order of QueryBlockCta (common/mask.cuh), chosen by the launcher.
 template <typename Kt>
-__global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdParams p) {
+__global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdParams p, const int across_heads) {
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN;
     constexpr int NTH = Kt::kNThreads, MT = Kt::kMTiles;
@@ -35,7 +37,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q4 = lane & 3;
-    const QueryBlockWork<kKv> w(p, BM);
+    const QueryBlockWork<kKv> w(p, BM, across_heads != 0);
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
@@ -155,8 +157,12 @@ cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream) {
         cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return e;
     }
-    const dim3 grid((p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM, p.h, p.b);
-    kern<<<grid, Kt::kNThreads, smem, stream>>>(p);
+    const int query_blocks = (p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
+    int64_t slots = 0;
+    cudaError_t e = wave_slots<Kt>(kern, Kt::kNThreads, smem, slots);
+    if (e != cudaSuccess) return e;
+    const int across_heads = mma_sync_heavy_first(p, (int64_t)query_blocks * p.h * p.b, slots, true);
+    kern<<<QueryBlockCta::grid(query_blocks, p.h, p.b, across_heads), Kt::kNThreads, smem, stream>>>(p, across_heads);
     return cudaGetLastError();
 }
 
