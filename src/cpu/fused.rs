@@ -16,107 +16,142 @@ pub(crate) enum ProbsOut {
     F32(*mut f32),
 }
 
-/// The forward's online softmax step on a transposed tile of logits times `scale` (`s_t`:
-/// `cols` keys × `rows` query rows, masked keys -inf; AMX stores them unscaled, the f32 kernel
-/// scaled, with `scale` 1), fused with the writing of P (`out`: bf16 pairs, rounded to nearest
-/// even with zero past an odd `cols`, or f32): the running max (in scaled units),
-/// `correction = exp(old max - new max)` and the running sum. `s_t` is left as it is. The exp
-/// is [`exp2`] (masked keys give 0); a column with no visible key keeps max -inf, sum 0.
-/// NaN logits propagate into their rows, as in the generic path. Needs `scale > 0` (the max of
-/// the unscaled logits is then the max of the scaled ones).
-///
-/// # Safety
-/// AVX-512 F/BW/VL and BF16 must be present; `s_t` holds `cols * rows` values, the state
-/// slices `rows`; `out` addresses `cols.div_ceil(2) * rows` pairs or `cols * rows` floats.
-#[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma")]
-pub(crate) unsafe fn online_softmax(
-    s_t: &[f32],
-    (cols, rows): (usize, usize),
-    scale: f32,
-    (row_max, row_sum, correction): (&mut [f32], &mut [f32], &mut [f32]),
-    out: ProbsOut,
-) {
-    debug_assert!(s_t.len() >= cols * rows);
-    let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
-    let c = _mm512_set1_ps(scale * std::f32::consts::LOG2_E);
-    let interleave = interleave_halves();
-    let s = s_t.as_ptr();
-    let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
-    for c0 in (0..rows).step_by(16) {
-        let lanes = 16.min(rows - c0);
-        let m: __mmask16 = ((1u32 << lanes) - 1) as __mmask16;
-        let at = |j: usize| _mm512_maskz_loadu_ps(m, s.add(j * rows + c0));
-        // exp(x · scale − shift) of every key, written to `out`; returns the sum and the max
-        // of the unscaled logits. `_mm512_max_ps(x, acc)` returns acc where either is NaN:
-        // NaN logits do not set the max (they reach the sum, hence their row, as NaN).
-        let exp_pass = |bias: __m512| {
-            let (mut sum0, mut sum1, mut max0, mut max1) = (_mm512_setzero_ps(), _mm512_setzero_ps(), neg_inf, neg_inf);
-            for j2 in 0..cols.div_ceil(2) {
-                let x0 = at(2 * j2);
-                let x1 = if 2 * j2 + 1 < cols { at(2 * j2 + 1) } else { neg_inf };
-                max0 = _mm512_max_ps(x0, max0);
-                max1 = _mm512_max_ps(x1, max1);
-                let (e0, e1) = (exp2(_mm512_fmadd_ps(x0, c, bias)), exp2(_mm512_fmadd_ps(x1, c, bias)));
-                sum0 = _mm512_add_ps(sum0, e0);
-                sum1 = _mm512_add_ps(sum1, e1);
-                match out {
-                    ProbsOut::Pairs(p) => {
-                        let halves = _mm512_cvtne2ps_pbh(e1, e0);
-                        let pairs =
-                            _mm512_permutexvar_epi16(interleave, std::mem::transmute::<__m512bh, __m512i>(halves));
-                        _mm512_mask_storeu_epi32(p.add(j2 * rows + c0).cast(), m, pairs);
-                    }
-                    ProbsOut::F32(p) => {
-                        _mm512_mask_storeu_ps(p.add(2 * j2 * rows + c0), m, e0);
-                        if 2 * j2 + 1 < cols {
-                            _mm512_mask_storeu_ps(p.add((2 * j2 + 1) * rows + c0), m, e1);
+/// Defines an online softmax step function (the body of [`online_softmax`] and
+/// [`online_softmax_f32`]) with the given target features. The body is expanded into each
+/// function rather than shared through an inlined one: closures take the target features of
+/// the function that contains them, and a shared body without them left its closures' AVX-512
+/// intrinsics as out-of-line calls (the f32 forward ran 6x slower, measured).
+macro_rules! online_softmax_fn {
+    ($(#[$attr:meta])* $vis:vis fn $name:ident, $features:literal) => {
+        $(#[$attr])*
+        #[target_feature(enable = $features)]
+        $vis unsafe fn $name(
+            s_t: &[f32],
+            (cols, rows): (usize, usize),
+            scale: f32,
+            (row_max, row_sum, correction): (&mut [f32], &mut [f32], &mut [f32]),
+            out: ProbsOut,
+        ) {
+            debug_assert!(s_t.len() >= cols * rows);
+            let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+            let c = _mm512_set1_ps(scale * std::f32::consts::LOG2_E);
+            let interleave = interleave_halves();
+            let s = s_t.as_ptr();
+            let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
+            for c0 in (0..rows).step_by(16) {
+                let lanes = 16.min(rows - c0);
+                let m: __mmask16 = ((1u32 << lanes) - 1) as __mmask16;
+                let at = |j: usize| _mm512_maskz_loadu_ps(m, s.add(j * rows + c0));
+                // exp(x · scale − shift) of every key, written to `out`; returns the sum and the max
+                // of the unscaled logits. `_mm512_max_ps(x, acc)` returns acc where either is NaN:
+                // NaN logits do not set the max (they reach the sum, hence their row, as NaN).
+                let exp_pass = |bias: __m512| {
+                    let (mut sum0, mut sum1, mut max0, mut max1) = (_mm512_setzero_ps(), _mm512_setzero_ps(), neg_inf, neg_inf);
+                    for j2 in 0..cols.div_ceil(2) {
+                        let x0 = at(2 * j2);
+                        let x1 = if 2 * j2 + 1 < cols { at(2 * j2 + 1) } else { neg_inf };
+                        max0 = _mm512_max_ps(x0, max0);
+                        max1 = _mm512_max_ps(x1, max1);
+                        let (e0, e1) = (exp2(_mm512_fmadd_ps(x0, c, bias)), exp2(_mm512_fmadd_ps(x1, c, bias)));
+                        sum0 = _mm512_add_ps(sum0, e0);
+                        sum1 = _mm512_add_ps(sum1, e1);
+                        match out {
+                            ProbsOut::Pairs(p) => {
+                                let halves = _mm512_cvtne2ps_pbh(e1, e0);
+                                let pairs =
+                                    _mm512_permutexvar_epi16(interleave, std::mem::transmute::<__m512bh, __m512i>(halves));
+                                _mm512_mask_storeu_epi32(p.add(j2 * rows + c0).cast(), m, pairs);
+                            }
+                            ProbsOut::F32(p) => {
+                                _mm512_mask_storeu_ps(p.add(2 * j2 * rows + c0), m, e0);
+                                if 2 * j2 + 1 < cols {
+                                    _mm512_mask_storeu_ps(p.add((2 * j2 + 1) * rows + c0), m, e1);
+                                }
+                            }
                         }
                     }
+                    (_mm512_add_ps(sum0, sum1), _mm512_max_ps(max0, max1))
+                };
+                let old = _mm512_mask_loadu_ps(neg_inf, m, row_max.as_ptr().add(c0));
+                let old_sum = _mm512_maskz_loadu_ps(m, row_sum.as_ptr().add(c0));
+                // One pass with the running max as it stands (a stale max is exact: any shift gives
+                // the same softmax), kept when no row's tile max exceeds it by more than STALE (P stays
+                // below e^STALE, far from overflow); the max moves only then. Rows that have seen no
+                // key yet (max -inf) take the two passes.
+                const STALE: f32 = 8.0;
+                if _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(m, old, neg_inf) == 0 {
+                    let (sum, raw_max) = exp_pass(_mm512_mul_ps(old, _mm512_set1_ps(-std::f32::consts::LOG2_E)));
+                    let limit = _mm512_add_ps(old, _mm512_set1_ps(STALE));
+                    if _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(m, _mm512_mul_ps(raw_max, _mm512_set1_ps(scale)), limit) == 0 {
+                        _mm512_mask_storeu_ps(row_sum.as_mut_ptr().add(c0), m, _mm512_add_ps(old_sum, sum));
+                        _mm512_mask_storeu_ps(correction.as_mut_ptr().add(c0), m, _mm512_set1_ps(1.0));
+                        continue;
+                    }
                 }
-            }
-            (_mm512_add_ps(sum0, sum1), _mm512_max_ps(max0, max1))
-        };
-        let old = _mm512_mask_loadu_ps(neg_inf, m, row_max.as_ptr().add(c0));
-        let old_sum = _mm512_maskz_loadu_ps(m, row_sum.as_ptr().add(c0));
-        // One pass with the running max as it stands (a stale max is exact: any shift gives
-        // the same softmax), kept when no row's tile max exceeds it by more than STALE (P stays
-        // below e^STALE, far from overflow); the max moves only then. Rows that have seen no
-        // key yet (max -inf) take the two passes.
-        const STALE: f32 = 8.0;
-        if _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(m, old, neg_inf) == 0 {
-            let (sum, raw_max) = exp_pass(_mm512_mul_ps(old, _mm512_set1_ps(-std::f32::consts::LOG2_E)));
-            let limit = _mm512_add_ps(old, _mm512_set1_ps(STALE));
-            if _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(m, _mm512_mul_ps(raw_max, _mm512_set1_ps(scale)), limit) == 0 {
-                _mm512_mask_storeu_ps(row_sum.as_mut_ptr().add(c0), m, _mm512_add_ps(old_sum, sum));
-                _mm512_mask_storeu_ps(correction.as_mut_ptr().add(c0), m, _mm512_set1_ps(1.0));
-                continue;
+                // Two passes: the tile's max first, then exp against the new running max.
+                let mut mx = [neg_inf; 4];
+                let mut j = 0;
+                while j + 4 <= cols {
+                    for (u, acc) in mx.iter_mut().enumerate() {
+                        *acc = _mm512_max_ps(at(j + u), *acc);
+                    }
+                    j += 4;
+                }
+                while j < cols {
+                    mx[0] = _mm512_max_ps(at(j), mx[0]);
+                    j += 1;
+                }
+                let raw_max = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+                let new = _mm512_max_ps(_mm512_mul_ps(raw_max, _mm512_set1_ps(scale)), old);
+                let visible = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(new, neg_inf);
+                let corr =
+                    _mm512_mask_blend_ps(visible, _mm512_set1_ps(1.0), exp2(_mm512_mul_ps(_mm512_sub_ps(old, new), log2e)));
+                // t = x · scale · log2e − shift · log2e (shift 0 for a row that still sees nothing).
+                let shift = _mm512_maskz_mov_ps(visible, new);
+                let (sum, _) = exp_pass(_mm512_mul_ps(shift, _mm512_set1_ps(-std::f32::consts::LOG2_E)));
+                _mm512_mask_storeu_ps(row_sum.as_mut_ptr().add(c0), m, _mm512_fmadd_ps(old_sum, corr, sum));
+                _mm512_mask_storeu_ps(row_max.as_mut_ptr().add(c0), m, new);
+                _mm512_mask_storeu_ps(correction.as_mut_ptr().add(c0), m, corr);
             }
         }
-        // Two passes: the tile's max first, then exp against the new running max.
-        let mut mx = [neg_inf; 4];
-        let mut j = 0;
-        while j + 4 <= cols {
-            for (u, acc) in mx.iter_mut().enumerate() {
-                *acc = _mm512_max_ps(at(j + u), *acc);
-            }
-            j += 4;
-        }
-        while j < cols {
-            mx[0] = _mm512_max_ps(at(j), mx[0]);
-            j += 1;
-        }
-        let raw_max = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
-        let new = _mm512_max_ps(_mm512_mul_ps(raw_max, _mm512_set1_ps(scale)), old);
-        let visible = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(new, neg_inf);
-        let corr =
-            _mm512_mask_blend_ps(visible, _mm512_set1_ps(1.0), exp2(_mm512_mul_ps(_mm512_sub_ps(old, new), log2e)));
-        // t = x · scale · log2e − shift · log2e (shift 0 for a row that still sees nothing).
-        let shift = _mm512_maskz_mov_ps(visible, new);
-        let (sum, _) = exp_pass(_mm512_mul_ps(shift, _mm512_set1_ps(-std::f32::consts::LOG2_E)));
-        _mm512_mask_storeu_ps(row_sum.as_mut_ptr().add(c0), m, _mm512_fmadd_ps(old_sum, corr, sum));
-        _mm512_mask_storeu_ps(row_max.as_mut_ptr().add(c0), m, new);
-        _mm512_mask_storeu_ps(correction.as_mut_ptr().add(c0), m, corr);
-    }
+    };
+}
+
+online_softmax_fn! {
+    /// The forward's online softmax step on a transposed tile of logits times `scale` (`s_t`:
+    /// `cols` keys × `rows` query rows, masked keys -inf; AMX stores them unscaled, the f32 kernel
+    /// scaled, with `scale` 1), fused with the writing of P (`out`: bf16 pairs, rounded to nearest
+    /// even with zero past an odd `cols`, or f32): the running max (in scaled units),
+    /// `correction = exp(old max - new max)` and the running sum. `s_t` is left as it is. The exp
+    /// is [`exp2`] (masked keys give 0); a column with no visible key keeps max -inf, sum 0.
+    /// NaN logits propagate into their rows, as in the generic path. Needs `scale > 0` (the max of
+    /// the unscaled logits is then the max of the scaled ones).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL and BF16 must be present; `s_t` holds `cols * rows` values, the state
+    /// slices `rows`; `out` addresses `cols.div_ceil(2) * rows` pairs or `cols * rows` floats.
+    pub(crate) fn online_softmax, "avx512bf16,avx512f,avx512bw,avx512vl,avx2,fma"
+}
+
+online_softmax_fn! {
+    /// [`online_softmax`] for AVX-512 F/BW/VL without BF16; only `ProbsOut::F32` may reach it
+    /// (through [`online_softmax_f32`]).
+    fn online_softmax_avx512, "avx512f,avx512bw,avx512vl,avx2,fma"
+}
+
+/// [`online_softmax`] writing f32 P into `probs` (`cols * rows` floats), which needs no AVX-512
+/// BF16: the f32 forward on AVX-512 CPUs where bf16 pairs do not pay ([`super::CpuIsa::Avx512`]).
+///
+/// # Safety
+/// AVX-512 F/BW/VL must be present; the slices and `probs` as for [`online_softmax`].
+pub(crate) unsafe fn online_softmax_f32(
+    s_t: &[f32],
+    dims: (usize, usize),
+    scale: f32,
+    state: (&mut [f32], &mut [f32], &mut [f32]),
+    probs: *mut f32,
+) {
+    online_softmax_avx512(s_t, dims, scale, state, ProbsOut::F32(probs))
 }
 
 /// The AMX backward's P tile, fused: for query rows `0..rows` (row r at `probs[r * ld..]`,
@@ -280,10 +315,19 @@ mod tests {
     /// with a NaN logit, partial column blocks and an odd key count.
     #[test]
     fn fused_softmax_matches_f64() {
-        if super::super::CpuIsa::detected() < super::super::CpuIsa::Avx512Bf16 {
-            println!("skipping: this CPU has no AVX-512 BF16");
-            return;
+        use super::super::CpuIsa;
+        // bf16 pairs (`online_softmax`, AVX-512 BF16), then f32 P (`online_softmax_f32`, AVX-512).
+        for f32_out in [false, true] {
+            let need = if f32_out { CpuIsa::Avx512 } else { CpuIsa::Avx512Bf16 };
+            if CpuIsa::detected() < need {
+                println!("skipping the {} output: this CPU has no {need:?}", if f32_out { "f32" } else { "pairs" });
+                continue;
+            }
+            fused_softmax_case(f32_out);
         }
+    }
+
+    fn fused_softmax_case(f32_out: bool) {
         let mut seed = 7u64;
         let mut rand = move || {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -318,23 +362,24 @@ mod tests {
             let (mut max, mut sum, mut corr) = (vec![f32::NEG_INFINITY; rows], vec![0f32; rows], vec![0f32; rows]);
             let mut acc = vec![0f64; rows];
             let mut pairs = vec![0u32; cols.div_ceil(2) * rows];
+            let mut probs = vec![0f32; cols * rows];
             for t in 0..tiles {
-                // SAFETY: checked AVX-512 BF16 above; the slices have the sizes named.
+                let state = (&mut max[..], &mut sum[..], &mut corr[..]);
+                // SAFETY: the caller checked the CPU's instructions; the slices have the sizes named.
                 unsafe {
-                    online_softmax(
-                        &logits[t],
-                        (cols, rows),
-                        scale,
-                        (&mut max, &mut sum, &mut corr),
-                        ProbsOut::Pairs(pairs.as_mut_ptr()),
-                    )
+                    if f32_out {
+                        online_softmax_f32(&logits[t], (cols, rows), scale, state, probs.as_mut_ptr())
+                    } else {
+                        online_softmax(&logits[t], (cols, rows), scale, state, ProbsOut::Pairs(pairs.as_mut_ptr()))
+                    }
                 };
                 for r in 0..rows {
                     let p: f64 = (0..cols)
                         .map(|j| {
                             let pair = pairs[j / 2 * rows + r];
                             let bits = if j % 2 == 0 { pair & 0xffff } else { pair >> 16 };
-                            f32::from_bits(bits << 16) as f64 * v[t][j]
+                            let p = if f32_out { probs[j * rows + r] } else { f32::from_bits(bits << 16) };
+                            p as f64 * v[t][j]
                         })
                         .sum();
                     acc[r] = acc[r] * corr[r] as f64 + p;
@@ -355,7 +400,9 @@ mod tests {
                 } else if r == never {
                     assert!(sum[r] == 0.0 && max[r] == f32::NEG_INFINITY, "{rows}x{cols}: a row with no key");
                 } else {
-                    assert!((got - want).abs() <= 1e-2 * (1.0 + want.abs()), "{rows}x{cols} row {r}: {got} vs {want}");
+                    // bf16 P carries 2^-9 relative rounding; f32 P the exp's 1.5e-7.
+                    let tol = if f32_out { 1e-5 } else { 1e-2 };
+                    assert!((got - want).abs() <= tol * (1.0 + want.abs()), "{rows}x{cols} row {r}: {got} vs {want}");
                     let lse_want = m + z.ln();
                     assert!(
                         (lse - lse_want).abs() <= 1e-5 * (1.0 + lse_want.abs()),

@@ -275,8 +275,9 @@ unsafe fn forward_task(
     // AMX with plain logits and a positive scale: Sᵀ stays unscaled (stored straight from the
     // tiles) and one fused softmax scales it, exponentiates and writes P's pairs.
     let fused = amx && plain_logits && opts.softmax_scale > 0.0;
-    // The fused AVX-512 softmax step (any logits: it exponentiates what Sᵀ holds).
-    let fused_softmax = cfg!(target_arch = "x86_64") && isa >= CpuIsa::Avx512Bf16;
+    // The fused AVX-512 softmax step (any logits: it exponentiates what Sᵀ holds); its bf16
+    // pairs need AVX-512 BF16 (`bf16_pairs` implies it), its f32 output AVX-512 F only.
+    let fused_softmax = cfg!(target_arch = "x86_64") && isa >= CpuIsa::Avx512;
     let k_lo = tiles.iter().filter(|t| t.keys.1 > t.keys.0).map(|t| t.keys.0).min().unwrap_or(0);
     let k_hi = tiles.iter().map(|t| t.keys.1).max().unwrap_or(0);
 
@@ -373,20 +374,22 @@ unsafe fn forward_task(
                 }
             }
             let (max, sum, correction) = (&mut t.row_max[..rows], &mut t.row_sum[..rows], &mut t.correction[..rows]);
-            // The softmax step writes P where the product reads it: with AVX-512 BF16 in one
-            // fused pass (`fused::online_softmax`: bf16 pairs, or f32 into `probs`), else
-            // in place over Sᵀ, packed into pairs for the bf16 products.
+            // The softmax step writes P where the product reads it: with AVX-512 in one fused
+            // pass (`fused::online_softmax`: bf16 pairs; `online_softmax_f32`: f32 into
+            // `probs`), else in place over Sᵀ, packed into pairs for the bf16 products.
             let probs_at: *const f32 = if fused_softmax {
                 #[cfg(target_arch = "x86_64")]
                 {
                     let scale = if fused { opts.softmax_scale } else { 1.0 };
-                    let out = if bf16_pairs {
-                        ProbsOut::Pairs(p_pairs.as_mut_ptr())
+                    let state = (&mut *max, &mut *sum, &mut *correction);
+                    if bf16_pairs {
+                        // SAFETY: `bf16_pairs` implies AVX-512 BF16; the buffers hold the tile.
+                        let out = ProbsOut::Pairs(p_pairs.as_mut_ptr());
+                        super::fused::online_softmax(s_t, (cols, rows), scale, state, out);
                     } else {
-                        ProbsOut::F32(probs.as_mut_ptr())
-                    };
-                    // SAFETY: `fused_softmax` implies AVX-512 BF16; the buffers hold the tile.
-                    super::fused::online_softmax(s_t, (cols, rows), scale, (max, sum, correction), out);
+                        // SAFETY: `fused_softmax` implies AVX-512 F/BW/VL; `probs` holds the tile.
+                        super::fused::online_softmax_f32(s_t, (cols, rows), scale, state, probs.as_mut_ptr());
+                    }
                 }
                 probs.as_ptr()
             } else {
