@@ -58,14 +58,8 @@ bool sm90a_available() {
 // the f32 tile choices (the shared-memory limit), like sm90a_available().
 template <cudaDeviceAttr kAttr>
 cudaError_t cached_device_attribute(int& value) {
-    static std::atomic<int> cache[64];  // per device: 0 = not read yet
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e != cudaSuccess) return e;
-    if (dev >= 0 && dev < 64 && (value = cache[dev].load()) > 0) return cudaSuccess;
-    e = cudaDeviceGetAttribute(&value, kAttr, dev);
-    if (e == cudaSuccess && dev >= 0 && dev < 64) cache[dev].store(value);
-    return e;
+    static std::atomic<int> cache[64];
+    return cached_per_device(cache, value, [](int dev, int& v) { return cudaDeviceGetAttribute(&v, kAttr, dev); });
 }
 cudaError_t current_sm_count(int& sms) { return cached_device_attribute<cudaDevAttrMultiProcessorCount>(sms); }
 // The most dynamic shared memory one block may opt in to (Hopper 227 KB, A100 163 KB, the other
@@ -257,7 +251,6 @@ cudaError_t fwd_sm80(const CfFwdParams& p, cudaStream_t s) {
     return p.block_table != nullptr ? run_fwd_tc<T, D, true, kHopperTile>(p, s)
                                     : run_fwd_tc<T, D, false, kHopperTile>(p, s);
 }
-
 
 // f32 forward: the 3xTF32 mma.sync kernel of the rounded head dim, or the SIMT kernel.
 cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {

@@ -18,23 +18,36 @@ cudaError_t current_sm_count(int& sms);
 // The current device's opt-in limit of dynamic shared memory per block, in bytes.
 cudaError_t current_smem_optin(int& bytes);
 
+// A positive value read once per device and kept in `cache` (0 = not read yet): device
+// attributes (dispatch.cu), occupancies (wave_slots), asked on hot paths. `read(dev, value)` asks
+// the runtime.
+template <typename Read>
+cudaError_t cached_per_device(std::atomic<int> (&cache)[64], int& value, Read read) {
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    const bool cached = dev >= 0 && dev < 64;
+    if (cached && (value = cache[dev].load()) > 0) return cudaSuccess;
+    e = read(dev, value);
+    if (e == cudaSuccess && cached) cache[dev].store(value);
+    return e;
+}
+
 // The CTAs of one wave of `kern` (launched with `threads` threads and `smem` bytes of dynamic
 // shared memory, after its shared-memory attribute is set): how many one SM runs at once
 // (cudaOccupancyMaxActiveBlocksPerMultiprocessor) times the SMs. Asked once per device for each
-// `Tag` (the kernel's traits), like the device attributes: launches ask it per call.
+// `Tag` (the kernel's traits): launches ask it per call.
 template <typename Tag, typename Kern>
 cudaError_t wave_slots(Kern kern, int threads, int smem, int64_t& slots) {
-    static std::atomic<int> per_sm[64];  // per device: 0 = not asked yet
-    int dev = 0, sms = 0, n = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e != cudaSuccess || (e = current_sm_count(sms)) != cudaSuccess) return e;
-    const bool cached = dev >= 0 && dev < 64;
-    if (!cached || (n = per_sm[dev].load()) <= 0) {
-        if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, threads, smem)) != cudaSuccess) return e;
-        if (cached) per_sm[dev].store(n);
-    }
+    static std::atomic<int> per_sm[64];
+    int sms = 0, n = 0;
+    cudaError_t e = current_sm_count(sms);
+    if (e == cudaSuccess)
+        e = cached_per_device(per_sm, n, [&](int, int& v) {
+            return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kern, threads, smem);
+        });
     slots = (int64_t)n * sms;
-    return cudaSuccess;
+    return e;
 }
 
 // The timeline probes (CF_FWD_TRACE / CF_BWD_TRACE builds, bench/*_trace.py): copies a probe's
