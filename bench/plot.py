@@ -3,6 +3,10 @@
 one panel per (D, causal, mode), one line per implementation. Also prints the ratio table
 (ours / each PyTorch backend present: flash, cuDNN, efficient) for every grid point.
 
+Points timed in several rounds (interleaved with the other implementations, as
+scripts/gpu-bench.sh does) keep each implementation's fastest round: the GPU's power cap moves
+its clocks by ~10% over seconds, and one slow stretch would otherwise decide a point.
+
 usage: plot.py bench.jsonl out.png [title]
 """
 import json
@@ -11,14 +15,22 @@ from collections import defaultdict
 
 
 def load(path):
-    rows = []
+    """The rows of the square grid points; a point timed in several rounds (gpu-bench.sh ROUNDS)
+    keeps its fastest round, with `rounds` and `spread` (slowest / fastest time) added."""
+    best, times = {}, defaultdict(list)
     for line in open(path):
         line = line.strip()
         if line.startswith("{"):
             r = json.loads(line)
             if "error" not in r and r.get("nq") == r.get("nk"):
-                rows.append(r)
-    return rows
+                k = tuple(r.get(f) for f in ("impl", "mode", "dtype", "d", "causal", "b", "h", "hkv", "nq", "nk"))
+                times[k].append(r["ms"])
+                if k not in best or r["ms"] < best[k]["ms"]:
+                    best[k] = r
+    for k, r in best.items():
+        r["rounds"] = len(times[k])
+        r["spread"] = max(times[k]) / min(times[k])
+    return list(best.values())
 
 
 TORCH = [("torch-flash", "FA2"), ("torch-cudnn", "cuDNN"), ("torch-efficient", "efficient")]
@@ -43,6 +55,18 @@ def ratio_table(rows):
         rr = lambda x: f"{ours / x:.2f}" if x else "-"
         print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {f(ours)} | "
               + " | ".join(f(v.get(i)) for i, _ in present) + " | " + " | ".join(rr(v.get(i)) for i, _ in present) + " |")
+
+
+def spread_note(rows):
+    """How far the rounds of one point lay apart (slowest / fastest), where there were several."""
+    multi = [r for r in rows if r.get("rounds", 1) > 1]
+    if not multi:
+        return
+    worst = sorted(multi, key=lambda r: -r["spread"])[:3]
+    print(f"\nRounds per point: {max(r['rounds'] for r in multi)}; each implementation's fastest round is shown."
+          " Largest spreads (slowest / fastest): "
+          + ", ".join(f"{r['impl']} {r['mode']} d={r['d']} N={r['nk']}{' causal' if r['causal'] else ''} {r['spread']:.2f}"
+                      for r in worst))
 
 
 def plot(rows, out, title):
@@ -74,5 +98,6 @@ def plot(rows, out, title):
 if __name__ == "__main__":
     rows = load(sys.argv[1])
     ratio_table(rows)
+    spread_note(rows)
     if len(sys.argv) > 2:
         plot(rows, sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "")
