@@ -687,6 +687,16 @@ def matrix(quick):
         C("f16-det-ordered-d192-varlen", "f16", h=4, hkv=2, d=192, varlen=[(700, 900), (0, 3), (513, 1300)], det=True),
         C("bf16-det-ordered-d96-sq-lt-sk", "bf16", b=2, h=2, sq=300, sk=1900, d=96, wl=-1, wr=0, det=True),
     ]
+    # causal backward grids of more than 4 waves whose heads have fewer key blocks than a wave
+    # has CTAs (an H100 / H200 runs 132 of these at once): the last groups' CTAs run key block
+    # slowest (heuristics.cuh bwd_heavy_groups, common/bwd_work.cuh DkdvCta)
+    cases += [
+        C("t-bf16-d128-causal-tail", "bf16", b=2, h=24, sq=2048, d=128, wl=-1, wr=0),
+        C("t-f16-d128-det-causal-tail", "f16", b=2, h=24, sq=2000, d=128, wl=-1, wr=0, det=True),
+        C("t-bf16-d256-causal-gqa-tail", "bf16", b=3, h=24, hkv=12, sq=1024, d=256, wl=-1, wr=0),
+        C("t-f16-d64-varlen-causal-gqa-tail", "f16", h=32, hkv=8, d=64, wl=-1, wr=0,
+          varlen=[(2000, 2000), (17, 17), (1500, 1500), (0, 0), (1999, 1999)] * 4),
+    ]
     # forward shapes with more tiles than the sm90 kernel's persistent grid (132 CTAs on an H100):
     # CTAs loop over tile pairs, the producer runs into the next tile
     cases += [

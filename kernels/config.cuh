@@ -374,6 +374,11 @@ struct BwdDqTraits {
 #ifndef CF_BWD_HEAVY_FIRST
 #define CF_BWD_HEAVY_FIRST 1
 #endif
+// Beyond 4 waves, the waves' worth of trailing groups that still take that order (heuristics.cuh
+// bwd_heavy_groups; 0 = none).
+#ifndef CF_BWD_TAIL_WAVES
+#define CF_BWD_TAIL_WAVES 2
+#endif
 #ifndef CF_BWD_PRODUCER64
 #define CF_BWD_PRODUCER64 0
 #endif

@@ -170,6 +170,22 @@ inline bool heavy_first_order(const CfFwdParams& f, int64_t ctas, int64_t slots,
     // y and z, whose limit that is)
     return f.window_right >= 0 && ctas <= max_waves * slots && ctas <= 65535;
 }
+// The sm_90a dK/dV kernels' order (common/bwd_work.cuh DkdvCta), as the number of the grid's last
+// (KV head * split, sequence) groups, of `groups` with `key_blocks` CTAs each, that run key block
+// slowest: all of them on grids of at most 4 waves (heavy_first_order). Beyond that, under
+// causal-like masks, a group's key block 0 carries about twice its mean work and in launch order
+// the last groups' start in the last waves: a list-scheduling model (bench/cta_order_model.py)
+// puts the makespan 5-7% above ideal where a group has fewer key blocks than a wave has slots
+// (d = 128 causal at 2k-8k, d = 256 at 4k), <1% from there on (16k). There the last
+// CF_BWD_TAIL_WAVES waves' worth of groups run key block slowest (model: 1-1.3% above ideal;
+// measured -2 to +6.5%, +3% on average, bench/NOTES.md "Sixteenth session"), and the CTAs
+// running together still come from a few heads: every group in that order cost 20-45% at 1k-4k
+// (L2).
+inline int bwd_heavy_groups(const CfFwdParams& f, int64_t key_blocks, int64_t groups, int64_t slots) {
+    if (heavy_first_order(f, key_blocks * groups, slots)) return (int)groups;
+    if (f.window_right < 0 || CF_BWD_TAIL_WAVES <= 0 || key_blocks <= 0 || key_blocks >= slots) return 0;
+    return (int)std::min<int64_t>(groups, (CF_BWD_TAIL_WAVES * slots + key_blocks - 1) / key_blocks);
+}
 // The same choice for the mma.sync kernels (sm80/; `query_grid`: the forward and dQ grids, else
 // dK/dV). f32 runs 3xTF32, bound by the tensor cores even when no K / V tile is shared in L2:
 // up to 16 waves (H100, f32 causal, B·N = 16384: d = 256 forward +9-10% at 512-4k, backward +5-7%

@@ -24,7 +24,10 @@ struct BwdWs {
     int nsplit;    // CTAs sharing the query heads of one KV head (1 = write dk/dv directly)
     int dq_tiled;  // dq_accum in the tiled layout (the sm_90a kernels run)
     int hps;       // query heads per split
-    int heavy_first;  // the CTA order across heads (heuristics.cuh heavy_first_order): DkdvCta, QueryBlockCta
+    // The CTA order across heads. dK/dV grids (DkdvCta): how many of the grid's last (KV head *
+    // split, sequence) groups run key block slowest (0: launch order; all: every head's heaviest
+    // CTAs first; heuristics.cuh bwd_heavy_groups). Query-block grids (QueryBlockCta): 0 / 1.
+    int heavy_first;
     int64_t total_q, total_k;
     // Deterministic mode on the sm_90a kernels: the counters that order the dQ reductions
     // (sm90/tma.cuh DqOrder), [b][h][dq_sem_blocks][2 warpgroups]; nullptr otherwise.
@@ -60,18 +63,23 @@ struct BwdWs {
 
 // The CTA's (key block, KV head * nsplit + split, batch). The grid is (key blocks, KV heads *
 // nsplit, batch), launched x fastest: neighbouring key blocks of one head run together and share
-// its Q / dO in L2. With ws.heavy_first (heuristics.cuh heavy_first_order: causal-like masks, whose
-// first key blocks see the most queries, on grids of a few waves) the kernels that take kHeavyFirst
-// renumber the CTAs key block slowest, so that every head's heaviest blocks start in the first
-// wave instead of the last head's in the last one.
+// its Q / dO in L2. Under causal-like masks the first key blocks see the most queries, and in that
+// order the last group's heaviest CTA starts near the end and sets the grid's tail. With
+// ws.heavy_first = g > 0 (heuristics.cuh bwd_heavy_groups) the kernels that take kHeavyFirst
+// renumber the CTAs of the last g groups key block slowest: those groups' heaviest blocks start
+// first among them, while every earlier group keeps the launch order and its L2 sharing. g = all
+// groups on grids of a few waves (every head's heaviest blocks in the first wave). Lower key
+// blocks of a head still start before higher ones (deterministic mode's dQ turns rely on it).
 struct DkdvCta {
     int kb, y, b;
     template <bool kHeavyFirst>
     __device__ __forceinline__ static DkdvCta of(const BwdWs& ws) {
         if (!kHeavyFirst || !ws.heavy_first) return {(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z};
         const unsigned flat = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-        const unsigned yz = gridDim.y * gridDim.z, rest = flat % yz;
-        return {(int)(flat / yz), (int)(rest % gridDim.y), (int)(rest / gridDim.y)};
+        const unsigned yz = gridDim.y * gridDim.z, g = (unsigned)ws.heavy_first, first = (yz - g) * gridDim.x;
+        if (flat < first) return {(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z};
+        const unsigned r = flat - first, group = yz - g + r % g;
+        return {(int)(r / g), (int)(group % gridDim.y), (int)(group / gridDim.y)};
     }
 };
 

@@ -447,7 +447,12 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
         if ((err = wave_slots<Kt>(kern, Kt::kNThreads, Kt::kSmemBytes, slots)) != cudaSuccess) return err;
         const int64_t ctas = (int64_t)grid.x * grid.y * grid.z;
         BwdWs kws = ws;
-        kws.heavy_first = sm90 ? heavy_first_order(f, ctas, slots) : mma_sync_heavy_first(f, ctas, slots, query_grid);
+        if (sm90)
+            kws.heavy_first = bwd_heavy_groups(f, grid.x, (int64_t)grid.y * grid.z, slots);
+        else if (query_grid)
+            kws.heavy_first = mma_sync_heavy_first(f, ctas, slots, true);
+        else  // DkdvCta: every group key block slowest, or none
+            kws.heavy_first = mma_sync_heavy_first(f, ctas, slots, false) ? (int)(grid.y * grid.z) : 0;
         if (query_grid) grid = QueryBlockCta::grid(grid.x, grid.y, grid.z, kws.heavy_first);
         kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, kws, extra...);
         return cudaGetLastError();
