@@ -20,10 +20,15 @@ def kernels(lib, sub):
     return ks
 
 
+def strip_params(name):
+    """The mangled name without its parameter list: builds whose kernels gained a parameter still pair up."""
+    return re.sub(r"E+v\d+Cf.*$", "", name)
+
+
 a, b = kernels(sys.argv[1], sys.argv[3]), kernels(sys.argv[2], sys.argv[3])
 for name in sorted(a):
-    key = name.replace("EEEEEv11CfFwdParamsi", "").replace("EEEEEv11CfFwdParams", "")
-    other = [n for n in b if n.replace("EEEEEv11CfFwdParamsi", "").replace("EEEEEv11CfFwdParams", "") == key]
+    key = strip_params(name)
+    other = [n for n in b if strip_params(n) == key]
     if not other:
         continue
     ca, cb = collections.Counter(a[name]), collections.Counter(b[other[0]])

@@ -186,6 +186,17 @@ inline int bwd_heavy_groups(const CfFwdParams& f, int64_t key_blocks, int64_t gr
     if (f.window_right < 0 || CF_BWD_TAIL_WAVES <= 0 || key_blocks <= 0 || key_blocks >= slots) return 0;
     return (int)std::min<int64_t>(groups, (CF_BWD_TAIL_WAVES * slots + key_blocks - 1) / key_blocks);
 }
+// The one-tile-per-CTA sm_90a forward (the d = 64 192 x 128 tile; sm90/tile_scheduler.cuh): under
+// causal masks each head's query blocks go heaviest first, and the last groups' heaviest tiles
+// would start in the last waves, as in the backward above. Same rule: the last CF_BWD_TAIL_WAVES
+// waves' worth of (head, sequence) groups run query block slowest, where a head has fewer query
+// blocks than a wave has slots.
+inline int fwd_heavy_groups(const CfFwdParams& f, int64_t query_blocks, int64_t groups, int64_t slots) {
+    const bool causal_like = f.window_right >= 0 && f.window_left < 0;
+    if (!causal_like || CF_BWD_TAIL_WAVES <= 0 || query_blocks <= 0 || query_blocks >= slots) return 0;
+    if (query_blocks * groups <= slots) return 0;  // one wave: nothing starts late
+    return (int)std::min<int64_t>(groups, (CF_BWD_TAIL_WAVES * slots + query_blocks - 1) / query_blocks);
+}
 // The same choice for the mma.sync kernels (sm80/; `query_grid`: the forward and dQ grids, else
 // dK/dV). f32 runs 3xTF32, bound by the tensor cores even when no K / V tile is shared in L2:
 // up to 16 waves (H100, f32 causal, B·N = 16384: d = 256 forward +9-10% at 512-4k, backward +5-7%

@@ -179,9 +179,9 @@ struct FwdProducer {
     // goes by TMA (thread 0 issues it) when the map exists and, for varlen keys, the block lies
     // inside the sequence; otherwise every producer thread issues its cp.async share. Either
     // way every producer thread commits once per buffer.
-    static __device__ __forceinline__ void run(const CfFwdParams& p, const FwdTmaMaps& maps, FwdSharedStorage<Kt>& ss,
-                                               const FwdPipelines<Kt>& pl, int ptid) {
-        const FwdTileScheduler<BM, BN> sched(p);
+    static __device__ __forceinline__ void run(const CfFwdParams& p, const FwdTmaMaps& maps, int tail_groups,
+                                               FwdSharedStorage<Kt>& ss, const FwdPipelines<Kt>& pl, int ptid) {
+        const FwdTileScheduler<BM, BN, !Kt::kPersistent> sched(p, tail_groups);
         const int dch = p.d >> 3;
         uint32_t kv = 0, tcount = 0;  // key blocks and tiles loaded so far (pipeline counters)
         for (int it = 0; it < sched.niters; ++it) {
@@ -499,7 +499,7 @@ struct FwdEpilogue {
 // ---------------------------------------------------------------- the kernel
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
-    fwd_sm90_kernel(const CfFwdParams p, const __grid_constant__ FwdTmaMaps maps) {
+    fwd_sm90_kernel(const CfFwdParams p, const __grid_constant__ FwdTmaMaps maps, const int tail_groups) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = typename Kt::Elem;
     constexpr int NWG = Kt::kNWarpGroups, NCT = Kt::kNConsumerThreads;
@@ -519,12 +519,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
 
     if (wg == NWG) {
         setmaxnreg_dec<Kt::kProducerRegs>();  // the producer only computes addresses
-        FwdProducer<Kt>::run(p, maps, ss, pl, tid - NCT);
+        FwdProducer<Kt>::run(p, maps, tail_groups, ss, pl, tid - NCT);
         return;
     }
 
     setmaxnreg_inc<Kt::kConsumerRegs>();
-    const FwdTileScheduler<Kt::kBlockM, Kt::kBlockN> sched(p);
+    const FwdTileScheduler<Kt::kBlockM, Kt::kBlockN, !Kt::kPersistent> sched(p, tail_groups);
     const PingPong<Kt> turn{wg};
     const uint32_t aQwg = smem_addr(ss.q) + wg * 64 * kPanelRowBytes;  // this warpgroup's 64 rows of Q
     const uint32_t aK = smem_addr(ss.k), aV = smem_addr(ss.v);
@@ -569,7 +569,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
 
 template <typename Kt>
 cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t stream) {
-    using Sched = FwdTileScheduler<Kt::kBlockM, Kt::kBlockN>;
+    using Sched = FwdTileScheduler<Kt::kBlockM, Kt::kBlockN, !Kt::kPersistent>;
     auto kern = fwd_sm90_kernel<Kt>;
     constexpr int smem = (int)sizeof(FwdSharedStorage<Kt>);
     static_assert(smem <= 227 * 1024, "must fit sm_90's 227 KB per CTA");
@@ -579,8 +579,10 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t 
     if (ntiles == 0) return cudaSuccess;                            // nothing to compute (and no empty launch)
     if (ntiles > INT32_MAX) return cudaErrorInvalidConfiguration;  // tile indices are int
     int sms = 0;
-    if (Kt::kPersistent && (e = current_sm_count(sms)) != cudaSuccess) return e;
+    if ((e = current_sm_count(sms)) != cudaSuccess) return e;
     const int64_t grid = Sched::grid_size(p, Kt::kPersistent, sms * Kt::kMinBlocks);
+    const int query_blocks = (p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
+    const int tail = Kt::kPersistent ? 0 : fwd_heavy_groups(p, query_blocks, (int64_t)p.h * p.b, (int64_t)sms * Kt::kMinBlocks);
     FwdTmaMaps maps;
     if constexpr (Kt::kFp8) {
         // V^T into the workspace first (same stream: the attention kernel sees it)
@@ -597,7 +599,7 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t 
     } else {
         maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN);
     }
-    kern<<<(unsigned)grid, Kt::kNThreads, smem, stream>>>(p, maps);
+    kern<<<(unsigned)grid, Kt::kNThreads, smem, stream>>>(p, maps, tail);
     return cudaGetLastError();
 }
 

@@ -7,7 +7,10 @@
 // ntiles; one wave of CTAs, the producer loads the next tile while the consumers finish the
 // current one): CTAs take units of two tiles round-robin, a unit pairing the i-th heaviest and
 // the i-th lightest query block of a head, so that every unit costs about the same under causal
-// masks and the static schedule stays balanced.
+// masks and the static schedule stays balanced. A non-persistent launch under causal masks takes
+// each head's query blocks heaviest first; its last `tail` (head, sequence) groups (the host's
+// choice: heuristics.cuh fwd_heavy_groups) are numbered query block slowest, so that the last
+// groups' heaviest tiles do not start in the grid's last wave.
 #pragma once
 #include <algorithm>
 #include "../common/mask.cuh"
@@ -27,9 +30,11 @@ struct FwdTile {
     __device__ __forceinline__ bool empty() const { return m0 >= si.sq; }
 };
 
-template <int kBlockM, int kBlockN>
+// kOneTilePerCta: the non-persistent kernels (only they take `tail_groups`; the persistent ones
+// carry none of its code).
+template <int kBlockM, int kBlockN, bool kOneTilePerCta>
 struct FwdTileScheduler {
-    int num_m, ntiles, pair, niters;
+    int num_m, ntiles, pair, niters, tail;
     bool heavy_last;
 
     // Tiles of a launch; the launch asks for min(ntiles, SMs * CTAs per SM) CTAs when persistent.
@@ -38,7 +43,7 @@ struct FwdTileScheduler {
         return persistent ? std::min<int64_t>(num_tiles(p), ctas_per_wave) : num_tiles(p);
     }
 
-    __device__ __forceinline__ explicit FwdTileScheduler(const CfFwdParams& p) {
+    __device__ __forceinline__ FwdTileScheduler(const CfFwdParams& p, int tail_groups) {
         num_m = (p.seqlen_q + kBlockM - 1) / kBlockM;
         ntiles = num_m * p.h * p.b;
         pair = (int)gridDim.x < ntiles ? 1 : 0;  // log2(tiles per unit)
@@ -46,6 +51,7 @@ struct FwdTileScheduler {
         niters = ((nunits + (int)gridDim.x - 1) / (int)gridDim.x) << pair;
         // Causal-like masks: the last query blocks do the most work, so start them first.
         heavy_last = p.window_right >= 0 && p.window_left < 0;
+        tail = kOneTilePerCta && !pair ? tail_groups : 0;
     }
 
     // Tile of this CTA's it-th iteration (it < niters); >= ntiles: none (skip it).
@@ -54,7 +60,13 @@ struct FwdTileScheduler {
     }
 
     __device__ __forceinline__ FwdTile decode(const CfFwdParams& p, int tile) const {
-        const int r = tile % num_m, hb = tile / num_m;
+        int r = tile % num_m, hb = tile / num_m;
+        const int groups = p.h * p.b;
+        if (kOneTilePerCta && tail > 0 && hb >= groups - tail) {  // the last groups: query block slowest
+            const int t = tile - (groups - tail) * num_m;
+            r = t / tail;
+            hb = groups - tail + t % tail;
+        }
         const int mi = !pair ? r : (r & 1) ? num_m - 1 - (r >> 1) : (r >> 1);  // 0: heaviest
         FwdTile t(p, hb / p.h);
         t.h = hb % p.h;
