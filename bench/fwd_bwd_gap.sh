@@ -2,7 +2,8 @@
 # Device side: why the crate's fwd+bwd at one shape takes longer than its fwd plus its bwd
 # (d = 64, 16k, non-causal: +6-15% in the ninth-twelfth sessions' gpu-bench runs, other
 # shapes +-5%). Times the three modes in two orders, samples clocks / power meanwhile, and
-# lists each mode's kernels with their durations under ncu.
+# lists each mode's kernels with their durations under ncu. (Alone, the gap is ~1%: it needs the
+# long history of the bench's grid in one process; bench/NOTES.md "Sixteenth session".)
 # Usage: HDIM=64 N=16384 CAUSAL=false bash bench/fwd_bwd_gap.sh (OUT=... for the logs)
 set -uo pipefail
 cd "$(dirname "$0")/.."

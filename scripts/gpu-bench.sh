@@ -23,8 +23,9 @@ jsonl="$OUT/bench.jsonl"
 # ROUNDS rounds, ours and PyTorch taking turns per head dim: the card's power cap moves its clocks
 # by ~10% over seconds (nvidia-smi: SW power cap active, 1755-1965 MHz at one shape), so each
 # implementation keeps its fastest round of a point (plot.py). With one pass, ours and PyTorch
-# ran a minute apart and a slow stretch decided single points (d = 64 fwd+bwd at 16k read +14%
-# over fwd + bwd in every earlier run, +1% when timed alone).
+# ran a minute apart and a slow stretch of clocks could decide a point. (Ours' fwd+bwd at 16k
+# reading 6-17% over fwd + bwd is another effect, of the bench process's history: bench/NOTES.md
+# "Sixteenth session".)
 rounds=${ROUNDS:-2}
 for ((round = 1; round <= rounds; round++)); do
   for d in ${hdims//,/ }; do
