@@ -184,6 +184,7 @@ inline bool heavy_first_order(const CfFwdParams& f, int64_t ctas, int64_t slots,
 inline int bwd_heavy_groups(const CfFwdParams& f, int64_t key_blocks, int64_t groups, int64_t slots) {
     if (heavy_first_order(f, key_blocks * groups, slots)) return (int)groups;
     if (f.window_right < 0 || CF_BWD_TAIL_WAVES <= 0 || key_blocks <= 0 || key_blocks >= slots) return 0;
+    if (key_blocks * groups > (int64_t)UINT32_MAX) return 0;  // DkdvCta's flat index is 32-bit
     return (int)std::min<int64_t>(groups, (CF_BWD_TAIL_WAVES * slots + key_blocks - 1) / key_blocks);
 }
 // The one-tile-per-CTA sm_90a forward (the d = 64 192 x 128 tile; sm90/tile_scheduler.cuh): under
