@@ -181,11 +181,19 @@ inline bool heavy_first_order(const CfFwdParams& f, int64_t ctas, int64_t slots,
 // measured -2 to +6.5%, +3% on average, bench/NOTES.md "Sixteenth session"), and the CTAs
 // running together still come from a few heads: every group in that order cost 20-45% at 1k-4k
 // (L2).
+// The rule both launchers share, for `groups` groups of `blocks` CTAs whose first CTA carries the
+// most work: the trailing groups that hold CF_BWD_TAIL_WAVES waves, or 0 where no group's heavy
+// CTA can start late (a group as long as a wave, one wave in all) or the grid's flat CTA index would
+// not fit 32 bits (DkdvCta computes it unsigned; the forward's launcher refuses grids of more than
+// INT32_MAX tiles before it asks).
+inline int trailing_heavy_groups(int64_t blocks, int64_t groups, int64_t slots) {
+    if (CF_BWD_TAIL_WAVES <= 0 || blocks <= 0 || blocks >= slots) return 0;
+    if (blocks * groups <= slots || blocks * groups > (int64_t)UINT32_MAX) return 0;
+    return (int)std::min<int64_t>(groups, (CF_BWD_TAIL_WAVES * slots + blocks - 1) / blocks);
+}
 inline int bwd_heavy_groups(const CfFwdParams& f, int64_t key_blocks, int64_t groups, int64_t slots) {
     if (heavy_first_order(f, key_blocks * groups, slots)) return (int)groups;
-    if (f.window_right < 0 || CF_BWD_TAIL_WAVES <= 0 || key_blocks <= 0 || key_blocks >= slots) return 0;
-    if (key_blocks * groups > (int64_t)UINT32_MAX) return 0;  // DkdvCta's flat index is 32-bit
-    return (int)std::min<int64_t>(groups, (CF_BWD_TAIL_WAVES * slots + key_blocks - 1) / key_blocks);
+    return f.window_right >= 0 ? trailing_heavy_groups(key_blocks, groups, slots) : 0;
 }
 // The one-tile-per-CTA sm_90a forward (the d = 64 192 x 128 tile; sm90/tile_scheduler.cuh): under
 // causal masks each head's query blocks go heaviest first, and the last groups' heaviest tiles
@@ -194,9 +202,7 @@ inline int bwd_heavy_groups(const CfFwdParams& f, int64_t key_blocks, int64_t gr
 // blocks than a wave has slots.
 inline int fwd_heavy_groups(const CfFwdParams& f, int64_t query_blocks, int64_t groups, int64_t slots) {
     const bool causal_like = f.window_right >= 0 && f.window_left < 0;
-    if (!causal_like || CF_BWD_TAIL_WAVES <= 0 || query_blocks <= 0 || query_blocks >= slots) return 0;
-    if (query_blocks * groups <= slots) return 0;  // one wave: nothing starts late
-    return (int)std::min<int64_t>(groups, (CF_BWD_TAIL_WAVES * slots + query_blocks - 1) / query_blocks);
+    return causal_like ? trailing_heavy_groups(query_blocks, groups, slots) : 0;
 }
 // The same choice for the mma.sync kernels (sm80/; `query_grid`: the forward and dQ grids, else
 // dK/dV). f32 runs 3xTF32, bound by the tensor cores even when no K / V tile is shared in L2:
