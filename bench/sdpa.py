@@ -8,6 +8,8 @@ Timing: CUDA events, warm-up first, median of --iters runs.
 import argparse
 import json
 import statistics
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +26,16 @@ def ints(s):
     return [int(x) for x in s.split(",")]
 
 
+WARM_UP_S = 0.05  # as examples/bench.rs WARM_UP_MS: clocks come back up after --rest-ms
+
+
 def timed(fn, iters):
-    fn()
-    torch.cuda.synchronize()
+    warm = time.time()
+    while True:
+        fn()
+        torch.cuda.synchronize()
+        if time.time() - warm >= WARM_UP_S:
+            break
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -53,6 +62,9 @@ def main():
     ap.add_argument("--causal", default="both")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rest-ms", type=int, default=0,
+                    help="idle this long before each point (examples/bench.rs --rest-ms says why)")
+    ap.add_argument("--stamp", action="store_true", help="print each point's start / end (Unix s) to stderr, as examples/bench.rs --stamp")
     a = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[a.dtype]
     causals = [False, True] if a.causal == "both" else [a.causal == "true"]
@@ -76,6 +88,9 @@ def main():
                         flops = 4.0 * b * h * nq * nk * d * (0.5 if causal else 1.0)
                         for impl in a.impl.split(","):
                             for mode in a.mode.split(","):
+                                if a.rest_ms:
+                                    torch.cuda.synchronize()
+                                    time.sleep(a.rest_ms / 1e3)
                                 try:
                                     with sdpa_kernel([BACKENDS[impl]]):
                                         def fwd():
@@ -91,7 +106,11 @@ def main():
                                             torch.autograd.grad(o, (q, k, v), dout)
                                         torch.cuda.reset_peak_memory_stats()
                                         base = torch.cuda.memory_allocated()
+                                        t0 = time.time()
                                         ms = timed({"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd_bwd}[mode], a.iters)
+                                        if a.stamp:
+                                            print(f"point {impl} {mode} {nk} {str(causal).lower()} {d} {t0:.3f} {time.time():.3f}",
+                                                  file=sys.stderr, flush=True)
                                         peak = (torch.cuda.max_memory_allocated() - base) / 1e6
                                         del out
                                 except Exception as e:  # a backend may not support a shape

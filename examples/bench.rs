@@ -73,6 +73,54 @@ struct Args {
     /// Skip naive runs whose score matrices would exceed this many GiB
     #[arg(long, default_value_t = 6.0)]
     naive_max_gib: f64,
+    /// CUDA: also time the forward and the backward part of each flash fwd_bwd call (an event
+    /// between them) and report them as parts_ms (every call reports host_ms, the host's time to
+    /// enqueue it)
+    #[arg(long)]
+    split: bool,
+    /// Print each point's start and end (Unix seconds) to stderr, as
+    /// `point IMPL MODE NK CAUSAL D START END`, to match with clock samples
+    #[arg(long)]
+    stamp: bool,
+    /// Idle this many milliseconds before each point (after a synchronisation), so that every
+    /// point, of ours and of bench/sdpa.py's, starts from a rested card: under sustained load an
+    /// H100 sits at its power cap with its clocks 10-20% lower, and a point's speed would depend
+    /// on how busy the card was just before it (bench/NOTES.md, seventeenth session)
+    #[arg(long, default_value_t = 0)]
+    rest_ms: u64,
+    /// CUDA: profile only these points' timed calls (comma-separated `mode:nk:causal`, e.g.
+    /// `fwd_bwd:16384:false`) between cuProfilerStart / cuProfilerStop, for
+    /// `ncu --profile-from-start off`
+    #[arg(long)]
+    profile_point: Option<String>,
+}
+
+/// Events recorded inside one timed call (`--split`): where its GPU time goes.
+#[derive(Default)]
+struct Marks {
+    #[cfg(feature = "cuda")]
+    events: std::cell::RefCell<Vec<candle_core::cuda_backend::cudarc::driver::CudaEvent>>,
+}
+
+impl Marks {
+    /// Records an event on candle's stream (CUDA only; nothing elsewhere).
+    fn mark(&self, device: &Device) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(dev) = device {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+            let event = dev.cuda_stream().record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            self.events.borrow_mut().push(event);
+        }
+        let _ = device;
+        Ok(())
+    }
+}
+
+/// One timed call: its time, the host's time to enqueue it, and its parts between marks.
+struct Sample {
+    ms: f64,
+    host_ms: f64,
+    parts_ms: Vec<f64>,
 }
 
 fn list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>> {
@@ -107,40 +155,115 @@ fn used_device_mb(device: &Device) -> Option<f64> {
 /// Milliseconds of one call of `f`. On CUDA: between two events recorded on candle's stream
 /// around the call (what bench/sdpa.py does for PyTorch, so both sides count the same thing:
 /// the GPU time from the start event, host launch gaps included, without the wake-up of a
-/// host synchronisation). On the CPU: wall clock.
-fn time_once<F: FnMut() -> Result<()>>(device: &Device, f: &mut F) -> Result<f64> {
+/// host synchronisation), and between the events `f` recorded in `marks`. On the CPU: wall
+/// clock.
+fn time_once<F: FnMut() -> Result<()>>(device: &Device, marks: &Marks, f: &mut F) -> Result<Sample> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device {
         use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
         let stream = dev.cuda_stream();
+        marks.events.borrow_mut().clear();
         let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let t = Instant::now();
         f()?;
+        let host_ms = t.elapsed().as_secs_f64() * 1e3;
         let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        return Ok(start.elapsed_ms(&end)? as f64);
+        let ms = start.elapsed_ms(&end)? as f64;
+        let events = marks.events.borrow();
+        let mut parts_ms = vec![];
+        let mut from = &start;
+        for to in events.iter().chain(std::iter::once(&end)) {
+            parts_ms.push(from.elapsed_ms(to)? as f64);
+            from = to;
+        }
+        if events.is_empty() {
+            parts_ms.clear();
+        }
+        return Ok(Sample { ms, host_ms, parts_ms });
     }
+    let _ = marks;
     let t = Instant::now();
     f()?;
     sync(device)?;
-    Ok(t.elapsed().as_secs_f64() * 1e3)
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    Ok(Sample { ms, host_ms: ms, parts_ms: vec![] })
 }
 
-/// Median time of `f` over `iters` runs after one warm-up, and the peak memory of one run.
-fn time<F: FnMut() -> Result<()>>(device: &Device, iters: usize, mut f: F) -> Result<(f64, Option<f64>)> {
-    f()?;
-    sync(device)?;
+fn unix_seconds() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// How long the warm-up calls of a point run at least: after `--rest-ms` of idle the card's
+/// clocks take a while to come back up, and a point of 10 calls of 50 us would be timed on the
+/// way up (ours at N = 512 read 0.6x of its busy speed after 800 ms of rest with one warm-up).
+const WARM_UP_MS: f64 = 50.0;
+
+/// Median of `f`'s samples over `iters` runs after warm-up calls for at least `WARM_UP_MS`
+/// (each field's own median), and the peak memory of one run.
+fn time<F: FnMut() -> Result<()>>(
+    device: &Device,
+    iters: usize,
+    marks: &Marks,
+    mut f: F,
+) -> Result<(Sample, Option<f64>)> {
+    let warm = Instant::now();
+    loop {
+        f()?;
+        sync(device)?;
+        if warm.elapsed().as_secs_f64() * 1e3 >= WARM_UP_MS {
+            break;
+        }
+    }
     let base_live = peak_alloc::reset_peak();
     let dev_before = used_device_mb(device);
-    let mut times = vec![];
+    let mut samples = vec![];
     let mut dev_peak: Option<f64> = None;
     for _ in 0..iters.max(1) {
-        times.push(time_once(device, &mut f)?);
+        samples.push(time_once(device, marks, &mut f)?);
         if let (Some(b), Some(a)) = (dev_before, used_device_mb(device)) {
             dev_peak = Some(dev_peak.unwrap_or(0.0).max(a - b));
         }
     }
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let parts = samples[0].parts_ms.len();
+    let sample = Sample {
+        ms: median(samples.iter().map(|s| s.ms).collect()),
+        host_ms: median(samples.iter().map(|s| s.host_ms).collect()),
+        parts_ms: (0..parts).map(|i| median(samples.iter().map(|s| s.parts_ms[i]).collect())).collect(),
+    };
     let peak = if device.is_cpu() { Some(peak_alloc::peak_since(base_live) as f64 / 1e6) } else { dev_peak };
-    Ok((times[times.len() / 2], peak))
+    Ok((sample, peak))
+}
+
+/// cuProfilerStart (`on`) or cuProfilerStop: brackets one point for `--profile-point`.
+fn profiler(device: &Device, on: bool) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(_) = device {
+        // The runtime's entry points: the driver's stub library here lacks cuProfilerStart.
+        extern "C" {
+            fn cudaProfilerStart() -> i32;
+            fn cudaProfilerStop() -> i32;
+        }
+        sync(device)?;
+        // SAFETY: argument-free runtime calls on the current context (candle's, bound above).
+        let status = unsafe {
+            if on {
+                cudaProfilerStart()
+            } else {
+                cudaProfilerStop()
+            }
+        };
+        if status != 0 {
+            bail!("cudaProfilerStart/Stop failed: {status}");
+        }
+        return Ok(());
+    }
+    let _ = (device, on);
+    bail!("--profile-point needs --device cuda")
 }
 
 fn main() -> Result<()> {
@@ -195,14 +318,26 @@ fn main() -> Result<()> {
                                             Ok((out.clone(), out))
                                         }
                                     };
-                                let (ms, peak) = match mode.as_str() {
-                                    "fwd" => time(&device, args.iters, || {
+                                if args.rest_ms > 0 {
+                                    sync(&device)?;
+                                    std::thread::sleep(std::time::Duration::from_millis(args.rest_ms));
+                                }
+                                let marks = Marks::default();
+                                let point = format!("{mode}:{nk}:{causal}");
+                                let profiled =
+                                    args.profile_point.as_deref().is_some_and(|p| p.split(',').any(|p| p == point));
+                                if profiled {
+                                    profiler(&device, true)?;
+                                }
+                                let wall_start = unix_seconds();
+                                let (sample, peak) = match mode.as_str() {
+                                    "fwd" => time(&device, args.iters, &marks, || {
                                         attn(&q, &k, &v)?;
                                         Ok(())
                                     })?,
                                     "bwd" if flash => {
                                         let (out, lse) = attn(&q, &k, &v)?;
-                                        time(&device, args.iters, || {
+                                        time(&device, args.iters, &marks, || {
                                             flash_attn_backward(&q, &k, &v, &out, &dout, &lse, &opts)?;
                                             Ok(())
                                         })?
@@ -212,19 +347,22 @@ fn main() -> Result<()> {
                                         let (qv, kv, vv) =
                                             (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
                                         let loss = (attn(&qv, &kv, &vv)?.0 * &dout)?.sum_all()?;
-                                        time(&device, args.iters, || {
+                                        time(&device, args.iters, &marks, || {
                                             loss.backward()?;
                                             Ok(())
                                         })?
                                     }
-                                    "fwd_bwd" if flash => time(&device, args.iters, || {
+                                    "fwd_bwd" if flash => time(&device, args.iters, &marks, || {
                                         // Forward, then the backward with the output gradient
                                         // given directly (as torch.autograd.grad does).
                                         let (out, lse) = attn(&q, &k, &v)?;
+                                        if args.split {
+                                            marks.mark(&device)?;
+                                        }
                                         flash_attn_backward(&q, &k, &v, &out, &dout, &lse, &opts)?;
                                         Ok(())
                                     })?,
-                                    "fwd_bwd" => time(&device, args.iters, || {
+                                    "fwd_bwd" => time(&device, args.iters, &marks, || {
                                         let (qv, kv, vv) =
                                             (Var::from_tensor(&q)?, Var::from_tensor(&k)?, Var::from_tensor(&v)?);
                                         let loss = (attn(&qv, &kv, &vv)?.0 * &dout)?.sum_all()?;
@@ -233,6 +371,16 @@ fn main() -> Result<()> {
                                     })?,
                                     m => bail!("unknown mode {m}"),
                                 };
+                                if profiled {
+                                    profiler(&device, false)?;
+                                }
+                                if args.stamp {
+                                    eprintln!(
+                                        "point {implementation} {mode} {nk} {causal} {d} {wall_start:.3} {:.3}",
+                                        unix_seconds()
+                                    );
+                                }
+                                let ms = sample.ms;
                                 let flops = fwd_flops
                                     * match mode.as_str() {
                                         "fwd" => 1.0,
@@ -256,6 +404,7 @@ fn main() -> Result<()> {
                                         "ms": row.ms, "tflops": row.tflops, "peak_mb": row.peak_mb,
                                         // K and V read once: the memory floor of decode shapes.
                                         "kv_tbps": (2 * b * nk * hkv * d * dtype.size_in_bytes()) as f64 / (ms * 1e-3) / 1e12,
+                                        "host_ms": sample.host_ms, "parts_ms": sample.parts_ms,
                                     })
                                 );
                                 rows.push(row);

@@ -21,17 +21,24 @@ torch_impls=torch-flash,torch-cudnn
 jsonl="$OUT/bench.jsonl"
 : > "$jsonl"
 # ROUNDS rounds, ours and PyTorch taking turns per head dim: the card's power cap moves its clocks
-# by ~10% over seconds (nvidia-smi: SW power cap active, 1755-1965 MHz at one shape), so each
-# implementation keeps its fastest round of a point (plot.py). With one pass, ours and PyTorch
-# ran a minute apart and a slow stretch of clocks could decide a point. (Ours' fwd+bwd at 16k
-# reading 6-17% over fwd + bwd is another effect, of the bench process's history: bench/NOTES.md
-# "Sixteenth session".)
+# by ~10% over seconds, so each implementation keeps its fastest round of a point (plot.py).
 rounds=${ROUNDS:-2}
+# Every point starts from a rested card (REST_MS of idle, then 50 ms of warm-up calls), ours and
+# PyTorch's alike. Under sustained load the card sits at its 700 W cap with the SM clock at
+# ~1500-1700 MHz instead of 1980. Without the rest, ours ran its points back to back (near the
+# cap: that was the "fwd+bwd at 16k above fwd + bwd" of the sixteenth session) while cuDNN idled
+# for seconds before each new shape to build its plan, which was worth 5-12% to it
+# (bench/NOTES.md, seventeenth session). bench/clocks.py prints the clocks each implementation's
+# points ran at; bench/power_ab.sh compares the two under sustained load.
+rest=(--rest-ms "${REST_MS:-500}" --stamp)
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader,nounits -lms 50 > "$OUT/smi.csv" 2>&1 &
+smi=$!
+: > "$OUT/stamps.txt"
 for ((round = 1; round <= rounds; round++)); do
   for d in ${hdims//,/ }; do
-    grid=(--tokens 16384 --hidden 2048 --hdim "$d" --seqlens "$seqlens" --dtype "$dtype")
-    gpu-bin/bench --device cuda --impl flash --mode "$modes" "${grid[@]}" --iters 10 2>>"$OUT/bench.err" | grep '^{' >> "$jsonl"
-    python3 bench/sdpa.py --impl "$torch_impls" --mode "$modes" "${grid[@]}" 2>>"$OUT/bench.err" >> "$jsonl"
+    grid=(--tokens 16384 --hidden 2048 --hdim "$d" --seqlens "$seqlens" --dtype "$dtype" "${rest[@]}")
+    gpu-bin/bench --device cuda --impl flash --mode "$modes" "${grid[@]}" --iters 10 2>>"$OUT/stamps.txt" | grep '^{' >> "$jsonl"
+    python3 bench/sdpa.py --impl "$torch_impls" --mode "$modes" "${grid[@]}" 2>>"$OUT/stamps.txt" >> "$jsonl"
   done
 done
 # Decode: 1 query against long caches, 32 query / 8 KV heads, D = 128.
@@ -42,9 +49,10 @@ python3 bench/sdpa.py --impl "${torch_impls%%,*}" --mode fwd "${dec[@]}" --iters
 gqa=(--seqlens "${GQA_SEQLENS:-2048,8192,32768}" --heads 32 --hkv 8 --hdim 128 --batch 1 --causal true --dtype "$dtype")
 : > "$OUT/gqa.jsonl"
 for ((round = 1; round <= rounds; round++)); do
-  gpu-bin/bench --device cuda --impl flash --mode fwd,fwd_bwd "${gqa[@]}" --iters 10 2>>"$OUT/bench.err" | grep '^{' >> "$OUT/gqa.jsonl"
-  python3 bench/sdpa.py --impl "$torch_impls" --mode fwd,fwd_bwd "${gqa[@]}" --iters 10 >> "$OUT/gqa.jsonl" 2>>"$OUT/bench.err"
+  gpu-bin/bench --device cuda --impl flash --mode fwd,fwd_bwd "${gqa[@]}" "${rest[@]}" --iters 10 2>>"$OUT/stamps.txt" | grep '^{' >> "$OUT/gqa.jsonl"
+  python3 bench/sdpa.py --impl "$torch_impls" --mode fwd,fwd_bwd "${gqa[@]}" "${rest[@]}" --iters 10 >> "$OUT/gqa.jsonl" 2>>"$OUT/stamps.txt"
 done
+kill $smi
 gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)
 torchv=$(python3 -c 'import torch; print(torch.__version__, "cuDNN", torch.backends.cudnn.version())')
 python3 bench/plot.py "$jsonl" "$OUT/bench.png" "candle-flash vs PyTorch SDPA, $dtype, $gpu, torch $torchv, $(date -u +%F)" > "$OUT/ratios.md"
@@ -59,5 +67,8 @@ for l in open(sys.argv[1]):
 PY
 echo "== GQA prefill (B=1, 32/8 heads, D=128, causal)"
 python3 bench/plot.py "$OUT/gqa.jsonl"
+echo "== SM clocks during the points (bench/clocks.py)"
+python3 bench/clocks.py "$OUT/smi.csv" "$OUT/stamps.txt"
+grep -v '^point ' "$OUT/stamps.txt" >> "$OUT/bench.err"
 echo "== $gpu, torch $torchv"
 cat "$OUT/ratios.md"
