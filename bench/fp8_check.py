@@ -18,6 +18,7 @@ import ctypes
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -202,6 +203,37 @@ def bench(dev, dims):
     return rows
 
 
+def sustained(dev, dims, seconds):
+    """The 16k points under sustained load (kernel_check.sustained_cuda_time), each after a 2 s
+    rest: e4m3, our bf16 and cuDNN's bf16 forward, TF/s."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    stream = torch.cuda.current_stream().cuda_stream
+    lines = []
+    for d in dims:
+        for causal in (False, True):
+            N = 16384
+            call8, (q, k, v, lse, _), fl = bench_setup(dev, d, causal, N)
+            c = Fp8Case("bench", b=16384 // N, h=2048 // d, sq=N, d=d, wr=(0 if causal else -1))
+            o = torch.empty_like(q)
+            fb = kc.fwd_params(c, q, k, v, o, lse, None, None, None)
+            wb = kc.fwd_workspace(fb, dev)
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            ts = []
+            for fn in (call8, lambda: kc.call_fwd(fb, wb, stream), cudnn):
+                torch.cuda.synchronize()
+                time.sleep(2.0)
+                ts.append(kc.sustained_cuda_time(fn, seconds))
+            lines.append(f"sustained D={d} causal={int(causal)} N={N}: e4m3 {fl / ts[0] / 1e12:.0f}  bf16 "
+                         f"{fl / ts[1] / 1e12:.0f}  cudnn-bf16 {fl / ts[2] / 1e12:.0f} TF/s")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def plot(rows, path):
     """TFLOP/s against N per (D, causal): ours e4m3, ours bf16, cuDNN bf16 (needs matplotlib)."""
     try:
@@ -236,6 +268,8 @@ def main():
     ap.add_argument("--filter", default="")
     ap.add_argument("--dims", default="128,256", help="head dims of --bench")
     ap.add_argument("--one", default="", help="N,D,causal: one e4m3 forward (for ncu), then exit")
+    ap.add_argument("--sustain", type=float, default=0,
+                    help="with --bench: also time the 16k points under sustained load (seconds per timing)")
     args = ap.parse_args()
     if not args.no_build:
         kc.build(["-gencode=arch=compute_90a,code=sm_90a"])
@@ -264,6 +298,8 @@ def main():
     if args.bench:
         rows = bench(dev, [int(x) for x in args.dims.split(",")])
         lines += [f"D={d} causal={cz} N={n} e4m3={a:.0f} bf16={b:.0f} cudnn={c_:.0f}" for d, cz, n, a, b, c_ in rows]
+        if args.sustain:
+            lines += sustained(dev, [int(x) for x in args.dims.split(",")], args.sustain)
     if args.bench and kc.OUT:
         plot(rows, os.path.join(kc.OUT, "fp8_forward.png"))
     if kc.OUT:

@@ -47,8 +47,21 @@ DT = ({"f32": (torch.float32, CF_F32), "f16": (torch.float16, CF_F16), "bf16": (
       if torch is not None else {})
 
 
+# CF_REST_MS: idle this long before each timing (then warm up for at least 50 ms), so that every
+# point starts from a rested card (bench/NOTES.md, seventeenth session: under sustained load the
+# H100 sits at its power cap with its clocks 10-20% lower). 0: back to back, as before.
+REST_S = float(os.environ.get("CF_REST_MS", "0")) / 1e3
+
+
 def median_cuda_time(fn, reps=20, warmup=3):
     """Median seconds of fn() between two CUDA events on the current stream."""
+    if REST_S:
+        torch.cuda.synchronize()
+        time.sleep(REST_S)
+        t0 = time.time()
+        while time.time() - t0 < 0.05:
+            fn()
+            torch.cuda.synchronize()
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -61,6 +74,26 @@ def median_cuda_time(fn, reps=20, warmup=3):
         torch.cuda.synchronize()
         ts.append(a.elapsed_time(b_) * 1e-3)
     ts.sort()
+    return ts[len(ts) // 2]
+
+
+def sustained_cuda_time(fn, seconds=4.0, chunk=10):
+    """Seconds per fn() call under sustained load: calls fn back to back for `seconds` (chunks of
+    `chunk` calls between events, no host synchronisation between chunks) and returns the median
+    chunk time per call over the last half, when the card has settled at its power cap."""
+    torch.cuda.synchronize()
+    t0, marks = time.time(), []
+    while time.time() - t0 < seconds:
+        a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(chunk):
+            fn()
+        b_.record()
+        marks.append((a, b_))
+        if len(marks) % 8 == 0:
+            b_.synchronize()  # keep the queue short: time.time() follows the GPU
+    torch.cuda.synchronize()
+    ts = sorted(a.elapsed_time(b_) * 1e-3 / chunk for a, b_ in marks[len(marks) // 2:])
     return ts[len(ts) // 2]
 
 
