@@ -17,15 +17,35 @@ from collections import defaultdict
 
 
 def samples(path):
+    """nvidia-smi `--format=csv,noheader,nounits` lines whose first column is the timestamp, as
+    tuples (Unix seconds, then every further column as a float: clocks.sm, power.draw, ... in
+    the query's order; a column that is not a number ends the tuple)."""
     out = []
     for line in open(path):
         f = [x.strip() for x in line.split(",")]
         try:
             day, frac = f[0].rsplit(".", 1)
             t = time.mktime(datetime.datetime.strptime(day, "%Y/%m/%d %H:%M:%S").timetuple()) + float("0." + frac)
-            out.append((t, float(f[1]), float(f[2])))
         except (ValueError, IndexError):
-            pass
+            continue
+        row = [t]
+        for x in f[1:]:
+            try:
+                row.append(float(x))
+            except ValueError:
+                break
+        if len(row) >= 3:
+            out.append(tuple(row))
+    return out
+
+
+def stamps(path):
+    """The `point ...` lines of a stamp file as (impl, mode, nk, causal, d, start, end)."""
+    out = []
+    for line in open(path):
+        if line.startswith("point "):
+            _, impl, mode, nk, causal, d, t0, t1 = line.split()
+            out.append((impl, mode, int(nk), causal == "true", int(d), float(t0), float(t1)))
     return out
 
 
@@ -33,13 +53,11 @@ def main():
     smi = samples(sys.argv[1])
     per_impl = defaultdict(list)
     for path in sys.argv[2:]:
-        for line in open(path):
-            if not line.startswith("point "):
-                continue
-            _, impl, mode, nk, causal, d, t0, t1 = line.split()
-            w = [s for s in smi if float(t0) <= s[0] <= float(t1)]
+        for impl, mode, nk, causal, d, t0, t1 in stamps(path):
+            w = [s for s in smi if t0 <= s[0] <= t1]
             if w:
-                per_impl[impl].append((statistics.mean(s[1] for s in w), max(s[2] for s in w), f"{mode} d={d} N={nk} causal={causal}"))
+                point = f"{mode} d={d} N={nk} causal={str(causal).lower()}"
+                per_impl[impl].append((statistics.mean(s[1] for s in w), max(s[2] for s in w), point))
     print("| impl | points sampled | SM MHz: min / median / max | lowest point | power W: max |")
     print("|---|---|---|---|---|")
     for impl, pts in sorted(per_impl.items()):

@@ -39,28 +39,18 @@ if [ "${CLOCKS:-0}" = 1 ]; then
   run alone-3 "${one[@]}"
   kill $smi
   python3 - "$OUT" "$n" <<'PY'
-import json, sys, time, datetime
+import json, sys
+sys.path.insert(0, "bench")
+from clocks import samples, stamps
 out, n = sys.argv[1], int(sys.argv[2])
-samples = []
-for line in open(f"{out}/smi-clocks.csv"):
-    f = [x.strip() for x in line.split(",")]
-    try:
-        t = time.mktime(datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timetuple())
-        t += float("0." + f[0].rsplit(".", 1)[1])
-        samples.append((t, float(f[1]), float(f[2]), float(f[3]), f[4]))
-    except (ValueError, IndexError):
-        pass
+smi = samples(f"{out}/smi-clocks.csv")  # (t, MHz, W, C)
 print("%-8s %-8s %6s %-5s %8s %18s %6s %5s %4s" % ("run", "mode", "N", "causal", "ms", "parts", "MHz", "W", "C"))
 for label in ["alone-1", "grid", "alone-2", "alone-3"]:
     rows = {(r["mode"], r["nk"], r["causal"]): r for r in map(json.loads, open(f"{out}/clk-{label}.jsonl"))}
-    for line in open(f"{out}/points-{label}.txt"):
-        if not line.startswith("point "):
-            continue
-        _, _, mode, nk, causal, _, t0, t1 = line.split()
-        nk, causal, t0, t1 = int(nk), causal == "true", float(t0), float(t1)
+    for _, mode, nk, causal, _, t0, t1 in stamps(f"{out}/points-{label}.txt"):
         if nk != n:
             continue
-        s = [x for x in samples if t0 <= x[0] <= t1]
+        s = [x for x in smi if t0 <= x[0] <= t1]
         r = rows[(mode, nk, causal)]
         parts = "+".join("%.2f" % p for p in r["parts_ms"])
         mean = lambda i: sum(x[i] for x in s) / len(s) if s else float("nan")

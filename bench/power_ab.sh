@@ -40,24 +40,18 @@ print(max(20, int($secs / (f / {'fwd': 450e12, 'bwd': 350e12, 'fwd_bwd': 380e12}
 done
 kill $smi
 python3 - "$OUT" <<'PY'
-import json, sys, time, datetime
+import json, sys
+sys.path.insert(0, "bench")
+from clocks import samples, stamps
 out = sys.argv[1]
-samples = []
-for line in open(f"{out}/smi-power.csv"):
-    f = [x.strip() for x in line.split(",")]
-    try:
-        t = time.mktime(datetime.datetime.strptime(f[0].split(".")[0], "%Y/%m/%d %H:%M:%S").timetuple())
-        samples.append((t + float("0." + f[0].rsplit(".", 1)[1]), float(f[1]), float(f[2]), float(f[3])))
-    except (ValueError, IndexError):
-        pass
+smi = samples(f"{out}/smi-power.csv")
 rows = [json.loads(l) for l in open(f"{out}/power.jsonl") if l.startswith("{")]
-stamps = [l.split() for l in open(f"{out}/power-points.txt") if l.startswith("point ")]
 print("%-6s %4s %6s %-5s %8s %7s %6s %6s %7s" % ("impl", "d", "N", "mode", "ms", "TF/s", "MHz", "W", "J/call"))
-for r, s in zip(rows, stamps):
-    t0, t1 = float(s[6]), float(s[7])
+for r, s in zip(rows, stamps(f"{out}/power-points.txt")):
+    t0, t1 = s[5], s[6]
     # the settled part: samples within 7% of the run's highest power (a cuDNN run idles while
     # it builds its plan, and nvidia-smi's power is an average over about a second)
-    w = [x for x in samples if t0 <= x[0] <= t1 - 0.1]
+    w = [x for x in smi if t0 <= x[0] <= t1 - 0.1]
     top = max((x[2] for x in w), default=0)
     w = [x for x in w if x[2] >= 0.93 * top]
     mhz = sum(x[1] for x in w) / len(w) if w else float("nan")
