@@ -171,13 +171,12 @@ fn time_once<F: FnMut() -> Result<()>>(device: &Device, marks: &Marks, f: &mut F
         let ms = start.elapsed_ms(&end)? as f64;
         let events = marks.events.borrow();
         let mut parts_ms = vec![];
-        let mut from = &start;
-        for to in events.iter().chain(std::iter::once(&end)) {
-            parts_ms.push(from.elapsed_ms(to)? as f64);
-            from = to;
-        }
-        if events.is_empty() {
-            parts_ms.clear();
+        if !events.is_empty() {
+            let mut from = &start;
+            for to in events.iter().chain(std::iter::once(&end)) {
+                parts_ms.push(from.elapsed_ms(to)? as f64);
+                from = to;
+            }
         }
         return Ok(Sample { ms, host_ms, parts_ms });
     }
