@@ -11,11 +11,7 @@
 # bwd and fwd_bwd points under ncu (cuProfilerStart/Stop around those points only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/candle-flash-out}
-mkdir -p "$OUT"
-source scripts/unpack-gpu-bin.sh
-# shellcheck disable=SC1091
-source gpu-bin/cuda-libs.sh >/dev/null
+source scripts/device-prelude.sh
 d=${HDIM:-64}; n=${N:-16384}; causal=${CAUSAL:-false}
 if [ "${CLOCKS:-0}" = 1 ]; then
   # The N = $N points alone, then inside the whole grid, then alone right after it and after a

@@ -8,11 +8,7 @@
 # Usage: POINTS="64:16384:fwd 128:16384:bwd ..." REST=5 bash bench/power_ab.sh (OUT=... for logs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/candle-flash-out}
-mkdir -p "$OUT"
-source scripts/unpack-gpu-bin.sh
-# shellcheck disable=SC1091
-source gpu-bin/cuda-libs.sh >/dev/null
+source scripts/device-prelude.sh
 points=${POINTS:-"64:16384:fwd 64:16384:bwd 128:16384:fwd 128:16384:bwd 128:4096:bwd"}
 rest=${REST:-5}
 secs=${SECS:-3}  # about how long each point runs

@@ -5,15 +5,11 @@
 # cuDNN), printed last. Usage: bash scripts/gpu-bench.sh [modes] [dtype]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/candle-flash-out}
-mkdir -p "$OUT"
-source scripts/unpack-gpu-bin.sh
+source scripts/device-prelude.sh
 modes=${1:-fwd,bwd,fwd_bwd}
 dtype=${2:-bf16}
 seqlens=${SEQLENS:-512,1024,2048,4096,8192,16384}
 hdims=${HDIMS:-64,128,256}
-# shellcheck disable=SC1091
-source gpu-bin/cuda-libs.sh >/dev/null
 # PyTorch's backends for the dtype: flash and cuDNN take 16-bit only; f32 compares with the
 # memory-efficient backend (3xTF32 on tensor cores, as ours).
 torch_impls=torch-flash,torch-cudnn

@@ -14,12 +14,8 @@
 #               and on deliberately bad device seqlens
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/candle-flash-out}
-mkdir -p "$OUT"
 what=${1:-all}
-source scripts/unpack-gpu-bin.sh
-# shellcheck disable=SC1091
-source gpu-bin/cuda-libs.sh >/dev/null
+source scripts/device-prelude.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 summary=()
