@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -177,25 +178,37 @@ def bench_setup(dev, d, causal, N):
     return call, (q, k, v, lse, o8), 4 * B * H * N * N * d * (0.5 if causal else 1.0)
 
 
+def bf16_calls(dev, d, causal, N, inputs):
+    """The same point's 16-bit references on bench_setup's inputs (q, k, v, lse, _): our bf16
+    forward, and PyTorch's SDPA call on (B, H, N, D) copies (run it inside sdpa_kernel)."""
+    import torch.nn.functional as F
+    q, k, v, lse, _ = inputs
+    c = Fp8Case("bench", b=16384 // N, h=2048 // d, sq=N, d=d, wr=(0 if causal else -1))
+    o = torch.empty_like(q)
+    fb = kc.fwd_params(c, q, k, v, o, lse, None, None, None)
+    wb = kc.fwd_workspace(fb, dev)
+    stream = torch.cuda.current_stream().cuda_stream
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+
+    def ours():
+        _ = o
+        return kc.call_fwd(fb, wb, stream)
+    return ours, lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+
 def bench(dev, dims):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
-    stream = torch.cuda.current_stream().cuda_stream
     rows = []
     for d in dims:
         for causal in (False, True):
             for N in (512, 1024, 2048, 4096, 8192, 16384):
-                call8, (q, k, v, lse, _), fl = bench_setup(dev, d, causal, N)
-                c = Fp8Case("bench", b=16384 // N, h=2048 // d, sq=N, d=d, wr=(0 if causal else -1))
+                call8, inputs, fl = bench_setup(dev, d, causal, N)
                 t8 = kc.median_cuda_time(call8)
                 kc.check(call8(), "cf_fwd(e4m3)")
-                o = torch.empty_like(q)
-                fb = kc.fwd_params(c, q, k, v, o, lse, None, None, None)
-                wb = kc.fwd_workspace(fb, dev)
-                tb = kc.median_cuda_time(lambda: kc.call_fwd(fb, wb, stream))
-                qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                call16, sdpa = bf16_calls(dev, d, causal, N, inputs)
+                tb = kc.median_cuda_time(call16)
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    tc = kc.median_cuda_time(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                    tc = kc.median_cuda_time(sdpa)
                 rows.append((d, int(causal), N, fl / t8 / 1e12, fl / tb / 1e12, fl / tc / 1e12))
                 print(f"D={d} causal={int(causal)} N={N:5d}: e4m3 {rows[-1][3]:6.0f}  bf16 {rows[-1][4]:6.0f}  "
                       f"cudnn-bf16 {rows[-1][5]:6.0f} TF/s  e4m3/bf16 {tb / t8:.2f}  e4m3/cudnn {tc / t8:.2f}",
@@ -207,27 +220,18 @@ def sustained(dev, dims, seconds):
     """The 16k points under sustained load (kernel_check.sustained_cuda_time), each after a 2 s
     rest: e4m3, our bf16 and cuDNN's bf16 forward, TF/s."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
-    stream = torch.cuda.current_stream().cuda_stream
     lines = []
     for d in dims:
         for causal in (False, True):
             N = 16384
-            call8, (q, k, v, lse, _), fl = bench_setup(dev, d, causal, N)
-            c = Fp8Case("bench", b=16384 // N, h=2048 // d, sq=N, d=d, wr=(0 if causal else -1))
-            o = torch.empty_like(q)
-            fb = kc.fwd_params(c, q, k, v, o, lse, None, None, None)
-            wb = kc.fwd_workspace(fb, dev)
-            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-
-            def cudnn():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            call8, inputs, fl = bench_setup(dev, d, causal, N)
+            call16, sdpa = bf16_calls(dev, d, causal, N, inputs)
             ts = []
-            for fn in (call8, lambda: kc.call_fwd(fb, wb, stream), cudnn):
+            for fn, ctx in ((call8, nullcontext()), (call16, nullcontext()), (sdpa, sdpa_kernel(SDPBackend.CUDNN_ATTENTION))):
                 torch.cuda.synchronize()
                 time.sleep(2.0)
-                ts.append(kc.sustained_cuda_time(fn, seconds))
+                with ctx:
+                    ts.append(kc.sustained_cuda_time(fn, seconds))
             lines.append(f"sustained D={d} causal={int(causal)} N={N}: e4m3 {fl / ts[0] / 1e12:.0f}  bf16 "
                          f"{fl / ts[1] / 1e12:.0f}  cudnn-bf16 {fl / ts[2] / 1e12:.0f} TF/s")
             print(lines[-1], flush=True)

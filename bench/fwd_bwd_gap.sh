@@ -61,7 +61,7 @@ if [ "${GRID:-0}" = 1 ]; then
     extra=(); [ $variant = no-cache ] && extra=(--no-pool-cache)
     gpu-bin/bench --device cuda --impl flash "${grid[@]}" "${extra[@]}" 2>>"$OUT/bench.err" \
       | grep '^{' > "$OUT/grid-$variant.jsonl"
-    echo "== grid, $variant: d = $d, N >= 4096"
+    echo "== grid, $variant: d = $d, N <= 1024 (host time) and N >= 4096"
     python3 - "$OUT/grid-$variant.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
@@ -88,7 +88,9 @@ from collections import defaultdict
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
 hdr, rows = rows[0], rows[1:]
 ki, vi = hdr.index("Kernel Name"), hdr.index("Metric Value")
-# Launch order: the bwd point's calls come first (11 of them), then fwd_bwd's.
+# Launch order: the bwd point's calls come first (its warm-up runs for 50 ms, so their number
+# varies with N), then fwd_bwd's: the first three durations are the bwd point's, the last three
+# fwd_bwd's.
 seq = [(r[ki][:90], float(r[vi].replace(",", ""))) for r in rows]
 groups = defaultdict(list)
 for i, (k, v) in enumerate(seq):
