@@ -14,6 +14,9 @@ each phase over the steady-state steps (the first 4 and the last dropped):
   dQ     issuing dQ and waiting for every product of the step (dV, dK, dQ)
   stage  the dQ tile: wait for the previous reduction's read, stores, bulk reduction
   tail   release (up to the next step's first point)
+With the dQ split by keys (config.cuh CF_BWD_DQ_KEYSPLIT) the events after dS/iss mean: stDS dS^T
+stored (own rows, own barrier), barDS waiting for dV / dK, dQ the key-split dQ product, stage the
+exchange (warpgroup 0 stores its partial; warpgroup 1 adds it and stages the sum).
 usage: CF_BUILD_DIR=bench/out_btrace bwd_trace.py [d,causal,N ...]
 (build: CF_BUILD_DIR=bench/out_btrace CF_NVCC_FLAGS="-DCF_BWD_TRACE" kernel_check.py --build-only)"""
 import ctypes, os, sys
@@ -61,3 +64,11 @@ for pt in points:
                                       [t[wg, s + 1, 0] - t[wg, s, 11], t[wg, s + 1, 0] - t[wg, s, 0]])
                           for s in rows]).mean(0)
         print(f"{pt:16s} {wg}  " + " ".join(f"{x:6.0f}" for x in ph.tolist()) + f"   ({len(rows)} steps)", flush=True)
+    # How far warpgroup 1's steps start after warpgroup 0's (same SM clock): 0 in lockstep, about
+    # half a step when one's elementwise work runs under the other's products
+    both = [s for s in range(4, NS - 1) if t[0, s, 0] > 0 and t[1, s, 0] > 0 and t[0, s + 1, 0] > 0]
+    if both:
+        lag = torch.stack([t[1, s, 0] - t[0, s, 0] for s in both]).double()
+        step = torch.stack([t[0, s + 1, 0] - t[0, s, 0] for s in both]).double()
+        print(f"{pt:16s}    warpgroup 1 starts its steps {lag.mean():.0f} cycles after warpgroup 0 "
+              f"(min {lag.min():.0f}, max {lag.max():.0f}; {(lag / step).mean():.2f} of a step)", flush=True)

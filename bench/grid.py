@@ -33,11 +33,40 @@ def fwd_call(n, fp, ws, stream):
 dev = torch.device("cuda")
 REPS = int(os.environ.get("REPS", "10"))
 FWD_ONLY = os.environ.get("FWD_ONLY") == "1"  # skip the backward timings (printed as nan)
+BWD_ONLY = os.environ.get("BWD_ONLY") == "1"  # skip the forward timings (printed as nan)
+NO_REF = os.environ.get("NO_REF") == "1"  # skip FA2 and cuDNN (printed as nan): builds against each other
 ROUNDS = int(os.environ.get("ROUNDS", "1"))  # the builds' turns per point (see below)
+# SUSTAIN=s: each timing is kernel_check.sustained_cuda_time over s seconds (the card at its power
+# cap, bench/NOTES.md "Seventeenth session") instead of a median of REPS calls
+SUSTAIN = float(os.environ.get("SUSTAIN", "0"))
 
 
 def timeit(fn, reps=REPS):
+    if SUSTAIN:
+        return kc.sustained_cuda_time(fn, SUSTAIN)
     return kc.median_cuda_time(fn, reps, warmup=2)
+
+
+def references(q, k, v, do, H, HKV, causal, dt, d, N):
+    """FA2's and cuDNN's forward and backward seconds (through SDPA) of a point; cuDNN nan where
+    it refuses the shape."""
+    rep_kv = lambda x: x.repeat_interleave(H // HKV, dim=2) if HKV != H else x  # noqa: E731
+    qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, rep_kv(k), rep_kv(v)))
+    dot = do.transpose(1, 2).contiguous()
+    fwd = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa: E731
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        t_sf = float("nan") if BWD_ONLY else timeit(fwd)
+        ot = fwd()
+        t_sb = float("nan") if FWD_ONLY else timeit(lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True))
+    t_cf = t_cb = float("nan")  # cuDNN refuses some shapes (e.g. head dims on some versions)
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            t_cf = float("nan") if BWD_ONLY else timeit(fwd)
+            oc = fwd()
+            t_cb = float("nan") if FWD_ONLY else timeit(lambda: torch.autograd.grad(oc, (qt, kt, vt), dot, retain_graph=True))
+    except RuntimeError as e:
+        print(f"# cudnn refused {dt} d={d} causal={causal} N={N}: {str(e).splitlines()[0][:100]}", flush=True)
+    return t_sf, t_sb, t_cf, t_cb
 
 
 points = []
@@ -87,29 +116,16 @@ for dt, d, causal, N in points:
     rf, rb = {n: [] for n in names}, {n: [] for n in names}
     for _ in range(ROUNDS):
         for n in names:
-            rf[n].append(timeit(fwd_fn[n]))
+            rf[n].append(float("nan") if BWD_ONLY else timeit(fwd_fn[n]))
             rb[n].append(float("nan") if FWD_ONLY else timeit(bwd_fn[n]))
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     tf, tb = {n: med(rf[n]) for n in names}, {n: med(rb[n]) for n in names}
     del keep, fwd_fn, bwd_fn
-    rep_kv = lambda x: x.repeat_interleave(H // HKV, dim=2) if HKV != H else x  # noqa: E731
-    qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, rep_kv(k), rep_kv(v)))
-    dot = do.transpose(1, 2).contiguous()
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        t_sf = timeit(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-        ot = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        t_sb = float("nan") if FWD_ONLY else timeit(lambda: torch.autograd.grad(ot, (qt, kt, vt), dot, retain_graph=True))
-    t_cf = t_cb = float("nan")  # cuDNN refuses some shapes (e.g. head dims on some versions)
-    try:
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            t_cf = timeit(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
-            oc = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-            t_cb = float("nan") if FWD_ONLY else timeit(lambda: torch.autograd.grad(oc, (qt, kt, vt), dot, retain_graph=True))
-            del oc
-    except RuntimeError as e:
-        print(f"# cudnn refused {dt} d={d} causal={causal} N={N}: {str(e).splitlines()[0][:100]}", flush=True)
+    t_sf = t_sb = t_cf = t_cb = float("nan")
+    if not NO_REF:
+        t_sf, t_sb, t_cf, t_cb = references(q, k, v, do, H, HKV, causal, dt, d, N)
     T = lambda t, m=1.0: m * fl / t / 1e12
     print(f"{dt:4} {d:3} {int(causal)} {N:5} | " + " ".join(f"{T(tf[n]):6.0f}" for n in names) + f" {T(t_sf):3.0f} {T(t_cf):5.0f} | " + " ".join(f"{T(tb[n], 2.5):6.0f}" for n in names)
           + f" {T(t_sb, 2.5):3.0f} {T(t_cb, 2.5):5.0f} | " + " ".join(f"{(t_sf + t_sb) / (tf[n] + tb[n]):.2f}" for n in names)
           + " | " + " ".join(f"{t_cf / tf[n]:.2f}" for n in names), flush=True)
-    del q, k, v, do, o, lse, dq, dk, dv, qt, kt, vt, dot, ot
+    del q, k, v, do, o, lse, dq, dk, dv

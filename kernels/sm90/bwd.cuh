@@ -35,6 +35,11 @@
 #ifndef CF_BWD_LATE_FLUSH
 #define CF_BWD_LATE_FLUSH 1
 #endif
+// With the dQ split by keys (config.cuh CF_BWD_DQ_KEYSPLIT): warpgroup 0 starts a step only once
+// warpgroup 1 has issued dK of the previous one (1), or runs ahead freely (0; A/B runs).
+#ifndef CF_BWD_KS_TURN
+#define CF_BWD_KS_TURN 1
+#endif
 
 namespace cf {
 
@@ -56,14 +61,15 @@ static __device__ long long g_bwd_trace[2][kBwdTraceSteps][kBwdTraceEvents];
 #endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Step it's lse / dsum rows (cp.async, zero past the sequence) into stage pipe.stage(it) of the ring, by
-// one warp; the caller commits them on the stage's full barrier.
-template <int BM, typename Work, typename Pipe>
-__device__ __forceinline__ void bwd_load_rows(const CfBwdParams& p, const BwdWs& ws, const Work& w,
-                                              const Pipe& pipe, int it, float* sL, float* sD, int lane) {
+// Step it's lse / dsum rows (cp.async, zero past the sequence) into row slot `st` (the ring's stage
+// pipe.stage(it), or a slot of the rows' own ring), by one warp; the caller commits them on the
+// stage's full barrier.
+template <int BM, typename Work>
+__device__ __forceinline__ void bwd_load_rows(const CfBwdParams& p, const BwdWs& ws, const Work& w, int it, int st,
+                                              float* sL, float* sD, int lane) {
     const CfFwdParams& f = p.fwd;
     const SeqInfo& si = w.si;
-    const int st = pipe.stage(it), hq = w.head(it), m0 = w.row0(it);
+    const int hq = w.head(it), m0 = w.row0(it);
     const float* lp = si.lse(f, hq) + m0;
     const float* dp = ws.dsum_rows(si, hq) + m0;
 #pragma unroll
@@ -109,7 +115,7 @@ __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs&
         load_panels_warp<BM, C, kProducer>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride,
                                            si.sq - m0, w.dch, lane, p.dout);
     }
-    if constexpr (!kProducer) bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
+    if constexpr (!kProducer) bwd_load_rows<BM>(p, ws, w, it, st, sL, sD, lane);
     pipe.producer_commit_cp_async(it);
 }
 
@@ -253,9 +259,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     T* sQ = sV + BN * DP;          // [NST][BM*DP]
     T* sdO = sQ + NST * BM * DP;   // [NST][BM*DP]
     T* sdS = sdO + NST * BM * DP;  // [2][BN][BM] (dS^T, double-buffered; kDqT: dS, [2][BM][BN])
-    float* sL = reinterpret_cast<float*>(sdS + 2 * BN * BM);  // [NST][BM]
-    float* sD = sL + NST * BM;                                // [NST][BM]
-    float* sDq = sD + NST * BM;  // [2 warpgroups][kDqSlots][kDqRows][64] dQ staging (f32)
+    constexpr int NRS = Kt::kRowSlots;
+    float* sL = reinterpret_cast<float*>(sdS + 2 * BN * BM);  // [NRS][BM]
+    float* sD = sL + NRS * BM;                                // [NRS][BM]
+    float* sDq = sD + NRS * BM;  // [2 warpgroups][kDqSlots][kDqRows][64] dQ staging (f32)
     uint64_t* bars = reinterpret_cast<uint64_t*>(sDq + 2 * Kt::kDqSlots * Kt::kDqRows * 64);  // Pipeline<NST>: full[NST], empty[NST]
 
     const CfFwdParams& f = p.fwd;
@@ -276,6 +283,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         else __syncthreads();
     };
     const Pipeline<NST> pipe(smem_addr(bars));
+    // dQ split by keys (config.cuh CF_BWD_DQ_KEYSPLIT); the ordered kernel keeps the column split
+    constexpr bool kKeySplit = Kt::kDqKeySplit && !kOrdered;
+    // step it's lse / dsum rows: the ring's stage, or (key split) a ring of four slots of their own
+    auto row_slot = [&](int it) { return kKeySplit ? (it & 3) : pipe.stage(it); };
     auto load_step = [&](int it) {
         bwd_load_step<BM, DP, Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
     };
@@ -285,7 +296,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // racecheck sees that order (it does not follow the ring's mbarriers, which order the
     // producer's Q / dO).
     auto load_rows = [&](int it) {
-        bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
+        bwd_load_rows<BM>(p, ws, w, it, row_slot(it), sL, sD, lane);
         pipe.producer_commit_cp_async(it);
     };
     bwd_start<NCT, DP, Kt::kProducerWG>(f, w, pipe, sK, sV, load_step, tid);
@@ -450,6 +461,49 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         flush_dq_tile(dq_tile(s), dq_dst(s), 1 + wg, wt);
     };
 
+    // P^T, dS^T in registers (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1)) in
+    // place over sT / dpT, and the product dV += P^T dO (A = pa from registers; B = dO [queries][d],
+    // MN-major), overlapped as Kt::kOverlapP says; step it's tiles in ring stage st, its rows in
+    // row slot rs.
+    auto p_ds_dv = [&](float (&sT)[NA], float (&dpT)[NA], uint32_t (&pa)[MS][4], const LogitInfo& li, int it, int m0,
+                       uint32_t tdO, int rs) {
+        const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
+        const float* cL = sL + rs * BM;
+        const float* cD = sD + rs * BM;
+        if constexpr (Kt::kOverlapP == 2) {
+            // P^T while dP^T runs, dS^T while dV's product runs (plain logits: no derivative factor)
+            wg_wait<1>();
+            reg_fence(sT);
+            bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
+            pack_a(pa, sT);
+            issue_rs(dv, pa, tdO);
+            wg_wait<1>();  // S^T and dP^T done (dV may still run)
+            reg_fence(dpT);
+            bwd_ds<BM>(sT, dpT, cD, q4);
+        } else if constexpr (Kt::kOverlapP == 1) {
+            // P^T while dP^T runs
+            wg_wait<1>();
+            reg_fence(sT);
+            CF_BTRACE(trace, wg, it, 3);
+            bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
+            CF_BTRACE(trace, wg, it, 4);
+            wg_wait<0>();
+            reg_fence(dpT);
+            CF_BTRACE(trace, wg, it, 5);
+            bwd_ds<BM>(sT, dpT, cD, q4);
+            pack_a(pa, sT);
+            issue_rs(dv, pa, tdO);
+        } else {
+            wg_wait<0>();
+            reg_fence(sT);
+            reg_fence(dpT);
+            bwd_p_ds<BM, Kt::kGeneralLogits ? Logits::kGeneral : Logits::kPlain>(li, mk, sT, dpT, cL, cD, full, m0,
+                                                                               n0 + key_l0, q4);
+            pack_a(pa, sT);
+            issue_rs(dv, pa, tdO);
+        }
+    };
+
     if constexpr (Kt::kPingPong) {
         // ---- ping-pong schedule (build-time CF_BWD_PINGPONG, off: measured 2-7% slower than the
         // lockstep below, bench/NOTES.md "Backward, tenth session"). The two warpgroups take turns
@@ -548,6 +602,123 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 stage_dq(dq, last);
             }
         }
+    } else if constexpr (kKeySplit) {
+        // ---- dQ split by keys (config.cuh CF_BWD_DQ_KEYSPLIT). Warpgroup w computes dQ's partial
+        // over its own 64 keys, dQ_w = dS_w K_w (m64 x n128 x k64: the same products as the column
+        // split), from its own rows of dS^T: no warpgroup waits for the other's dS^T, so the
+        // two may drift apart and one's elementwise work run under the other's products. The two
+        // partials meet in shared memory, one way only:
+        //   warpgroup 0 stores its partial (fragment order, 16 x 16 bytes a thread) into sX and
+        //     arrives on kBarXFull; before the next store it waits on kBarXFree;
+        //   warpgroup 1 waits on kBarXFull, adds sX into its own partial, arrives on kBarXFree,
+        //     stages the sum as two [64][64] tiles (dq_accum's tiled layout) and issues their bulk
+        //     reductions in its next step, after that step's S^T / dP^T (the late flush).
+        // So warpgroup 0 may run up to a step ahead and warpgroup 1 any amount behind, within the
+        // Q / dO ring (two stages). The dQ reductions per step stay 32 KB, now from warpgroup 1.
+        // Warpgroup 0 copies the lse / dsum rows of step it + 1 at the start of step it, into a
+        // ring of four slots: the slot's last readers (step it - 3) are done, since warpgroup 1
+        // read sX(it - 2) before warpgroup 0 passed kBarXFree in step it - 1. dS^T needs one
+        // buffer: a warpgroup rewrites only its own rows, after its own dQ product read them.
+        // Left to itself warpgroup 1 settles a whole step behind (bwd_trace.py: 1.04 steps), i.e.
+        // in phase with warpgroup 0 again. kBarTurn holds it to about half a step: warpgroup 0
+        // issues S^T / dP^T of step it + 1 only once warpgroup 1 has issued dK of step it, so that
+        // one's exponentials run under the other's products.
+        constexpr int kBarXFull = 5, kBarXFree = 6, kBarTurn = 7;
+        const bool atomic = ws.dq_accum != nullptr;
+        float4* sX = reinterpret_cast<float4*>(sDq);  // [16][128] float4: warpgroup 0's partial
+        float* sR = sDq + 2 * 64 * 64;                // [2 panels][64][64]: warpgroup 1's sum
+        // warpgroup 1: step s's staged sum -> its two panels of dq_accum
+        auto flush_sum = [&](int s) {
+            fence_async_smem();  // st.shared (generic proxy) -> bulk copy (async proxy)
+            named_bar_sync(1 + wg, 128);
+            if (wt == 0) {
+#pragma unroll
+                for (int pnl = 0; pnl < 2; ++pnl)
+                    bulk_reduce_add_f32(ws.dq_tile_rows(f, si, w.head(s), pnl, w.row0(s)), smem_addr(sR + pnl * 64 * 64),
+                                        64 * 64 * 4);
+                bulk_commit();
+            }
+        };
+        for (int it = 0; it < total_it; ++it) {
+            const int hq = w.head(it), m0 = w.row0(it);
+            const int st = pipe.stage(it);
+            CF_BTRACE(trace, wg, it, 0);
+            if (warp == 0 && it + 1 < total_it) load_rows(it + 1);
+            pipe.consumer_wait(it);
+            CF_BTRACE(trace, wg, it, 1);
+            const uint32_t tQ = smem_addr(sQ + st * BM * DP), tdO = smem_addr(sdO + st * BM * DP);
+            const LogitInfo li(f, b, hq);
+            float sT[NA], dpT[NA];
+            if (CF_BWD_KS_TURN && wg == 0 && it > 0) named_bar_sync(kBarTurn, 256);  // warpgroup 1 issued dK(it - 1)
+            issue_s_dp(sT, dpT, tQ, tdO);
+            if (atomic && wg == 1 && it > 0) flush_sum(it - 1);
+            CF_BTRACE(trace, wg, it, 2);
+            uint32_t pa[MS][4], dsa[MS][4];
+            p_ds_dv(sT, dpT, pa, li, it, m0, tdO, row_slot(it));
+            pack_a(dsa, dpT);
+            issue_rs(dk, dsa, tQ);
+            if (CF_BWD_KS_TURN && wg == 1 && it + 1 < total_it) named_bar_arrive(kBarTurn, 256);
+            CF_BTRACE(trace, wg, it, 6);
+            if (atomic) {
+                store_ds(dsa, 0);  // this warpgroup's keys of dS^T (overlaps the dV / dK products)
+                fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)
+                named_bar_sync(1 + wg, 128);
+                CF_BTRACE(trace, wg, it, 7);
+                // dV / dK done first: with P^T / dS^T's fragments still pinned beside dQ's 64
+                // accumulators, ptxas serialised every wgmma of the kernel (C7512)
+                wg_wait<0>();
+                reg_fence(dv);
+                reg_fence(dk);
+                reg_fence(pa);
+                reg_fence(dsa);
+                CF_BTRACE(trace, wg, it, 8);
+                float dq[2 * NQ];
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)  // keys 64 wg + 16 kk ..: A = dS (MN-major), B = K (MN-major)
+                    wgmma_ss<2 * 64, T, 1, 1>(dq, desc_mn_major(tdS, BN, 4 * wg + kk), desc_mn_major(tK, BN, 4 * wg + kk),
+                                              kk > 0);
+                wg_commit();
+                wg_wait<0>();
+                reg_fence(dq);
+                reg_fence(dv);
+                reg_fence(dk);
+                CF_BTRACE(trace, wg, it, 9);
+                if (wg == 0) {
+                    if (it > 0) named_bar_sync(kBarXFree, 256);  // warpgroup 1 has read sX(it - 1)
+#pragma unroll
+                    for (int i = 0; i < NQ / 2; ++i)
+                        sX[i * 128 + wt] = make_float4(dq[4 * i], dq[4 * i + 1], dq[4 * i + 2], dq[4 * i + 3]);
+                    named_bar_arrive(kBarXFull, 256);
+                } else {
+                    named_bar_sync(kBarXFull, 256);  // warpgroup 0's partial of step it is in sX
+#pragma unroll
+                    for (int i = 0; i < NQ / 2; ++i) {
+                        const float4 x = sX[i * 128 + wt];
+                        dq[4 * i] += x.x;
+                        dq[4 * i + 1] += x.y;
+                        dq[4 * i + 2] += x.z;
+                        dq[4 * i + 3] += x.w;
+                    }
+                    if (it + 1 < total_it) named_bar_arrive(kBarXFree, 256);  // (the last one has no reader)
+                    if (wt == 0) bulk_wait_read<0>();  // step it - 1's reductions have read sR
+                    named_bar_sync(1 + wg, 128);
+                    stage_dq_tile<NQ / 2>(dq, 0, sR, 16 * wq + g, q4);
+                    stage_dq_tile<NQ / 2>(dq, 8, sR + 64 * 64, 16 * wq + g, q4);
+                }
+            } else {
+                wg_wait<0>();
+                reg_fence(dv);
+                reg_fence(dk);
+                reg_fence(pa);
+                reg_fence(dsa);
+                named_bar_sync(kBarDs, 256);  // (as in the lockstep schedule: racecheck-visible order)
+            }
+            CF_BTRACE(trace, wg, it, 10);
+            pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
+            CF_BTRACE(trace, wg, it, 11);
+        }
+        if (atomic && wg == 1 && total_it > 0) flush_sum(total_it - 1);
     } else {
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
@@ -569,44 +740,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             if (ws.dq_accum != nullptr && it > 0) flush_dq(it - 1);
         CF_BTRACE(trace, wg, it, 2);
 
-        // ---- P^T, dS^T in registers (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1)),
-        //      then dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
-        const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
-        const float* cL = sL + st * BM;
-        const float* cD = sD + st * BM;
+        // ---- P^T, dS^T, then dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
         uint32_t pa[MS][4], dsa[MS][4];
-        if constexpr (Kt::kOverlapP == 2) {
-            // P^T while dP^T runs, dS^T while dV's product runs (plain logits: no derivative factor)
-            wg_wait<1>();
-            reg_fence(sT);
-            bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
-            pack_a(pa, sT);
-            issue_rs(dv, pa, tdO);
-            wg_wait<1>();  // S^T and dP^T done (dV may still run)
-            reg_fence(dpT);
-            bwd_ds<BM>(sT, dpT, cD, q4);
-        } else if constexpr (Kt::kOverlapP == 1) {
-            // P^T while dP^T runs
-            wg_wait<1>();
-            reg_fence(sT);
-            CF_BTRACE(trace, wg, it, 3);
-            bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
-            CF_BTRACE(trace, wg, it, 4);
-            wg_wait<0>();
-            reg_fence(dpT);
-            CF_BTRACE(trace, wg, it, 5);
-            bwd_ds<BM>(sT, dpT, cD, q4);
-            pack_a(pa, sT);
-            issue_rs(dv, pa, tdO);
-        } else {
-            wg_wait<0>();
-            reg_fence(sT);
-            reg_fence(dpT);
-            bwd_p_ds<BM, Kt::kGeneralLogits ? Logits::kGeneral : Logits::kPlain>(li, mk, sT, dpT, cL, cD, full, m0,
-                                                                               n0 + key_l0, q4);
-            pack_a(pa, sT);
-            issue_rs(dv, pa, tdO);
-        }
+        p_ds_dv(sT, dpT, pa, li, it, m0, tdO, st);
         dq_signal();  // the reduction issued early in this step (late flush), ~1000 cycles ago
         pack_a(dsa, dpT);
         issue_rs(dk, dsa, tQ);
