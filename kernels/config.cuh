@@ -396,14 +396,15 @@ struct BwdDqTraits {
 #ifndef CF_BWD_STAGES
 #define CF_BWD_STAGES 2
 #endif
-// dQ split by keys in the 64-query d = 96 / 128 step (sm90/bwd.cuh, build-time for A/B runs;
-// not the deterministic kernel): each warpgroup computes dQ's partial over its own 64 keys
-// (m64 x n128 x k64) instead of half of dQ's columns over all 128 keys, so no warpgroup waits for
-// the other's dS^T; warpgroup 0 hands its partial to warpgroup 1 through shared memory, which adds
-// it to its own and issues the step's reductions (one-directional: warpgroup 1 may run up to a
-// step behind, its elementwise work under warpgroup 0's products).
-#ifndef CF_BWD_DQ_KEYSPLIT
-#define CF_BWD_DQ_KEYSPLIT 0
+// dQ by turns in the 64-query d = 96 / 128 step (sm90/bwd.cuh, build-time for A/B runs; not the
+// deterministic kernel): 1 = the warpgroups take turns computing a step's whole dQ (m64 x n128,
+// fewer operand reads from shared memory; measured +1-2% under sustained load, but racecheck
+// reports epilogue hazards with it: bench/NOTES.md "Eighteenth session"), 0 = each computes half
+// of dQ's columns every step.
+// (Tried and dropped in the eighteenth session: dQ split by keys, each warpgroup a partial over
+// its own 64 keys, summed through shared memory: 4-9% slower, commit b799cc6.)
+#ifndef CF_BWD_DQ_TURNS
+#define CF_BWD_DQ_TURNS 0
 #endif
 
 // kBlockM_ (d = 128 only; heuristics.cuh bwd_sm90_block_m chooses): 64 or 80 query rows per step.
@@ -427,15 +428,11 @@ struct BwdSm90Traits {
     static constexpr bool kDqTransposed = kBlockM == 80;
     // rows of one warpgroup's dQ staging tile (f32 x 64 columns)
     static constexpr int kDqRows = kHeadDim == 64 ? 64 : kBlockM;
-    // dQ split by keys (CF_BWD_DQ_KEYSPLIT; the ordered kernel keeps the column split): the
-    // staging region holds warpgroup 0's partial (64 x 128 f32) and warpgroup 1's sum (two 64 x 64
-    // tiles), i.e. two slots per warpgroup's worth; the lse / dsum rows take a ring of four slots
-    // of their own, since warpgroup 0 may run a step ahead of warpgroup 1 (sm90/bwd.cuh)
-    static constexpr bool kDqKeySplit = CF_BWD_DQ_KEYSPLIT != 0 && CF_BWD_PINGPONG == 0 && kHeadDim >= 96 &&
-                                        kBlockM == 64 && (kHeadDim == 64 ? CF_BWD_PRODUCER64 : CF_BWD_PRODUCER) != 0;
-    // Staging tiles per warpgroup: with two, step s stages into tile s % 2 while the bulk
-    // reduction of step s - 1 may still be reading the other (the 80-query step has no room).
-    static constexpr int kDqSlots = kBlockM == 80 ? 1 : kDqKeySplit ? 2 : CF_BWD_DQ_SLOTS;
+    // dQ by turns (CF_BWD_DQ_TURNS; the ordered kernel keeps the column split): each warpgroup's
+    // staging region holds a 64 x 128 tile (two slots' worth)
+    static constexpr bool kDqTurns = CF_BWD_DQ_TURNS != 0 && CF_BWD_PINGPONG == 0 && kHeadDim >= 96 &&
+                                     kBlockM == 64 && (kHeadDim == 64 ? CF_BWD_PRODUCER64 : CF_BWD_PRODUCER) != 0;
+    static constexpr int kDqSlots = kBlockM == 80 ? 1 : kDqTurns ? 2 : CF_BWD_DQ_SLOTS;
     static constexpr int kNConsumerThreads = 256;
     static constexpr bool kProducerWG = (kHeadDim == 64 ? CF_BWD_PRODUCER64 : CF_BWD_PRODUCER) != 0;
     static constexpr int kNThreads = kNConsumerThreads + (kProducerWG ? 128 : 0);
@@ -459,9 +456,8 @@ struct BwdSm90Traits {
     // bytes too many at d = 64, none left by the 80-query step). The ping-pong needs three: warp 0
     // copies a step's lse / dsum rows two steps ahead (one step ahead would be too late).
     static constexpr int kStages = kPingPong ? 3 : kHeadDim >= 96 && kBlockM == 64 ? CF_BWD_STAGES : 2;
-    static constexpr int kRowSlots = kDqKeySplit ? 4 : kStages;  // lse / dsum rows (one step each)
     static constexpr int kSmemBytes = 2 * kBlockN * kHeadDimPad * 2 + 2 * kStages * kBlockM * kHeadDimPad * 2 +
-                                      2 * kBlockN * kBlockM * 2 + 2 * kRowSlots * kBlockM * 4 + 2 * kDqSlots * kDqRows * 64 * 4 +
+                                      2 * kBlockN * kBlockM * 2 + 2 * kStages * kBlockM * 4 + 2 * kDqSlots * kDqRows * 64 * 4 +
                                       2 * kStages * 8;
 
     static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128, "wgmma backward: head-dim tiles 64, 96, 128");

@@ -35,11 +35,6 @@
 #ifndef CF_BWD_LATE_FLUSH
 #define CF_BWD_LATE_FLUSH 1
 #endif
-// With the dQ split by keys (config.cuh CF_BWD_DQ_KEYSPLIT): warpgroup 0 starts a step only once
-// warpgroup 1 has issued dK of the previous one (1), or runs ahead freely (0; A/B runs).
-#ifndef CF_BWD_KS_TURN
-#define CF_BWD_KS_TURN 1
-#endif
 
 namespace cf {
 
@@ -259,10 +254,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     T* sQ = sV + BN * DP;          // [NST][BM*DP]
     T* sdO = sQ + NST * BM * DP;   // [NST][BM*DP]
     T* sdS = sdO + NST * BM * DP;  // [2][BN][BM] (dS^T, double-buffered; kDqT: dS, [2][BM][BN])
-    constexpr int NRS = Kt::kRowSlots;
-    float* sL = reinterpret_cast<float*>(sdS + 2 * BN * BM);  // [NRS][BM]
-    float* sD = sL + NRS * BM;                                // [NRS][BM]
-    float* sDq = sD + NRS * BM;  // [2 warpgroups][kDqSlots][kDqRows][64] dQ staging (f32)
+    float* sL = reinterpret_cast<float*>(sdS + 2 * BN * BM);  // [NST][BM]
+    float* sD = sL + NST * BM;                                // [NST][BM]
+    float* sDq = sD + NST * BM;  // [2 warpgroups][kDqSlots][kDqRows][64] dQ staging (f32)
     uint64_t* bars = reinterpret_cast<uint64_t*>(sDq + 2 * Kt::kDqSlots * Kt::kDqRows * 64);  // Pipeline<NST>: full[NST], empty[NST]
 
     const CfFwdParams& f = p.fwd;
@@ -283,10 +277,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         else __syncthreads();
     };
     const Pipeline<NST> pipe(smem_addr(bars));
-    // dQ split by keys (config.cuh CF_BWD_DQ_KEYSPLIT); the ordered kernel keeps the column split
-    constexpr bool kKeySplit = Kt::kDqKeySplit && !kOrdered;
-    // step it's lse / dsum rows: the ring's stage, or (key split) a ring of four slots of their own
-    auto row_slot = [&](int it) { return kKeySplit ? (it & 3) : pipe.stage(it); };
+    // dQ by turns (config.cuh CF_BWD_DQ_TURNS); the ordered kernel keeps the column split
+    constexpr bool kDqTurns = Kt::kDqTurns && !kOrdered;
     auto load_step = [&](int it) {
         bwd_load_step<BM, DP, Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
     };
@@ -296,7 +288,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // racecheck sees that order (it does not follow the ring's mbarriers, which order the
     // producer's Q / dO).
     auto load_rows = [&](int it) {
-        bwd_load_rows<BM>(p, ws, w, it, row_slot(it), sL, sD, lane);
+        bwd_load_rows<BM>(p, ws, w, it, pipe.stage(it), sL, sD, lane);
         pipe.producer_commit_cp_async(it);
     };
     bwd_start<NCT, DP, Kt::kProducerWG>(f, w, pipe, sK, sV, load_step, tid);
@@ -602,39 +594,26 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 stage_dq(dq, last);
             }
         }
-    } else if constexpr (kKeySplit) {
-        // ---- dQ split by keys (config.cuh CF_BWD_DQ_KEYSPLIT). Warpgroup w computes dQ's partial
-        // over its own 64 keys, dQ_w = dS_w K_w (m64 x n128 x k64: the same products as the column
-        // split), from its own rows of dS^T: no warpgroup waits for the other's dS^T, so the
-        // two may drift apart and one's elementwise work run under the other's products. The two
-        // partials meet in shared memory, one way only:
-        //   warpgroup 0 stores its partial (fragment order, 16 x 16 bytes a thread) into sX and
-        //     arrives on kBarXFull; before the next store it waits on kBarXFree;
-        //   warpgroup 1 waits on kBarXFull, adds sX into its own partial, arrives on kBarXFree,
-        //     stages the sum as two [64][64] tiles (dq_accum's tiled layout) and issues their bulk
-        //     reductions in its next step, after that step's S^T / dP^T (the late flush).
-        // So warpgroup 0 may run up to a step ahead and warpgroup 1 any amount behind, within the
-        // Q / dO ring (two stages). The dQ reductions per step stay 32 KB, now from warpgroup 1.
-        // Warpgroup 0 copies the lse / dsum rows of step it + 1 at the start of step it, into a
-        // ring of four slots: the slot's last readers (step it - 3) are done, since warpgroup 1
-        // read sX(it - 2) before warpgroup 0 passed kBarXFree in step it - 1. dS^T needs one
-        // buffer: a warpgroup rewrites only its own rows, after its own dQ product read them.
-        // Left to itself warpgroup 1 settles a whole step behind (bwd_trace.py: 1.04 steps), i.e.
-        // in phase with warpgroup 0 again. kBarTurn holds it to about half a step: warpgroup 0
-        // issues S^T / dP^T of step it + 1 only once warpgroup 1 has issued dK of step it, so that
-        // one's exponentials run under the other's products.
-        constexpr int kBarXFull = 5, kBarXFree = 6, kBarTurn = 7;
+    } else if constexpr (kDqTurns) {
+        // ---- dQ by turns (config.cuh CF_BWD_DQ_TURNS). The warpgroups take turns at dQ: step s's
+        // owner, warpgroup s & 1, computes all of dQ(s) = dS(s) K as m64 x n128 x k128 (8 wgmma
+        // instead of 2 x 8 of n64: each k16 step reads dS's 2 KB once for all 128 columns, so a
+        // step's operand reads from shared memory fall from 256 to 240 KB; ncu counts the d = 128
+        // step bound by shared-memory wavefronts, bench/NOTES.md "Eighteenth session"), stages
+        // it into its own 64 x 128 tile and flushes that in its next step (the late flush); the
+        // other warpgroup goes on to its next step. Both still meet at the dS^T barrier of each
+        // step, as in the lockstep schedule below. Default off: racecheck reports hazards between
+        // the epilogue's dK / dV staging (warpgroup 0) and its copy-out (warpgroup 1), across the
+        // two CTA-wide barriers between them; not understood (bench/NOTES.md "Eighteenth session").
         const bool atomic = ws.dq_accum != nullptr;
-        float4* sX = reinterpret_cast<float4*>(sDq);  // [16][128] float4: warpgroup 0's partial
-        float* sR = sDq + 2 * 64 * 64;                // [2 panels][64][64]: warpgroup 1's sum
-        // warpgroup 1: step s's staged sum -> its two panels of dq_accum
-        auto flush_sum = [&](int s) {
+        float* sT0 = sDq + wg * 2 * 64 * 64;  // this warpgroup's [2 panels][64][64] dQ tile
+        auto flush_full = [&](int s) {  // step s's staged dQ tile -> its two panels of dq_accum
             fence_async_smem();  // st.shared (generic proxy) -> bulk copy (async proxy)
             named_bar_sync(1 + wg, 128);
             if (wt == 0) {
 #pragma unroll
                 for (int pnl = 0; pnl < 2; ++pnl)
-                    bulk_reduce_add_f32(ws.dq_tile_rows(f, si, w.head(s), pnl, w.row0(s)), smem_addr(sR + pnl * 64 * 64),
+                    bulk_reduce_add_f32(ws.dq_tile_rows(f, si, w.head(s), pnl, w.row0(s)), smem_addr(sT0 + pnl * 64 * 64),
                                         64 * 64 * 4);
                 bulk_commit();
             }
@@ -642,6 +621,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         for (int it = 0; it < total_it; ++it) {
             const int hq = w.head(it), m0 = w.row0(it);
             const int st = pipe.stage(it);
+            const bool owner = (it & 1) == wg;
             CF_BTRACE(trace, wg, it, 0);
             if (warp == 0 && it + 1 < total_it) load_rows(it + 1);
             pipe.consumer_wait(it);
@@ -649,62 +629,53 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             const uint32_t tQ = smem_addr(sQ + st * BM * DP), tdO = smem_addr(sdO + st * BM * DP);
             const LogitInfo li(f, b, hq);
             float sT[NA], dpT[NA];
-            if (CF_BWD_KS_TURN && wg == 0 && it > 0) named_bar_sync(kBarTurn, 256);  // warpgroup 1 issued dK(it - 1)
             issue_s_dp(sT, dpT, tQ, tdO);
-            if (atomic && wg == 1 && it > 0) flush_sum(it - 1);
+            if (atomic && !owner && it > 0) flush_full(it - 1);  // the tile this warpgroup staged in its turn
             CF_BTRACE(trace, wg, it, 2);
             uint32_t pa[MS][4], dsa[MS][4];
-            p_ds_dv(sT, dpT, pa, li, it, m0, tdO, row_slot(it));
+            p_ds_dv(sT, dpT, pa, li, it, m0, tdO, st);
             pack_a(dsa, dpT);
             issue_rs(dk, dsa, tQ);
-            if (CF_BWD_KS_TURN && wg == 1 && it + 1 < total_it) named_bar_arrive(kBarTurn, 256);
             CF_BTRACE(trace, wg, it, 6);
             if (atomic) {
-                store_ds(dsa, 0);  // this warpgroup's keys of dS^T (overlaps the dV / dK products)
+                const int buf = it & 1;
+                store_ds(dsa, buf);  // (overlaps the dV / dK products)
                 fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)
-                named_bar_sync(1 + wg, 128);
                 CF_BTRACE(trace, wg, it, 7);
-                // dV / dK done first: with P^T / dS^T's fragments still pinned beside dQ's 64
-                // accumulators, ptxas serialised every wgmma of the kernel (C7512)
-                wg_wait<0>();
-                reg_fence(dv);
-                reg_fence(dk);
-                reg_fence(pa);
-                reg_fence(dsa);
-                CF_BTRACE(trace, wg, it, 8);
-                float dq[2 * NQ];
-                wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk)  // keys 64 wg + 16 kk ..: A = dS (MN-major), B = K (MN-major)
-                    wgmma_ss<2 * 64, T, 1, 1>(dq, desc_mn_major(tdS, BN, 4 * wg + kk), desc_mn_major(tK, BN, 4 * wg + kk),
-                                              kk > 0);
-                wg_commit();
-                wg_wait<0>();
-                reg_fence(dq);
-                reg_fence(dv);
-                reg_fence(dk);
-                CF_BTRACE(trace, wg, it, 9);
-                if (wg == 0) {
-                    if (it > 0) named_bar_sync(kBarXFree, 256);  // warpgroup 1 has read sX(it - 1)
-#pragma unroll
-                    for (int i = 0; i < NQ / 2; ++i)
-                        sX[i * 128 + wt] = make_float4(dq[4 * i], dq[4 * i + 1], dq[4 * i + 2], dq[4 * i + 3]);
-                    named_bar_arrive(kBarXFull, 256);
+                named_bar_sync(kBarDs, 256);  // both halves of dS^T(it) in place
+                if (!owner) {
+                    wg_wait<0>();
+                    reg_fence(dv);
+                    reg_fence(dk);
+                    reg_fence(pa);
+                    reg_fence(dsa);
+                    CF_BTRACE(trace, wg, it, 8);
+                    CF_BTRACE(trace, wg, it, 9);
                 } else {
-                    named_bar_sync(kBarXFull, 256);  // warpgroup 0's partial of step it is in sX
+                    // dV / dK done first: with P^T / dS^T's fragments still pinned beside dQ's 64
+                    // accumulators, ptxas serialised every wgmma of the kernel (C7512)
+                    wg_wait<0>();
+                    reg_fence(dv);
+                    reg_fence(dk);
+                    reg_fence(pa);
+                    reg_fence(dsa);
+                    CF_BTRACE(trace, wg, it, 8);
+                    float dq[2 * NQ];
+                    const uint32_t tdSi = tdS + buf * BN * BM * 2;
+                    wg_fence();
 #pragma unroll
-                    for (int i = 0; i < NQ / 2; ++i) {
-                        const float4 x = sX[i * 128 + wt];
-                        dq[4 * i] += x.x;
-                        dq[4 * i + 1] += x.y;
-                        dq[4 * i + 2] += x.z;
-                        dq[4 * i + 3] += x.w;
-                    }
-                    if (it + 1 < total_it) named_bar_arrive(kBarXFree, 256);  // (the last one has no reader)
-                    if (wt == 0) bulk_wait_read<0>();  // step it - 1's reductions have read sR
+                    for (int kk = 0; kk < NS; ++kk)  // A = dS (MN-major), B = K (MN-major, 128 columns)
+                        wgmma_ss<2 * 64, T, 1, 1>(dq, desc_mn_major(tdSi, BN, kk), desc_mn_major(tK, BN, kk), kk > 0);
+                    wg_commit();
+                    wg_wait<0>();
+                    reg_fence(dq);
+                    reg_fence(dv);
+                    reg_fence(dk);
+                    CF_BTRACE(trace, wg, it, 9);
+                    if (wt == 0) bulk_wait_read<0>();  // the tile's previous reduction (step it - 2) has read it
                     named_bar_sync(1 + wg, 128);
-                    stage_dq_tile<NQ / 2>(dq, 0, sR, 16 * wq + g, q4);
-                    stage_dq_tile<NQ / 2>(dq, 8, sR + 64 * 64, 16 * wq + g, q4);
+                    stage_dq_tile<NQ / 2>(dq, 0, sT0, 16 * wq + g, q4);
+                    stage_dq_tile<NQ / 2>(dq, 8, sT0 + 64 * 64, 16 * wq + g, q4);
                 }
             } else {
                 wg_wait<0>();
@@ -718,7 +689,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
             CF_BTRACE(trace, wg, it, 11);
         }
-        if (atomic && wg == 1 && total_it > 0) flush_sum(total_it - 1);
+        // the last turn's tile (the other warpgroup's last one went out in the last step)
+        if (atomic && total_it > 0 && ((total_it - 1) & 1) == wg) flush_full(total_it - 1);
     } else {
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
