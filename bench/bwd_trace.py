@@ -14,9 +14,6 @@ each phase over the steady-state steps (the first 4 and the last dropped):
   dQ     issuing dQ and waiting for every product of the step (dV, dK, dQ)
   stage  the dQ tile: wait for the previous reduction's read, stores, bulk reduction
   tail   release (up to the next step's first point)
-With dQ by turns (config.cuh CF_BWD_DQ_TURNS) the events after dS/iss mean: stDS dS^T stored,
-barDS the owner's wait for the other's rows and for dV / dK (the other: for dV / dK), dQ the
-owner's whole-dQ product, stage its tile (the other: nothing).
 usage: CF_BUILD_DIR=bench/out_btrace bwd_trace.py [d,causal,N ...]
 (build: CF_BUILD_DIR=bench/out_btrace CF_NVCC_FLAGS="-DCF_BWD_TRACE" kernel_check.py --build-only)"""
 import ctypes, os, sys
