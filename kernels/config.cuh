@@ -396,6 +396,16 @@ struct BwdDqTraits {
 #ifndef CF_BWD_STAGES
 #define CF_BWD_STAGES 2
 #endif
+// dQ by turns in the 64-query d = 96 / 128 step (sm90/bwd.cuh, build-time for A/B runs; not the
+// deterministic kernel): 1 = the warpgroups take turns computing a step's whole dQ (m64 x n128:
+// 240 instead of 256 KB of operand reads from shared memory a step; -3.6% time under ncu, +1-2%
+// under sustained load: bench/NOTES.md "Eighteenth session"), 0 = each computes half of dQ's
+// columns every step.
+// (Tried and dropped in the eighteenth session: dQ split by keys, each warpgroup a partial over
+// its own 64 keys, summed through shared memory: 4-9% slower, commit b799cc6.)
+#ifndef CF_BWD_DQ_TURNS
+#define CF_BWD_DQ_TURNS 1
+#endif
 
 // kBlockM_ (d = 128 only; heuristics.cuh bwd_sm90_block_m chooses): 64 or 80 query rows per step.
 // With 80 (FA3's d = 128 step), S^T / dP^T are m64 x n80 per warpgroup and 80 rows are no whole
@@ -418,9 +428,11 @@ struct BwdSm90Traits {
     static constexpr bool kDqTransposed = kBlockM == 80;
     // rows of one warpgroup's dQ staging tile (f32 x 64 columns)
     static constexpr int kDqRows = kHeadDim == 64 ? 64 : kBlockM;
-    // Staging tiles per warpgroup: with two, step s stages into tile s % 2 while the bulk
-    // reduction of step s - 1 may still be reading the other (the 80-query step has no room).
-    static constexpr int kDqSlots = kBlockM == 80 ? 1 : CF_BWD_DQ_SLOTS;
+    // dQ by turns (CF_BWD_DQ_TURNS; the ordered kernel keeps the column split): each warpgroup's
+    // staging region holds a 64 x 128 tile (two slots' worth)
+    static constexpr bool kDqTurns = CF_BWD_DQ_TURNS != 0 && CF_BWD_PINGPONG == 0 && kHeadDim >= 96 &&
+                                     kBlockM == 64 && (kHeadDim == 64 ? CF_BWD_PRODUCER64 : CF_BWD_PRODUCER) != 0;
+    static constexpr int kDqSlots = kBlockM == 80 ? 1 : kDqTurns ? 2 : CF_BWD_DQ_SLOTS;
     static constexpr int kNConsumerThreads = 256;
     static constexpr bool kProducerWG = (kHeadDim == 64 ? CF_BWD_PRODUCER64 : CF_BWD_PRODUCER) != 0;
     static constexpr int kNThreads = kNConsumerThreads + (kProducerWG ? 128 : 0);

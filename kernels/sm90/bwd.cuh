@@ -9,6 +9,8 @@
 //                  dq_accum per warpgroup and step (a timing build without any dQ reduction
 //                  ran 1.5x faster than per-element f32 atomics; the bulk reductions gained
 //                  5-8%, the load ring below the rest: bench/NOTES.md "Backward v4–v5").
+//                  At d = 96 / 128 (not deterministic) the warpgroups take turns instead: step s's
+//                  owner computes all of dQ(s) as one m64 x n128 product (kDqTurns, below).
 // Computing the transposed scores keeps P^T and dS^T in the accumulator layout that the dV / dK
 // products take as register A operands: no shared-memory round trip for P at all, and dS goes
 // through shared memory only for dQ.
@@ -56,14 +58,15 @@ static __device__ long long g_bwd_trace[2][kBwdTraceSteps][kBwdTraceEvents];
 #endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Step it's lse / dsum rows (cp.async, zero past the sequence) into stage pipe.stage(it) of the ring, by
-// one warp; the caller commits them on the stage's full barrier.
-template <int BM, typename Work, typename Pipe>
-__device__ __forceinline__ void bwd_load_rows(const CfBwdParams& p, const BwdWs& ws, const Work& w,
-                                              const Pipe& pipe, int it, float* sL, float* sD, int lane) {
+// Step it's lse / dsum rows (cp.async, zero past the sequence) into row slot `st` (the ring's stage
+// pipe.stage(it), or a slot of the rows' own ring), by one warp; the caller commits them on the
+// stage's full barrier.
+template <int BM, typename Work>
+__device__ __forceinline__ void bwd_load_rows(const CfBwdParams& p, const BwdWs& ws, const Work& w, int it, int st,
+                                              float* sL, float* sD, int lane) {
     const CfFwdParams& f = p.fwd;
     const SeqInfo& si = w.si;
-    const int st = pipe.stage(it), hq = w.head(it), m0 = w.row0(it);
+    const int hq = w.head(it), m0 = w.row0(it);
     const float* lp = si.lse(f, hq) + m0;
     const float* dp = ws.dsum_rows(si, hq) + m0;
 #pragma unroll
@@ -109,7 +112,7 @@ __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs&
         load_panels_warp<BM, C, kProducer>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride,
                                            si.sq - m0, w.dch, lane, p.dout);
     }
-    if constexpr (!kProducer) bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
+    if constexpr (!kProducer) bwd_load_rows<BM>(p, ws, w, it, st, sL, sD, lane);
     pipe.producer_commit_cp_async(it);
 }
 
@@ -276,6 +279,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         else __syncthreads();
     };
     const Pipeline<NST> pipe(smem_addr(bars));
+    // dQ by turns (config.cuh CF_BWD_DQ_TURNS); the ordered kernel keeps the column split
+    constexpr bool kDqTurns = Kt::kDqTurns && !kOrdered;
     auto load_step = [&](int it) {
         bwd_load_step<BM, DP, Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
     };
@@ -285,7 +290,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // racecheck sees that order (it does not follow the ring's mbarriers, which order the
     // producer's Q / dO).
     auto load_rows = [&](int it) {
-        bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
+        bwd_load_rows<BM>(p, ws, w, it, pipe.stage(it), sL, sD, lane);
         pipe.producer_commit_cp_async(it);
     };
     bwd_start<NCT, DP, Kt::kProducerWG>(f, w, pipe, sK, sV, load_step, tid);
@@ -450,6 +455,49 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         flush_dq_tile(dq_tile(s), dq_dst(s), 1 + wg, wt);
     };
 
+    // P^T, dS^T in registers (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1)) in
+    // place over sT / dpT, and the product dV += P^T dO (A = pa from registers; B = dO [queries][d],
+    // MN-major), overlapped as Kt::kOverlapP says; step it's tiles in ring stage st, its rows in
+    // row slot rs.
+    auto p_ds_dv = [&](float (&sT)[NA], float (&dpT)[NA], uint32_t (&pa)[MS][4], const LogitInfo& li, int it, int m0,
+                       uint32_t tdO, int rs) {
+        const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
+        const float* cL = sL + rs * BM;
+        const float* cD = sD + rs * BM;
+        if constexpr (Kt::kOverlapP == 2) {
+            // P^T while dP^T runs, dS^T while dV's product runs (plain logits: no derivative factor)
+            wg_wait<1>();
+            reg_fence(sT);
+            bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
+            pack_a(pa, sT);
+            issue_rs(dv, pa, tdO);
+            wg_wait<1>();  // S^T and dP^T done (dV may still run)
+            reg_fence(dpT);
+            bwd_ds<BM>(sT, dpT, cD, q4);
+        } else if constexpr (Kt::kOverlapP == 1) {
+            // P^T while dP^T runs
+            wg_wait<1>();
+            reg_fence(sT);
+            CF_BTRACE(trace, wg, it, 3);
+            bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
+            CF_BTRACE(trace, wg, it, 4);
+            wg_wait<0>();
+            reg_fence(dpT);
+            CF_BTRACE(trace, wg, it, 5);
+            bwd_ds<BM>(sT, dpT, cD, q4);
+            pack_a(pa, sT);
+            issue_rs(dv, pa, tdO);
+        } else {
+            wg_wait<0>();
+            reg_fence(sT);
+            reg_fence(dpT);
+            bwd_p_ds<BM, Kt::kGeneralLogits ? Logits::kGeneral : Logits::kPlain>(li, mk, sT, dpT, cL, cD, full, m0,
+                                                                               n0 + key_l0, q4);
+            pack_a(pa, sT);
+            issue_rs(dv, pa, tdO);
+        }
+    };
+
     if constexpr (Kt::kPingPong) {
         // ---- ping-pong schedule (build-time CF_BWD_PINGPONG, off: measured 2-7% slower than the
         // lockstep below, bench/NOTES.md "Backward, tenth session"). The two warpgroups take turns
@@ -548,6 +596,111 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 stage_dq(dq, last);
             }
         }
+    } else if constexpr (kDqTurns) {
+        // ---- dQ by turns (config.cuh CF_BWD_DQ_TURNS). The warpgroups take turns at dQ: step s's
+        // owner, warpgroup s & 1, computes all of dQ(s) = dS(s) K as m64 x n128 x k128 (8 wgmma
+        // instead of 2 x 8 of n64: each k16 step reads dS's 2 KB once for all 128 columns, so a
+        // step's operand reads from shared memory fall from 256 to 240 KB; ncu counts the d = 128
+        // step bound by shared-memory wavefronts, bench/NOTES.md "Eighteenth session"), stages
+        // it into its own 64 x 128 tile and flushes that in its next step (the late flush); the
+        // other warpgroup goes on to its next step. Both still meet at the dS^T barrier of each
+        // step, as in the lockstep schedule below (only the owner waiting, on a bar.arrive of the
+        // other, measured the same). Each warpgroup passes its own barrier 1 + wg equally often
+        // (below): with unequal counts racecheck reported hazards in the epilogue, across the two
+        // barriers of all 256 consumer threads there.
+        const bool atomic = ws.dq_accum != nullptr;
+        float* sT0 = sDq + wg * 2 * 64 * 64;  // this warpgroup's [2 panels][64][64] dQ tile
+        auto flush_full = [&](int s) {  // step s's staged dQ tile -> its two panels of dq_accum
+            fence_async_smem();  // st.shared (generic proxy) -> bulk copy (async proxy)
+            named_bar_sync(1 + wg, 128);
+            if (wt == 0) {
+#pragma unroll
+                for (int pnl = 0; pnl < 2; ++pnl)
+                    bulk_reduce_add_f32(ws.dq_tile_rows(f, si, w.head(s), pnl, w.row0(s)), smem_addr(sT0 + pnl * 64 * 64),
+                                        64 * 64 * 4);
+                bulk_commit();
+            }
+        };
+        for (int it = 0; it < total_it; ++it) {
+            const int hq = w.head(it), m0 = w.row0(it);
+            const int st = pipe.stage(it);
+            const bool owner = (it & 1) == wg;
+            CF_BTRACE(trace, wg, it, 0);
+            if (warp == 0 && it + 1 < total_it) load_rows(it + 1);
+            pipe.consumer_wait(it);
+            CF_BTRACE(trace, wg, it, 1);
+            const uint32_t tQ = smem_addr(sQ + st * BM * DP), tdO = smem_addr(sdO + st * BM * DP);
+            const LogitInfo li(f, b, hq);
+            float sT[NA], dpT[NA];
+            issue_s_dp(sT, dpT, tQ, tdO);
+            if (atomic && !owner) {
+                if (it > 0) flush_full(it - 1);  // the tile this warpgroup staged in its turn
+                else named_bar_sync(1 + wg, 128);  // (see the end of the loop)
+            }
+            CF_BTRACE(trace, wg, it, 2);
+            uint32_t pa[MS][4], dsa[MS][4];
+            p_ds_dv(sT, dpT, pa, li, it, m0, tdO, st);
+            pack_a(dsa, dpT);
+            issue_rs(dk, dsa, tQ);
+            CF_BTRACE(trace, wg, it, 6);
+            if (atomic) {
+                const int buf = it & 1;
+                store_ds(dsa, buf);  // (overlaps the dV / dK products)
+                fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)
+                CF_BTRACE(trace, wg, it, 7);
+                named_bar_sync(kBarDs, 256);  // both halves of dS^T(it) in place
+                if (!owner) {
+                    wg_wait<0>();
+                    reg_fence(dv);
+                    reg_fence(dk);
+                    reg_fence(pa);
+                    reg_fence(dsa);
+                    CF_BTRACE(trace, wg, it, 8);
+                    CF_BTRACE(trace, wg, it, 9);
+                } else {
+                    // dV / dK done first: with P^T / dS^T's fragments still pinned beside dQ's 64
+                    // accumulators, ptxas serialised every wgmma of the kernel (C7512)
+                    wg_wait<0>();
+                    reg_fence(dv);
+                    reg_fence(dk);
+                    reg_fence(pa);
+                    reg_fence(dsa);
+                    CF_BTRACE(trace, wg, it, 8);
+                    float dq[2 * NQ];
+                    const uint32_t tdSi = tdS + buf * BN * BM * 2;
+                    wg_fence();
+#pragma unroll
+                    for (int kk = 0; kk < NS; ++kk)  // A = dS (MN-major), B = K (MN-major, 128 columns)
+                        wgmma_ss<2 * 64, T, 1, 1>(dq, desc_mn_major(tdSi, BN, kk), desc_mn_major(tK, BN, kk), kk > 0);
+                    wg_commit();
+                    wg_wait<0>();
+                    reg_fence(dq);
+                    reg_fence(dv);
+                    reg_fence(dk);
+                    CF_BTRACE(trace, wg, it, 9);
+                    if (wt == 0) bulk_wait_read<0>();  // the tile's previous reduction (step it - 2) has read it
+                    named_bar_sync(1 + wg, 128);
+                    stage_dq_tile<NQ / 2>(dq, 0, sT0, 16 * wq + g, q4);
+                    stage_dq_tile<NQ / 2>(dq, 8, sT0 + 64 * 64, 16 * wq + g, q4);
+                }
+            } else {
+                wg_wait<0>();
+                reg_fence(dv);
+                reg_fence(dk);
+                reg_fence(pa);
+                reg_fence(dsa);
+                named_bar_sync(kBarDs, 256);  // (as in the lockstep schedule: racecheck-visible order)
+            }
+            CF_BTRACE(trace, wg, it, 10);
+            pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
+            CF_BTRACE(trace, wg, it, 11);
+        }
+        // the last turn's tile (the other warpgroup's last one went out in the last step); the
+        // other warpgroup passes its barrier once more here, as warpgroup 1 did in step 0
+        if (atomic && total_it > 0) {
+            if (((total_it - 1) & 1) == wg) flush_full(total_it - 1);
+            else named_bar_sync(1 + wg, 128);
+        }
     } else {
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
@@ -569,44 +722,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             if (ws.dq_accum != nullptr && it > 0) flush_dq(it - 1);
         CF_BTRACE(trace, wg, it, 2);
 
-        // ---- P^T, dS^T in registers (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1)),
-        //      then dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
-        const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
-        const float* cL = sL + st * BM;
-        const float* cD = sD + st * BM;
+        // ---- P^T, dS^T, then dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
         uint32_t pa[MS][4], dsa[MS][4];
-        if constexpr (Kt::kOverlapP == 2) {
-            // P^T while dP^T runs, dS^T while dV's product runs (plain logits: no derivative factor)
-            wg_wait<1>();
-            reg_fence(sT);
-            bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
-            pack_a(pa, sT);
-            issue_rs(dv, pa, tdO);
-            wg_wait<1>();  // S^T and dP^T done (dV may still run)
-            reg_fence(dpT);
-            bwd_ds<BM>(sT, dpT, cD, q4);
-        } else if constexpr (Kt::kOverlapP == 1) {
-            // P^T while dP^T runs
-            wg_wait<1>();
-            reg_fence(sT);
-            CF_BTRACE(trace, wg, it, 3);
-            bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
-            CF_BTRACE(trace, wg, it, 4);
-            wg_wait<0>();
-            reg_fence(dpT);
-            CF_BTRACE(trace, wg, it, 5);
-            bwd_ds<BM>(sT, dpT, cD, q4);
-            pack_a(pa, sT);
-            issue_rs(dv, pa, tdO);
-        } else {
-            wg_wait<0>();
-            reg_fence(sT);
-            reg_fence(dpT);
-            bwd_p_ds<BM, Kt::kGeneralLogits ? Logits::kGeneral : Logits::kPlain>(li, mk, sT, dpT, cL, cD, full, m0,
-                                                                               n0 + key_l0, q4);
-            pack_a(pa, sT);
-            issue_rs(dv, pa, tdO);
-        }
+        p_ds_dv(sT, dpT, pa, li, it, m0, tdO, st);
         dq_signal();  // the reduction issued early in this step (late flush), ~1000 cycles ago
         pack_a(dsa, dpT);
         issue_rs(dk, dsa, tQ);
