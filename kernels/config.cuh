@@ -430,11 +430,11 @@ struct BwdSm90Traits {
     static constexpr int kDqRows = kHeadDim == 64 ? 64 : kBlockM;
     // dQ by turns (CF_BWD_DQ_TURNS; the ordered kernel keeps the column split): each warpgroup's
     // staging region holds a 64 x 128 tile (two slots' worth)
+    static constexpr bool kProducerWG = (kHeadDim == 64 ? CF_BWD_PRODUCER64 : CF_BWD_PRODUCER) != 0;
     static constexpr bool kDqTurns = CF_BWD_DQ_TURNS != 0 && CF_BWD_PINGPONG == 0 && kHeadDim >= 96 &&
-                                     kBlockM == 64 && (kHeadDim == 64 ? CF_BWD_PRODUCER64 : CF_BWD_PRODUCER) != 0;
+                                     kBlockM == 64 && kProducerWG;
     static constexpr int kDqSlots = kBlockM == 80 ? 1 : kDqTurns ? 2 : CF_BWD_DQ_SLOTS;
     static constexpr int kNConsumerThreads = 256;
-    static constexpr bool kProducerWG = (kHeadDim == 64 ? CF_BWD_PRODUCER64 : CF_BWD_PRODUCER) != 0;
     static constexpr int kNThreads = kNConsumerThreads + (kProducerWG ? 128 : 0);
     // With the producer warpgroup: launch registers 168, the producer keeps kProducerRegs (TMA and
     // the cp.async fallback of a varlen block's rows), the consumers get the rest, at most 240.

@@ -58,15 +58,14 @@ static __device__ long long g_bwd_trace[2][kBwdTraceSteps][kBwdTraceEvents];
 #endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Step it's lse / dsum rows (cp.async, zero past the sequence) into row slot `st` (the ring's stage
-// pipe.stage(it), or a slot of the rows' own ring), by one warp; the caller commits them on the
-// stage's full barrier.
-template <int BM, typename Work>
-__device__ __forceinline__ void bwd_load_rows(const CfBwdParams& p, const BwdWs& ws, const Work& w, int it, int st,
-                                              float* sL, float* sD, int lane) {
+// Step it's lse / dsum rows (cp.async, zero past the sequence) into stage pipe.stage(it) of the ring, by
+// one warp; the caller commits them on the stage's full barrier.
+template <int BM, typename Work, typename Pipe>
+__device__ __forceinline__ void bwd_load_rows(const CfBwdParams& p, const BwdWs& ws, const Work& w,
+                                              const Pipe& pipe, int it, float* sL, float* sD, int lane) {
     const CfFwdParams& f = p.fwd;
     const SeqInfo& si = w.si;
-    const int hq = w.head(it), m0 = w.row0(it);
+    const int st = pipe.stage(it), hq = w.head(it), m0 = w.row0(it);
     const float* lp = si.lse(f, hq) + m0;
     const float* dp = ws.dsum_rows(si, hq) + m0;
 #pragma unroll
@@ -112,7 +111,7 @@ __device__ __forceinline__ void bwd_load_step(const CfBwdParams& p, const BwdWs&
         load_panels_warp<BM, C, kProducer>(do_dst, si.dout<T>(p, hq) + (int64_t)m0 * p.do_row_stride, p.do_row_stride,
                                            si.sq - m0, w.dch, lane, p.dout);
     }
-    if constexpr (!kProducer) bwd_load_rows<BM>(p, ws, w, it, st, sL, sD, lane);
+    if constexpr (!kProducer) bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
     pipe.producer_commit_cp_async(it);
 }
 
@@ -290,7 +289,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // racecheck sees that order (it does not follow the ring's mbarriers, which order the
     // producer's Q / dO).
     auto load_rows = [&](int it) {
-        bwd_load_rows<BM>(p, ws, w, it, pipe.stage(it), sL, sD, lane);
+        bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
         pipe.producer_commit_cp_async(it);
     };
     bwd_start<NCT, DP, Kt::kProducerWG>(f, w, pipe, sK, sV, load_step, tid);
@@ -455,15 +454,24 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         flush_dq_tile(dq_tile(s), dq_dst(s), 1 + wg, wt);
     };
 
+    // Every product this warpgroup issued in the step has completed (dV, dK and what came before):
+    // the accumulators and the P^T / dS^T fragments are free again.
+    auto drain_step = [&](uint32_t (&pa)[MS][4], uint32_t (&dsa)[MS][4]) {
+        wg_wait<0>();
+        reg_fence(dv);
+        reg_fence(dk);
+        reg_fence(pa);
+        reg_fence(dsa);
+    };
+
     // P^T, dS^T in registers (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1)) in
     // place over sT / dpT, and the product dV += P^T dO (A = pa from registers; B = dO [queries][d],
-    // MN-major), overlapped as Kt::kOverlapP says; step it's tiles in ring stage st, its rows in
-    // row slot rs.
+    // MN-major), overlapped as Kt::kOverlapP says; step it's tiles and rows in ring stage st.
     auto p_ds_dv = [&](float (&sT)[NA], float (&dpT)[NA], uint32_t (&pa)[MS][4], const LogitInfo& li, int it, int m0,
-                       uint32_t tdO, int rs) {
+                       uint32_t tdO, int st) {
         const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
-        const float* cL = sL + rs * BM;
-        const float* cD = sD + rs * BM;
+        const float* cL = sL + st * BM;
+        const float* cD = sD + st * BM;
         if constexpr (Kt::kOverlapP == 2) {
             // P^T while dP^T runs, dS^T while dV's product runs (plain logits: no derivative factor)
             wg_wait<1>();
@@ -571,11 +579,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             ds_full_arrive(it);
             // B(it) done (dQ inside the B batch, or dV / dK left in flight into the next step,
             // made ptxas serialise every wgmma of the kernel: C7514)
-            wg_wait<0>();
-            reg_fence(dv);
-            reg_fence(dk);
-            reg_fence(pa);
-            reg_fence(dsa);
+            drain_step(pa, dsa);
             pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
             if (atomic && it > 0) {
                 issue_dq(dq, it - 1);
@@ -650,21 +654,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 CF_BTRACE(trace, wg, it, 7);
                 named_bar_sync(kBarDs, 256);  // both halves of dS^T(it) in place
                 if (!owner) {
-                    wg_wait<0>();
-                    reg_fence(dv);
-                    reg_fence(dk);
-                    reg_fence(pa);
-                    reg_fence(dsa);
+                    drain_step(pa, dsa);
                     CF_BTRACE(trace, wg, it, 8);
                     CF_BTRACE(trace, wg, it, 9);
                 } else {
                     // dV / dK done first: with P^T / dS^T's fragments still pinned beside dQ's 64
                     // accumulators, ptxas serialised every wgmma of the kernel (C7512)
-                    wg_wait<0>();
-                    reg_fence(dv);
-                    reg_fence(dk);
-                    reg_fence(pa);
-                    reg_fence(dsa);
+                    drain_step(pa, dsa);
                     CF_BTRACE(trace, wg, it, 8);
                     float dq[2 * NQ];
                     const uint32_t tdSi = tdS + buf * BN * BM * 2;
@@ -684,11 +680,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                     stage_dq_tile<NQ / 2>(dq, 8, sT0 + 64 * 64, 16 * wq + g, q4);
                 }
             } else {
-                wg_wait<0>();
-                reg_fence(dv);
-                reg_fence(dk);
-                reg_fence(pa);
-                reg_fence(dsa);
+                drain_step(pa, dsa);
                 named_bar_sync(kBarDs, 256);  // (as in the lockstep schedule: racecheck-visible order)
             }
             CF_BTRACE(trace, wg, it, 10);
@@ -766,11 +758,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
             CF_BTRACE(trace, wg, it, 11);
         } else {
-            wg_wait<0>();
-            reg_fence(dv);
-            reg_fence(dk);
-            reg_fence(pa);
-            reg_fence(dsa);
+            drain_step(pa, dsa);
             // The ring's empty barrier alone orders these reads of lse / dsum before warp 0's next
             // cp.async into the stage, but racecheck does not follow mbarriers; the atomic mode
             // has the dS^T barrier here, and this keeps the deterministic mode provably clean.
