@@ -406,6 +406,13 @@ struct BwdDqTraits {
 #ifndef CF_BWD_DQ_TURNS
 #define CF_BWD_DQ_TURNS 1
 #endif
+// The d = 64 backward's wgmma descriptors (build-time, for A/B runs): 1 = advanced from one base
+// per tile as every other sm90 kernel does (sm90/wgmma.cuh desc_advance), 0 = derived from each
+// k16 step's address. Advancing cut the d = 128 backward's instructions 15% and its time 2.6%
+// under ncu, but made the d = 64 backward 2% slower (bench/NOTES.md "Nineteenth session").
+#ifndef CF_BWD64_DESC_ADVANCE
+#define CF_BWD64_DESC_ADVANCE 0
+#endif
 
 // kBlockM_ (d = 128 only; heuristics.cuh bwd_sm90_block_m chooses): 64 or 80 query rows per step.
 // With 80 (FA3's d = 128 step), S^T / dP^T are m64 x n80 per warpgroup and 80 rows are no whole
@@ -434,6 +441,9 @@ struct BwdSm90Traits {
     static constexpr bool kDqTurns = CF_BWD_DQ_TURNS != 0 && CF_BWD_PINGPONG == 0 && kHeadDim >= 96 &&
                                      kBlockM == 64 && kProducerWG;
     static constexpr int kDqSlots = kBlockM == 80 ? 1 : kDqTurns ? 2 : CF_BWD_DQ_SLOTS;
+    // wgmma descriptors of the k16 steps advanced from one base per tile (sm90/wgmma.cuh
+    // desc_advance: -15% instructions at d = 128) or derived from each step's address
+    static constexpr bool kDescAdvance = kHeadDim != 64 || CF_BWD64_DESC_ADVANCE != 0;
     static constexpr int kNConsumerThreads = 256;
     static constexpr int kNThreads = kNConsumerThreads + (kProducerWG ? 128 : 0);
     // With the producer warpgroup: launch registers 168, the producer keeps kProducerRegs (TMA and

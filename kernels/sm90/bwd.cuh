@@ -246,6 +246,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     constexpr int ND = D / 2;    // accumulators of an m64 x D product
     constexpr int NQ = 32;       // accumulators of the m64 x n64 dQ slice
     constexpr bool kDqT = Kt::kDqTransposed;  // dQ^T = K^T dS^T (BM = 80)
+    constexpr bool kDA = Kt::kDescAdvance;    // how the k16 steps' wgmma descriptors are built
 
     extern __shared__ __align__(1024) unsigned char smem_sm90[];
     if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
@@ -338,7 +339,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     auto issue_rs = [&](float (&acc)[ND], uint32_t (&a)[MS][4], uint32_t tB) {
         wg_fence();
 #pragma unroll
-        for (int kq = 0; kq < MS; ++kq) wgmma_rs<D, T, 1>(acc, a[kq], desc_mn_major(tB, BM, kq), 1);
+        for (int kq = 0; kq < MS; ++kq) wgmma_rs<D, T, 1>(acc, a[kq], desc_mn_major<kDA>(tB, BM, kq), 1);
         wg_commit();
     };
     // S^T = K Q^T and dP^T = V dO^T (this warpgroup's 64 keys x BM queries), two commit groups
@@ -346,11 +347,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks)
-            wgmma_ss<BM, T, 0, 0>(sT, desc_k_major(tKw, BN, ks), desc_k_major(tQ, BM, ks), ks > 0);
+            wgmma_ss<BM, T, 0, 0>(sT, desc_k_major<kDA>(tKw, BN, ks), desc_k_major<kDA>(tQ, BM, ks), ks > 0);
         wg_commit();
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks)
-            wgmma_ss<BM, T, 0, 0>(dpT, desc_k_major(tVw, BN, ks), desc_k_major(tdO, BM, ks), ks > 0);
+            wgmma_ss<BM, T, 0, 0>(dpT, desc_k_major<kDA>(tVw, BN, ks), desc_k_major<kDA>(tdO, BM, ks), ks > 0);
         wg_commit();
     };
     // this warpgroup's rows of dS^T (element 4j+e of the A fragments: key key_l0 + 8 (e >> 1),
@@ -375,7 +376,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < NS; ++kk)
-            wgmma_ss<64, T, 1, 1>(dq, desc_mn_major(tA, BN, kk), desc_mn_major(tB, BN, kk), kk > 0);
+            wgmma_ss<64, T, 1, 1>(dq, desc_mn_major<kDA>(tA, BN, kk), desc_mn_major<kDA>(tB, BN, kk), kk > 0);
         wg_commit();
     };
 
@@ -422,8 +423,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < NS; ++kk)
-                wgmma_ss<BM, T, 1, 0>(dqt, desc_mn_major(tK + wg * BN * kPanelRowBytes, BN, kk),
-                                      desc_k_major(tdSi, BM, kk), kk > 0);
+                wgmma_ss<BM, T, 1, 0>(dqt, desc_mn_major<kDA>(tK + wg * BN * kPanelRowBytes, BN, kk),
+                                      desc_k_major<kDA>(tdSi, BM, kk), kk > 0);
             wg_commit();
             wg_wait<0>();
             reg_fence(dqt);
@@ -667,7 +668,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                     wg_fence();
 #pragma unroll
                     for (int kk = 0; kk < NS; ++kk)  // A = dS (MN-major), B = K (MN-major, 128 columns)
-                        wgmma_ss<2 * 64, T, 1, 1>(dq, desc_mn_major(tdSi, BN, kk), desc_mn_major(tK, BN, kk), kk > 0);
+                        wgmma_ss<2 * 64, T, 1, 1>(dq, desc_mn_major<kDA>(tdSi, BN, kk), desc_mn_major<kDA>(tK, BN, kk), kk > 0);
                     wg_commit();
                     wg_wait<0>();
                     reg_fence(dq);

@@ -34,13 +34,31 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t saddr, uint32_t lbo, uint
     return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
            ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);  // 1 = 128-byte swizzle
 }
-// K-major operand: a panel tile with R rows (M or N), k16 step ks.
+// The descriptor of `d`'s start address plus `bytes` (a multiple of 16): the start-address field
+// (bits 0-13, address >> 4) gains bytes >> 4 in the low word alone. Exact because every shared
+// address is below 2^18 (228 KB), so the field never carries into the next one. Building each
+// k16 step's descriptor this way from one base per tile costs one integer add; re-deriving it
+// from the address (mask, shift, or-in) cost ~5 dependent instructions before every HGMMA
+// (bench/NOTES.md "Nineteenth session": 13 instructions per HGMMA against cuDNN's 8).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t d, uint32_t bytes) {
+    const uint32_t lo = (uint32_t)d + (bytes >> 4), hi = (uint32_t)(d >> 32);
+    return ((uint64_t)hi << 32) | lo;
+}
+// K-major operand: a panel tile with R rows (M or N), k16 step ks. kAdvance = false derives the
+// descriptor from the step's address instead (the same value; kept for the one kernel that
+// measured faster with it, config.cuh BwdSm90Traits::kDescAdvance).
+template <bool kAdvance = true>
 __device__ __forceinline__ uint64_t desc_k_major(uint32_t tile, int R, int ks) {
-    return gmma_desc(tile + (ks >> 2) * R * kPanelRowBytes + (ks & 3) * 32, 16, 1024);
+    const uint32_t off = (ks >> 2) * R * kPanelRowBytes + (ks & 3) * 32;
+    if constexpr (kAdvance) return desc_advance(gmma_desc(tile, 16, 1024), off);
+    else return gmma_desc(tile + off, 16, 1024);
 }
 // MN-major operand: a panel tile with R rows (K), k16 step ks; M/N panels R*128 bytes apart.
+template <bool kAdvance = true>
 __device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int R, int ks) {
-    return gmma_desc(tile + ks * 16 * kPanelRowBytes, R * kPanelRowBytes, 1024);
+    const uint32_t off = ks * 16 * kPanelRowBytes;
+    if constexpr (kAdvance) return desc_advance(gmma_desc(tile, R * kPanelRowBytes, 1024), off);
+    else return gmma_desc(tile + off, R * kPanelRowBytes, 1024);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
