@@ -4,7 +4,7 @@
 # read with ncu: each kernel's name, grid, block, registers, shared memory and duration, then
 # the SASS opcode mix of the longest kernels (bench/ncu_source.py --mix: HGMMA shapes and
 # operand forms give the tile structure, e.g. which products read A from registers).
-#   N=8192 D=128 [CAUSAL=1] [TOP=2] [SKIP=^flash_] bash bench/ref_kernels.sh
+#   N=8192 D=128 [CAUSAL=1] [TOP=2] [SKIP=pytorch_flash] bash bench/ref_kernels.sh
 # (SKIP: a regex of kernel names left out of the SASS pass; FA2, whose source we have, by default)
 # Writes $OUT/ref_launch_<N>_<D>.txt and $OUT/ref_sass_<N>_<D>_<i>.txt.
 set -uo pipefail
@@ -20,7 +20,7 @@ tag="${N}_${D}$([ "${CAUSAL:-0}" = 1 ] && echo c)"
 launch="$OUT/ref_launch_$tag.txt"
 ncu --section LaunchStats --section SpeedOfLight --csv --page details \
   python3 bench/one_fwd.py "${args[@]}" > "$launch.csv" 2> "$OUT/ref_ncu_$tag.err"
-python3 - "$launch.csv" "$TOP" "${SKIP:-^flash_}" > "$launch" <<'EOF'
+python3 - "$launch.csv" "$TOP" "${SKIP:-pytorch_flash}" > "$launch" <<'EOF'
 import csv, re, sys
 from collections import OrderedDict
 rows = [r for r in csv.reader(open(sys.argv[1], errors="replace")) if len(r) > 10]
