@@ -90,11 +90,37 @@ struct DkdvCta {
 // (deterministic mode): there a query block's reductions go in key-block order, and a rotated CTA
 // would reach the block it waits on last.
 // kReverse: deterministic mode's query-block order (row0), and no rotation.
-template <typename T, int BN, int BM, bool kHeavyFirst = false, bool kRotate = false, bool kReverse = false>
+// n / d and n % d for 0 <= n < 2^32 by one 64-bit multiply-high and one correction: m =
+// floor((2^64 - 1) / d) makes floor(n m / 2^64) q or q - 1 (the error is below n / 2^64 < 2^-32,
+// and a nonzero fraction of n / d is at least 1 / d >= 2^-32). The step loops divide the step
+// index by the CTA's query-block count every step (head, row); the compiler's 32-bit division
+// there was ~20 instructions and a MUFU.RCP on each step's critical path (bench/NOTES.md,
+// nineteenth session). One 64-bit division per CTA builds m. DkdvWork's kMulDiv chooses it per
+// kernel: the d = 64 / 96 / 128 sm_90a backward measured 1-4% faster with it, the wide (d = 192 /
+// 256) one 6% slower (same values; another schedule), the sm_80 family was not measured.
+struct StepDivider {
+    uint32_t d;
+    uint64_t m;
+    __device__ __forceinline__ explicit StepDivider(int d_ = 1) : d(d_ > 1 ? (uint32_t)d_ : 1u), m(~0ull / d) {}
+    __device__ __forceinline__ void divmod(int n, int& q, int& r) const {
+        uint32_t qq = (uint32_t)__umul64hi((uint64_t)(uint32_t)n, m);
+        uint32_t rr = (uint32_t)n - qq * d;
+        if (rr >= d) {
+            ++qq;
+            rr -= d;
+        }
+        q = (int)qq;
+        r = (int)rr;
+    }
+};
+
+template <typename T, int BN, int BM, bool kHeavyFirst = false, bool kRotate = false, bool kReverse = false,
+          bool kMulDiv = false>
 struct DkdvWork {
     SeqInfo si;
     MaskInfo mk;
     int b, hkv_i, split, n0, h_begin, mb_lo, nm, total_it, dch, rot;
+    StepDivider by_nm;  // kMulDiv: step it -> (head it / nm, query block it % nm)
     const T* kg;  // K / V rows of this KV head, row 0 of the sequence
     const T* vg;
 
@@ -115,6 +141,7 @@ struct DkdvWork {
         if (n0 < si.sk) mk.query_range(n0, min(n0 + BN, si.sk) - 1, m_lo, m_hi);
         mb_lo = m_lo / BM;
         nm = m_hi > m_lo ? (m_hi + BM - 1) / BM - mb_lo : 0;
+        if constexpr (kMulDiv) by_nm = StepDivider(nm);
         total_it = nm * max(h_end - h_begin, 0);
         // MaskInfo's windows, not the raw ones: a window as wide as the sequence is no mask
         rot = kRotate && !kReverse && mk.wl < 0 && mk.wr < 0 && nm > 0 ? c.kb % nm : 0;
@@ -129,14 +156,27 @@ struct DkdvWork {
         mk.key_range(m0, min(m0 + BM, si.sq) - 1, lo, hi);
         return n0 / BN - lo / BN;
     }
-    __device__ __forceinline__ int head(int it) const { return h_begin + it / nm; }
+    __device__ __forceinline__ void step_divmod(int it, int& q, int& r) const {
+        if constexpr (kMulDiv) {
+            by_nm.divmod(it, q, r);
+        } else {
+            q = it / nm;
+            r = it % nm;
+        }
+    }
+    __device__ __forceinline__ int head(int it) const {
+        int q, r;
+        step_divmod(it, q, r);
+        return h_begin + q;
+    }
     // Deterministic mode walks the query blocks last first: a query block's reductions go in
     // key-block order, and under causal or sliding-window masks key block kb's last query block
     // is at or after key block kb - 1's, so every CTA of a head starts on the last block (causal)
     // or reaches a block after the CTA before it; first first, kb would wait ~2 steps per key
     // block for kb - 1 (causal d = 128, 16k: 288 -> 234 TF/s instead of a gain).
     __device__ __forceinline__ int row0(int it) const {
-        int r = it % nm;
+        int q, r;
+        step_divmod(it, q, r);
         if constexpr (kRotate) r = r + rot < nm ? r + rot : r + rot - nm;
         if constexpr (kReverse) r = nm - 1 - r;
         return (mb_lo + r) * BM;

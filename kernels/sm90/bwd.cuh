@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
     const int g = lane >> 2, q4 = lane & 3;
-    const DkdvWork<T, BN, BM, CF_BWD_HEAVY_FIRST != 0, false, kOrdered> w(p, ws);
+    const DkdvWork<T, BN, BM, CF_BWD_HEAVY_FIRST != 0, false, kOrdered, true> w(p, ws);  // StepDivider
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
