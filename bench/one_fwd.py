@@ -24,6 +24,8 @@ dev = torch.device("cuda")
 B, H = 16384 // a.n, 2048 // a.d
 c = kc.Case("one", a.dtype, b=B, h=H, sq=a.n, d=a.d, wl=-1, wr=(0 if a.causal else -1))
 q, k, v, _, _ = kc.make_inputs(c, dev, torch.Generator(device=dev).manual_seed(0))
+
+
 def ours():
     kc.load_lib()
     o = torch.empty_like(q)

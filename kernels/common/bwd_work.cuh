@@ -83,13 +83,6 @@ struct DkdvCta {
     }
 };
 
-// kRotate: without masks, the CTA walks its query blocks starting at its key block's index
-// (mod their count) instead of at 0, so that the CTAs of a head, which run together, reduce their
-// dQ tiles into different rows rather than all into the same 64 (the wide kernels, whose 64 KB of
-// dQ reductions a step bind them; bench/NOTES.md "Backward, twelfth session"). Not with kReverse
-// (deterministic mode): there a query block's reductions go in key-block order, and a rotated CTA
-// would reach the block it waits on last.
-// kReverse: deterministic mode's query-block order (row0), and no rotation.
 // n / d and n % d for 0 <= n < 2^32 by one 64-bit multiply-high and one correction: m =
 // floor((2^64 - 1) / d) makes floor(n m / 2^64) q or q - 1 (the error is below n / 2^64 < 2^-32,
 // and a nonzero fraction of n / d is at least 1 / d >= 2^-32). The step loops divide the step
@@ -114,6 +107,14 @@ struct StepDivider {
     }
 };
 
+// kRotate: without masks, the CTA walks its query blocks starting at its key block's index
+// (mod their count) instead of at 0, so that the CTAs of a head, which run together, reduce their
+// dQ tiles into different rows rather than all into the same 64 (the wide kernels, whose 64 KB of
+// dQ reductions a step bind them; bench/NOTES.md "Backward, twelfth session"). Not with kReverse
+// (deterministic mode): there a query block's reductions go in key-block order, and a rotated CTA
+// would reach the block it waits on last.
+// kReverse: deterministic mode's query-block order (row0), and no rotation.
+// kMulDiv: head / row0 divide the step index by StepDivider instead of the compiler's division.
 template <typename T, int BN, int BM, bool kHeavyFirst = false, bool kRotate = false, bool kReverse = false,
           bool kMulDiv = false>
 struct DkdvWork {
