@@ -154,10 +154,10 @@ pub(crate) fn backward(
     let lse = dense_f32(lse.0, lse.1)?;
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
 
-    let mut dq = vec![0f32; shape.total_q * h * d];
+    let mut dq = super::filled(shape.total_q * h * d, 0f32);
     // dK/dV per *query* head, summed over each group below.
-    let mut dk_heads = vec![0f32; shape.total_k * h * d];
-    let mut dv_heads = vec![0f32; shape.total_k * h * d];
+    let mut dk_heads = super::filled(shape.total_k * h * d, 0f32);
+    let mut dv_heads = super::filled(shape.total_k * h * d, 0f32);
     let tasks: Vec<(usize, usize)> = (0..host.seqs.len()).flat_map(|b| (0..h).map(move |head| (b, head))).collect();
     let ptrs = (SharedMut(dq.as_mut_ptr()), SharedMut(dk_heads.as_mut_ptr()), SharedMut(dv_heads.as_mut_ptr()));
     let max_q = host.seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
