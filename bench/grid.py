@@ -80,8 +80,8 @@ for dt in ("bf16", "f16"):
 # GQA=2048,8192,32768: the Llama-3-8B-like prefill points instead (B = 1, 32 query / 8 KV heads,
 # d = 128, causal, bf16); SDPA runs them with K / V repeated to 32 heads (the same products)
 GQA = [int(x) for x in os.environ.get("GQA", "").split(",") if x]
-if GQA:
-    points = [("bf16", 128, True, n) for n in GQA]
+if GQA:  # GQA_CAUSAL=0: the same points without the mask
+    points = [("bf16", 128, os.environ.get("GQA_CAUSAL", "1") != "0", n) for n in GQA]
 if os.environ.get("POINTS"):
     sel = [tuple(x.split(",")) for x in os.environ["POINTS"].split(";")]
     points = [pt for pt in points if (pt[0], str(pt[1]), str(int(pt[2])), str(pt[3])) in sel]

@@ -379,6 +379,15 @@ struct BwdDqTraits {
 #ifndef CF_BWD_TAIL_WAVES
 #define CF_BWD_TAIL_WAVES 2
 #endif
+// GQA backward (heuristics.cuh plan_bwd; build-time, for A/B runs): the grid size in CTAs under
+// which the query heads of a KV head are split over several CTAs, and the key length from which
+// the sm_90a backward gives every query head its own CTAs.
+#ifndef CF_BWD_GQA_SPLIT_TARGET
+#define CF_BWD_GQA_SPLIT_TARGET 264
+#endif
+#ifndef CF_BWD_GQA_SPLIT_KEYS
+#define CF_BWD_GQA_SPLIT_KEYS 4096
+#endif
 #ifndef CF_BWD_PRODUCER64
 #define CF_BWD_PRODUCER64 0
 #endif

@@ -91,15 +91,29 @@ inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc, bool sm90) {
     // (the counters are int-indexed; beyond that, the dQ pass)
     pl.ordered_dq = tc && sm90 && p.deterministic != 0 && 2 * (int64_t)f.b * f.h * pl.sem_blocks <= INT32_MAX;
     pl.atomic_dq = tc && (p.deterministic == 0 || pl.ordered_dq);
-    // GQA/MQA on tensor cores: split the query heads of a KV head over several CTAs when the
-    // grid would otherwise be small (partials summed in a fixed order by a reduction kernel).
+    // GQA/MQA on tensor cores: split the query heads of a KV head over several CTAs (hps heads
+    // each; f32 dK / dV partials summed in a fixed order by a reduction kernel) when the grid
+    // would otherwise be small: ~2 waves of 132 SMs counted in 64-key blocks.
+    // Under a causal mask (triangular: no left window) a CTA's work falls with its key block, and
+    // the grid balances better with more, smaller CTAs. The sm_90a bwd.cuh kernel (d <= 128) then
+    // counts its own CTAs of 128 keys, and from 4096 keys gives every query head its own CTAs.
+    // Measured (twentieth session, H100, 32 / 8 heads, d = 128, bwd TF/s, before -> after):
+    // - causal: 1k 149 -> 165, 2k 307 -> 310 (2 heads a CTA either way; 1 head measured 314 ->
+    //   286), 4k 403 -> 408, 8k 469 -> 500, 16k 469 -> 539, 32k 555 -> 566;
+    // - without a mask, one head a CTA was slower at 8k (542 -> 515: equal CTAs balance anyway, and
+    //   the partials' traffic, 2 * group * seqlen_k * d floats a KV head, remains), so there the
+    //   rule stays as it was.
     pl.nsplit = 1;
     pl.hps = f.h / f.hkv;
     if (tc && f.h > f.hkv) {
         const int group = f.h / f.hkv;
-        const int64_t ctas = (int64_t)((f.seqlen_k + 63) / 64) * f.hkv * f.b;
-        const int64_t target = 264;  // ~2 waves of 132 SMs
-        int want = ctas >= target ? 1 : (int)((target + ctas - 1) / ctas);
+        const int64_t target = CF_BWD_GQA_SPLIT_TARGET;
+        const int64_t blocks = (int64_t)((f.seqlen_k + 63) / 64) * f.hkv * f.b;
+        int want = blocks >= target ? 1 : (int)((target + blocks - 1) / blocks);
+        if (sm90 && f.d <= 128 && f.window_right >= 0 && f.window_left < 0) {
+            const int64_t ctas = (int64_t)((f.seqlen_k + 127) / 128) * f.hkv * f.b;
+            want = f.seqlen_k >= CF_BWD_GQA_SPLIT_KEYS ? group : (int)((target + ctas - 1) / ctas);
+        }
         if (want > group) want = group;
         pl.hps = (group + want - 1) / want;
         pl.nsplit = (group + pl.hps - 1) / pl.hps;
