@@ -513,21 +513,21 @@ pub(crate) fn with_cached<K: PartialEq + Copy + 'static, S: 'static, R>(
     })
 }
 
-/// `vec![zero; len]`, filled by every thread of the pool. A fresh output of a few MB was
+/// `vec![value; len]`, filled by every thread of the pool. A fresh output of a few MB was
 /// filled serially before: its memset and its page faults (the allocator hands out fresh pages
 /// after each call's frees) ran on the calling thread alone, with the other cores idle, before
 /// the tasks started. f32 backward at N = 1024 (B = 1, H = 8, D = 64, 2 threads; three outputs of
 /// 2 MB): 2.4-3.1 ms of a ~25 ms call before the first task, 0.2-0.9 ms now.
-pub(crate) fn filled<T: Copy + Send + Sync>(len: usize, zero: T) -> Vec<T> {
+pub(crate) fn filled<T: Copy + Send + Sync>(len: usize, value: T) -> Vec<T> {
     // Parts of 256 KB; below four of them a serial fill is cheaper than waking the pool.
     let chunk = (256 << 10) / std::mem::size_of::<T>().max(1);
     if len < 4 * chunk {
-        return vec![zero; len];
+        return vec![value; len];
     }
     let mut data: Vec<std::mem::MaybeUninit<T>> = Vec::with_capacity(len);
     // SAFETY: MaybeUninit elements need no initialisation.
     unsafe { data.set_len(len) };
-    for_each_chunk_mut(&mut data, chunk, |_, part| part.fill(std::mem::MaybeUninit::new(zero)));
+    for_each_chunk_mut(&mut data, chunk, |_, part| part.fill(std::mem::MaybeUninit::new(value)));
     let mut data = std::mem::ManuallyDrop::new(data);
     // SAFETY: every element was written above; MaybeUninit<T> has T's size and alignment, and
     // the allocation is handed over whole (pointer, length, capacity).
