@@ -107,13 +107,12 @@ inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc, bool sm90) {
     pl.hps = f.h / f.hkv;
     if (tc && f.h > f.hkv) {
         const int group = f.h / f.hkv;
+        const bool causal_narrow = sm90 && f.d <= 128 && f.window_right >= 0 && f.window_left < 0;
+        const int key_block = causal_narrow ? 128 : 64;
+        const int64_t ctas = (int64_t)((f.seqlen_k + key_block - 1) / key_block) * f.hkv * f.b;
         const int64_t target = CF_BWD_GQA_SPLIT_TARGET;
-        const int64_t blocks = (int64_t)((f.seqlen_k + 63) / 64) * f.hkv * f.b;
-        int want = blocks >= target ? 1 : (int)((target + blocks - 1) / blocks);
-        if (sm90 && f.d <= 128 && f.window_right >= 0 && f.window_left < 0) {
-            const int64_t ctas = (int64_t)((f.seqlen_k + 127) / 128) * f.hkv * f.b;
-            want = f.seqlen_k >= CF_BWD_GQA_SPLIT_KEYS ? group : (int)((target + ctas - 1) / ctas);
-        }
+        int want = ctas >= target ? 1 : (int)((target + ctas - 1) / ctas);
+        if (causal_narrow && f.seqlen_k >= CF_BWD_GQA_SPLIT_KEYS) want = group;
         if (want > group) want = group;
         pl.hps = (group + want - 1) / want;
         pl.nsplit = (group + pl.hps - 1) / pl.hps;
