@@ -188,19 +188,16 @@ fn strided_offsets(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
 /// backward, B = 1, H = 8, D = 64, 2 threads, from the last task to the return 1.1-2.1 ms -> 0.9-1.4
 /// at N = 1024, 4.6-7.9 -> 2.8-4.5 ms at 4096 (the rest is the outputs' page faults).
 pub(crate) fn storage_from_f32(data: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
-    const PART: usize = 64 << 10;
     Ok(match dtype {
         DType::F32 => CpuStorage::F32(data),
-        DType::F16 => {
-            let mut narrow = filled(data.len(), f16::ZERO);
-            for_each_chunk_mut(&mut narrow, PART, |c, dst| dst.convert_from_f32_slice(&data[c * PART..][..dst.len()]));
-            CpuStorage::F16(narrow)
-        }
+        DType::F16 => CpuStorage::F16(filled_then(data.len(), f16::ZERO, |start, dst| {
+            dst.convert_from_f32_slice(&data[start..][..dst.len()])
+        })),
         DType::BF16 => {
             let isa = CpuIsa::active();
-            let mut narrow = filled(data.len(), bf16::ZERO);
-            for_each_chunk_mut(&mut narrow, PART, |c, dst| narrow_bf16(isa, &data[c * PART..][..dst.len()], dst));
-            CpuStorage::BF16(narrow)
+            CpuStorage::BF16(filled_then(data.len(), bf16::ZERO, |start, dst| {
+                narrow_bf16(isa, &data[start..][..dst.len()], dst)
+            }))
         }
         dt => bail!("candle-flash: unsupported dtype {dt:?} on cpu"),
     })
@@ -520,15 +517,33 @@ pub(crate) fn with_cached<K: PartialEq + Copy + 'static, S: 'static, R>(
 /// the tasks started. f32 backward at N = 1024 (B = 1, H = 8, D = 64, 2 threads; three outputs of
 /// 2 MB): 2.4-3.1 ms of a ~25 ms call before the first task, 0.2-0.9 ms now.
 pub(crate) fn filled<T: Copy + Send + Sync>(len: usize, value: T) -> Vec<T> {
-    // Parts of 256 KB; below four of them a serial fill is cheaper than waking the pool.
+    filled_then(len, value, |_, _| {})
+}
+
+/// [`filled`], and `then(start, part)` on each part right after it is filled (on the same thread,
+/// while the part is in that core's cache), `start` being the part's first index: the output's
+/// fill and what overwrites it in one parallel pass.
+pub(crate) fn filled_then<T: Copy + Send + Sync>(
+    len: usize,
+    value: T,
+    then: impl Fn(usize, &mut [T]) + Sync,
+) -> Vec<T> {
+    // Parts of 256 KB; below four of them a serial pass is cheaper than waking the pool.
     let chunk = (256 << 10) / std::mem::size_of::<T>().max(1);
     if len < 4 * chunk {
-        return vec![value; len];
+        let mut data = vec![value; len];
+        then(0, &mut data);
+        return data;
     }
     let mut data: Vec<std::mem::MaybeUninit<T>> = Vec::with_capacity(len);
     // SAFETY: MaybeUninit elements need no initialisation.
     unsafe { data.set_len(len) };
-    for_each_chunk_mut(&mut data, chunk, |_, part| part.fill(std::mem::MaybeUninit::new(value)));
+    for_each_chunk_mut(&mut data, chunk, |c, part| {
+        part.fill(std::mem::MaybeUninit::new(value));
+        // SAFETY: every element of the part was just written; MaybeUninit<T> has T's layout.
+        let part = unsafe { &mut *(part as *mut [std::mem::MaybeUninit<T>] as *mut [T]) };
+        then(c * chunk, part)
+    });
     let mut data = std::mem::ManuallyDrop::new(data);
     // SAFETY: every element was written above; MaybeUninit<T> has T's size and alignment, and
     // the allocation is handed over whole (pointer, length, capacity).
@@ -728,7 +743,8 @@ mod tests {
     }
 
     /// `storage_from_f32` narrows in parts over the pool: every element, bit for bit as half's
-    /// scalar conversions, for lengths below, at and across its parts, in pools of 1-3 threads.
+    /// scalar conversions, for lengths below and above `filled_then`'s serial threshold (2-byte
+    /// elements: 512K) and across its parts, in pools of 1-3 threads.
     #[test]
     fn storage_from_f32_narrows_every_element() {
         let mut state = 0x2545_f491_u32;
@@ -740,7 +756,7 @@ mod tests {
         };
         for threads in [1, 2, 3] {
             rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(|| {
-                for len in [0, 1, 777, 1 << 16, (1 << 18) + 12345] {
+                for len in [0, 1, 777, 1 << 16, (1 << 18) + 12345, 1 << 19, 3 << 19 | 12345] {
                     let x: Vec<f32> = (0..len).map(|_| next()).collect();
                     let CpuStorage::BF16(b) = storage_from_f32(x.clone(), DType::BF16).unwrap() else { panic!() };
                     assert!(
