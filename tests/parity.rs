@@ -106,6 +106,21 @@ fn long_gradient_sums() {
     sweep(&cases, true);
 }
 
+/// GQA backward under a causal mask with 4096 keys and more: on Hopper (d <= 128) the backward
+/// then gives every query head its own CTAs (kernels/heuristics.cuh plan_bwd,
+/// CF_BWD_GQA_SPLIT_KEYS), with the f32 dK / dV partials of the group summed by the reduction
+/// kernel. Few query rows keep the CPU reference cheap; the causal mask aligns them to the last
+/// keys, so every row still sees ~4k keys.
+#[test]
+fn gqa_backward_many_keys() {
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        cases.push(Case::new(dtype, (130, 4100), (8, 2), 128).causal());
+        cases.push(Case::new(dtype, (77, 4097), (4, 1), 64).causal());
+    }
+    sweep(&cases, true);
+}
+
 /// Rows that see no key: windows that leave rows empty and Sq > Sk with a causal mask.
 #[test]
 fn fully_masked_rows() {
