@@ -20,8 +20,13 @@ def samples(path):
     """nvidia-smi `--format=csv,noheader,nounits` lines whose first column is the timestamp, as
     tuples (Unix seconds, then every further column as a float: clocks.sm, power.draw, ... in
     the query's order; a column that is not a number ends the tuple)."""
+    return samples_of(open(path))
+
+
+def samples_of(lines):
+    """`samples` of an iterable of lines."""
     out = []
-    for line in open(path):
+    for line in lines:
         f = [x.strip() for x in line.split(",")]
         try:
             day, frac = f[0].rsplit(".", 1)
