@@ -404,10 +404,13 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
     ws.total_k = pl.total_k;
     ws.dq_sem = pl.ordered_dq ? reinterpret_cast<int*>(base + pl.sem_off) : nullptr;
     ws.dq_sem_blocks = pl.sem_blocks;
+    ws.dkv_count = pl.dkv_in_kernel ? reinterpret_cast<int*>(base + pl.cnt_off) : nullptr;
 
     cudaError_t e;
-    if (pl.atomic_dq) {
-        e = cudaMemsetAsync(ws.dq_accum, 0, pl.dkv_off - pl.dq_off, stream);
+    if (pl.atomic_dq || pl.dkv_in_kernel) {
+        // dq_accum, the dQ order's counters and the dK / dV counters: one memset
+        const size_t lo = pl.atomic_dq ? pl.dq_off : pl.cnt_off;
+        e = cudaMemsetAsync(base + lo, 0, pl.dkv_off - lo, stream);
         if (e != cudaSuccess) return (int)e;
     }
     if ((e = run_bwd_dot_do_o(*p, ws, stream)) != cudaSuccess) return (int)e;

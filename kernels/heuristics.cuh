@@ -69,11 +69,15 @@ inline SplitPlan plan_split(const CfFwdParams& p) {
 // Backward workspace plan; a pure function of the parameters (cf_bwd_workspace_size and cf_bwd
 // must agree, so no device query).
 struct BwdPlan {
-    size_t dsum_off, dq_off, sem_off, dkv_off, total;
+    size_t dsum_off, dq_off, sem_off, cnt_off, dkv_off, total;
     int nsplit, hps, sem_blocks;
     int64_t total_q, total_k;
     bool atomic_dq;   // the dK/dV kernels add dQ into dq_accum (else the separate dQ pass runs)
     bool ordered_dq;  // ... in key-block order (deterministic mode on the sm_90a kernels)
+    // GQA split on the sm_90a d <= 128 kernel: the last CTA of each (sequence, KV head, key
+    // block) sums the splits' dK / dV partials itself (BwdWs::dkv_count, counters after dq_sem)
+    // instead of the separate reduction kernel.
+    bool dkv_in_kernel;
 };
 
 inline size_t round256(size_t x) { return (x + 255) & ~size_t(255); }
@@ -127,6 +131,11 @@ inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc, bool sm90) {
         off += round256(sizeof(float) * (size_t)(pl.total_q + BwdWs::kDqSpareRows) * f.h * 64 * BwdWs::dq_panels(f.d));
     pl.sem_off = off;  // zeroed with dq_accum (one memset up to dkv_off)
     if (pl.ordered_dq) off += round256(sizeof(int) * 2 * (size_t)f.b * f.h * pl.sem_blocks);
+    // One counter per (sequence, KV head, key block of at least 64 keys), zeroed by the same
+    // memset (from cnt_off when there is no dq_accum).
+    pl.dkv_in_kernel = pl.nsplit > 1 && sm90 && f.d <= 128;
+    pl.cnt_off = off;
+    if (pl.dkv_in_kernel) off += round256(sizeof(int) * (size_t)f.b * f.hkv * ((f.seqlen_k + 63) / 64));
     pl.dkv_off = off;
     if (pl.nsplit > 1) off += round256(sizeof(float) * 2 * (size_t)pl.nsplit * pl.total_k * f.hkv * f.d);
     pl.total = off;

@@ -15,6 +15,7 @@ namespace cf {
 //                                          tiles; i counts from the sequence start, and the
 //                                          128 spare rows take the zero rows of a query block
 //                                          that runs past the last sequence)
+//   dkv_count [b][hkv][key blocks] ints    nsplit > 1 on the sm_90a d <= 128 kernel (see below)
 //   dkv      [2][nsplit][total_k][hkv][d] only when the query heads of a KV head are split
 //                                          over nsplit CTAs (GQA/MQA): dK part, then dV part
 struct BwdWs {
@@ -33,6 +34,11 @@ struct BwdWs {
     // (sm90/tma.cuh DqOrder), [b][h][dq_sem_blocks][2 warpgroups]; nullptr otherwise.
     int* dq_sem;
     int dq_sem_blocks;  // 64-row query blocks per (sequence, head): seqlen_q / 64 rounded up
+    // nsplit > 1 on the sm_90a d <= 128 kernel (heuristics.cuh plan_bwd dkv_in_kernel): how many
+    // splits of each (sequence, KV head, key block) have written their partials,
+    // [b][hkv][key blocks of the grid], zeroed per call; the last one sums them. nullptr: the
+    // reduction kernel (sm80/bwd.cuh bwd_reduce_dkv_kernel) sums them after the dK/dV kernel.
+    int* dkv_count;
 
     // Row 0 of (sequence si, head h) in each buffer.
     __device__ __forceinline__ float* dsum_rows(const SeqInfo& si, int h) const { return dsum + (int64_t)h * total_q + si.q_row0; }

@@ -464,6 +464,8 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
         return launch_grid(kern, traits, dkdv_grid(traits), true, false, make_bwd_tma_maps(p, Kt::kBlockM));
     };
     bool done = false;
+    // the sm_90a d <= 128 kernel ran: with ws.dkv_count it summed the GQA partials itself
+    [[maybe_unused]] bool summed_dkv = false;
     // deterministic mode with dQ in the dK/dV kernel (heuristics.cuh plan_bwd: sm_90a only)
     [[maybe_unused]] const bool ordered = ws.dq_sem != nullptr;
     // bwd_dkdv_sm90_kernel of the plain- or general-logits traits, ordered or not
@@ -479,7 +481,7 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
     if constexpr (sizeof(T) == 2 && D == 64) {
         if (wgmma) {
             if ((e = run(BwdSm90Traits<T, D, false>{}, BwdSm90Traits<T, D, true>{})) != cudaSuccess) return e;
-            done = true;
+            done = summed_dkv = true;
         }
     } else if constexpr (sizeof(T) == 2 && (D == 96 || D == 128)) {
         if (wgmma) {
@@ -489,7 +491,7 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
             else
                 e = run(BwdSm90Traits<T, D, false, 64>{}, BwdSm90Traits<T, D, true, 64>{});
             if (e != cudaSuccess) return e;
-            done = true;
+            done = summed_dkv = true;
         }
     } else if constexpr (sizeof(T) == 2 && (D == 192 || D == 256)) {
         if (wgmma) {
@@ -512,7 +514,7 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
             if ((e = cudaGetLastError()) != cudaSuccess) return e;
         }
     }
-    if (ws.nsplit > 1) {
+    if (ws.nsplit > 1 && !(summed_dkv && ws.dkv_count != nullptr)) {
         const dim3 grid((f.seqlen_k + 7) / 8, f.hkv, f.b);
         if (grid.x > 0) {
             bwd_reduce_dkv_kernel<T><<<grid, 256, 0, stream>>>(p, ws);

@@ -817,6 +817,45 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                     *reinterpret_cast<float2*>(wv + rl * rs + col) = make_float2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
                 }
             }
+        if (ws.dkv_count != nullptr) {
+            // The last of the nsplit CTAs of this (sequence, KV head, key block) to get here sums
+            // every split's partials, in split order (the same sums, in the same order, as
+            // bwd_reduce_dkv_kernel, which then does not run), while they are still in L2.
+            // The threadFenceReduction pattern: each thread's partials are visible on the device
+            // before the CTA's count, and the last CTA reads the others' after seeing it, past L1.
+            __threadfence();
+            consumers_sync();
+            bool last = false;
+            if (tid == 0) {
+                const int64_t c = ((int64_t)b * f.hkv + hkv_i) * gridDim.x + n0 / BN;
+                last = atomicAdd(ws.dkv_count + c, 1) == ws.nsplit - 1;
+            }
+            if constexpr (Kt::kProducerWG) last = named_bar_any(kBarEpi, NCT, last);
+            else last = __syncthreads_or(last);
+            if (last) {
+                __threadfence();
+                const int rows = min(BN, si.sk - n0), c4 = f.d / 4;
+                const int64_t split_stride = ws.total_k * rs, voff = ws.dkv_v_offset(f);
+                const float* pk = ws.dk_part_rows(f, si, 0, hkv_i) + n0 * rs;
+                T* dkg = si.dk<T>(p, hkv_i) + (int64_t)n0 * p.dk_row_stride;
+                T* dvg = si.dv<T>(p, hkv_i) + (int64_t)n0 * p.dv_row_stride;
+                for (int idx = tid; idx < rows * c4; idx += NCT) {
+                    const int r = idx / c4, c = 4 * (idx % c4);
+                    const float* src = pk + r * rs + c;
+                    float4 sk4 = make_float4(0.f, 0.f, 0.f, 0.f), sv4 = sk4;
+                    for (int s = 0; s < ws.nsplit; ++s) {
+                        const float4 ak = __ldcg(reinterpret_cast<const float4*>(src + s * split_stride));
+                        const float4 av = __ldcg(reinterpret_cast<const float4*>(src + s * split_stride + voff));
+                        sk4.x += ak.x, sk4.y += ak.y, sk4.z += ak.z, sk4.w += ak.w;
+                        sv4.x += av.x, sv4.y += av.y, sv4.z += av.z, sv4.w += av.w;
+                    }
+                    *reinterpret_cast<uint2*>(dkg + (int64_t)r * p.dk_row_stride + c) =
+                        make_uint2(pack2<T>(sk4.x, sk4.y), pack2<T>(sk4.z, sk4.w));
+                    *reinterpret_cast<uint2*>(dvg + (int64_t)r * p.dv_row_stride + c) =
+                        make_uint2(pack2<T>(sv4.x, sv4.y), pack2<T>(sv4.z, sv4.w));
+                }
+            }
+        }
     }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }

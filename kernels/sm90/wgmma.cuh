@@ -190,6 +190,21 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
 __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// named_bar_sync that also returns whether any of the threads passed `pred` (bar.red.or).
+__device__ __forceinline__ bool named_bar_any(int id, int threads, bool pred) {
+    uint32_t any;
+    asm volatile(
+        "{\n"
+        ".reg .pred in, out;\n"
+        "setp.ne.u32 in, %1, 0;\n"
+        "bar.red.or.pred out, %2, %3, in;\n"
+        "selp.u32 %0, 1, 0, out;\n"
+        "}\n"
+        : "=r"(any)
+        : "r"((uint32_t)pred), "r"(id), "r"(threads)
+        : "memory");
+    return any != 0;
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // cp.async of rows [0, ROWS) x chunks [0, C) of a row-major global tile into a panel tile.
