@@ -96,7 +96,8 @@ inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc, bool sm90) {
     pl.ordered_dq = tc && sm90 && p.deterministic != 0 && 2 * (int64_t)f.b * f.h * pl.sem_blocks <= INT32_MAX;
     pl.atomic_dq = tc && (p.deterministic == 0 || pl.ordered_dq);
     // GQA/MQA on tensor cores: split the query heads of a KV head over several CTAs (hps heads
-    // each; f32 dK / dV partials summed in a fixed order by a reduction kernel) when the grid
+    // each; f32 dK / dV partials summed in a fixed order, by the last CTA of each key block on
+    // the sm_90a d <= 128 kernel (dkv_in_kernel below), else by a reduction kernel) when the grid
     // would otherwise be small: ~2 waves of 132 SMs counted in 64-key blocks.
     // Under a causal mask (triangular: no left window) a CTA's work falls with its key block, and
     // the grid balances better with more, smaller CTAs. The sm_90a bwd.cuh kernel (d <= 128) then

@@ -101,8 +101,8 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
   # outside the tensors.
   san memcheck-varlen memcheck -- gpu-bin/tests/parity varlen
   san memcheck-bad-seqlens memcheck -- gpu-bin/tests/errors bad_seqlens
-  # GQA backward with 4096+ keys under a causal mask: one query head per CTA and the partials'
-  # reduction (plan_bwd, CF_BWD_GQA_SPLIT_KEYS), through the crate.
+  # GQA backward with 4096+ keys under a causal mask: one query head per CTA and the in-kernel
+  # sums of the dK / dV partials (plan_bwd, CF_BWD_GQA_SPLIT_KEYS), through the crate.
   san memcheck-gqa-many-keys memcheck -- gpu-bin/tests/parity gqa_backward_many_keys
 fi
 
