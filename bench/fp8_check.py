@@ -9,7 +9,10 @@ the unnormalised P rounded to e4m3 before P V, FlashAttention-3's recipe) plus o
 rounding (lse: plus 2^-11 of its size, the FP8 MMA's accumulation); NaN fails; outputs and the
 workspace are NaN-poisoned before every call.
 Bench: TFLOP/s of our e4m3 forward (its V transpose included) against our bf16 forward and
-cuDNN's bf16 SDPA on the same shapes (B*N = 16384, hidden 2048, CUDA events, median of 20).
+cuDNN's bf16 SDPA on the same shapes (B*N = 16384, hidden 2048, CUDA events, median of 20), and
+with --cudnn-fp8 against cuDNN's own FP8 forward (cudnn-frontend's sdpa_fp8, carried as a wheel:
+it is not in the device image) on the same e4m3 tensors, with the mean SM clock of each timing
+(NVML, sampled every 2 ms) and the share of the e4m3 tensor-core peak at that clock.
 
   python3 bench/fp8_check.py [--no-build] [--bench] [--filter S]
 """
@@ -175,6 +178,7 @@ def bench_setup(dev, d, causal, N):
     def call():
         _ = keep
         return kc.call_fwd(fp, ws, stream)
+    call.e4m3 = (q8, k8, v8)
     return call, (q, k, v, lse, o8), 4 * B * H * N * N * d * (0.5 if causal else 1.0)
 
 
@@ -196,6 +200,92 @@ def bf16_calls(dev, d, causal, N, inputs):
     return ours, lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
 
+FP8_FLOP_PER_SM_CLOCK = 8192  # H100: 4 tensor cores x 1024 dense e4m3 FMA a clock
+
+
+class ClockSampler:
+    """Mean SM clock (MHz) while the block runs: NVML read every 2 ms on a thread."""
+
+    def __enter__(self):
+        import threading
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        self.mhz, self._stop = [], threading.Event()
+
+        def loop():
+            while not self._stop.is_set():
+                self.mhz.append(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
+                time.sleep(0.002)
+        self._t = threading.Thread(target=loop, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+    def mean(self):
+        return sum(self.mhz) / max(len(self.mhz), 1)
+
+
+def timed_with_clock(fn):
+    """(median seconds, mean SM MHz over the timing) of kc.median_cuda_time(fn)."""
+    with ClockSampler() as cs:
+        t = kc.median_cuda_time(fn)
+    return t, cs.mean()
+
+
+def cudnn_fp8_call(d, causal, q8, k8, v8, check):
+    """cuDNN's FP8 forward on our (B, N, H, D) e4m3 tensors: cudnn-frontend's sdpa_fp8 with
+    per-tensor descales of 1 and an e4m3 output (what cuDNN offers on Hopper), same strides.
+    With check, its output is compared once with f32 attention on the raw e4m3 values of the
+    first (batch, head), so that the timing is known to be of a real attention."""
+    import cudnn
+    B, N, H, _ = q8.shape
+    dims, strides = (B, H, N, d), (N * H * d, d, H * d, 1)
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT)
+    tq, tk, tv = (graph.tensor(name=n, dim=dims, stride=strides, data_type=cudnn.data_type.FP8_E4M3)
+                  for n in ("q", "k", "v"))
+    scalars = [graph.tensor(name=n, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=cudnn.data_type.FLOAT)
+               for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")]
+    o_t, _, amax_s_t, amax_o_t = graph.sdpa_fp8(q=tq, k=tk, v=tv, descale_q=scalars[0], descale_k=scalars[1],
+                                               descale_v=scalars[2], descale_s=scalars[3], scale_s=scalars[4],
+                                               scale_o=scalars[5], is_inference=True, attn_scale=1.0 / math.sqrt(d),
+                                               use_causal_mask=causal, name="sdpa_fp8")
+    o_t.set_output(True).set_dim(dims).set_stride(strides).set_data_type(cudnn.data_type.FP8_E4M3)
+    for t in (amax_s_t, amax_o_t):
+        t.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(cudnn.data_type.FLOAT)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    dev = q8.device
+    o = torch.empty_like(q8)
+    ones = [torch.ones(1, 1, 1, 1, device=dev) for _ in range(6)]
+    amax = [torch.empty(1, 1, 1, 1, device=dev) for _ in range(2)]
+    pack = {tq: q8, tk: k8, tv: v8, o_t: o, amax_s_t: amax[0], amax_o_t: amax[1]}
+    pack.update(zip(scalars, ones))
+    ws = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=dev)
+
+    def call():
+        graph.execute(pack, ws)
+    if check:
+        call()
+        qf, kf, vf = (x[0, :, 0].float() for x in (q8, k8, v8))
+        s_ = qf @ kf.T / math.sqrt(d)
+        if causal:
+            s_ = s_.masked_fill(torch.ones(N, N, dtype=torch.bool, device=dev).triu(1), float("-inf"))
+        ref = torch.softmax(s_, -1) @ vf
+        rel = ((o[0, :, 0].float() - ref).norm() / ref.norm()).item()
+        print(f"cuDNN FP8 check D={d} causal={int(causal)} N={N}: |err|/|ref| = {rel:.3f}", flush=True)
+        if not rel < 0.1:
+            raise RuntimeError(f"cuDNN FP8 output off: {rel}")
+    return call
+
+
 def bench(dev, dims):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     rows = []
@@ -214,6 +304,32 @@ def bench(dev, dims):
                       f"cudnn-bf16 {rows[-1][5]:6.0f} TF/s  e4m3/bf16 {tb / t8:.2f}  e4m3/cudnn {tc / t8:.2f}",
                       flush=True)
     return rows
+
+
+def bench_cudnn_fp8(dev, dims, ns, rounds):
+    """Ours e4m3 against cuDNN's FP8 forward, same e4m3 tensors, alternating for `rounds`
+    rounds: TF/s, mean SM clock and the share of the e4m3 peak at that clock."""
+    props = torch.cuda.get_device_properties(dev)
+    lines = []
+    for d in dims:
+        for causal in (False, True):
+            for N in ns:
+                call8, _, fl = bench_setup(dev, d, causal, N)
+                kc.check(call8(), "cf_fwd(e4m3)")
+                try:
+                    impls = (("ours-e4m3", call8), ("cudnn-e4m3", cudnn_fp8_call(d, causal, *call8.e4m3, check=(N == ns[0]))))
+                except Exception as e:  # noqa: BLE001 (no frontend, or no cuDNN engine for the point)
+                    print(f"cuDNN FP8 D={d} causal={int(causal)} N={N}: {type(e).__name__}: {e}", flush=True)
+                    impls = (("ours-e4m3", call8),)
+                for r in range(rounds):
+                    for name, fn in impls:
+                        t, mhz = timed_with_clock(fn)
+                        tf = fl / t / 1e12
+                        peak = FP8_FLOP_PER_SM_CLOCK * props.multi_processor_count * mhz * 1e6 / 1e12
+                        lines.append(f"fp8-vs-cudnn D={d} causal={int(causal)} N={N} round={r} {name} "
+                                     f"{tf:.0f} TF/s sm_clock {mhz:.0f} MHz peak_share {tf / peak:.3f}")
+                        print(lines[-1], flush=True)
+    return lines
 
 
 def sustained(dev, dims, seconds):
@@ -272,6 +388,9 @@ def main():
     ap.add_argument("--filter", default="")
     ap.add_argument("--dims", default="128,256", help="head dims of --bench")
     ap.add_argument("--one", default="", help="N,D,causal: one e4m3 forward (for ncu), then exit")
+    ap.add_argument("--cudnn-fp8", default="",
+                    help="with --bench: N list (e.g. 2048,8192,16384) for ours e4m3 against cuDNN's FP8 forward")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of --cudnn-fp8")
     ap.add_argument("--sustain", type=float, default=0,
                     help="with --bench: also time the 16k points under sustained load (seconds per timing)")
     args = ap.parse_args()
@@ -300,11 +419,14 @@ def main():
         print(lines[-1], flush=True)
     print(f"fp8 check: {len(lines) - n_fail} passed, {n_fail} failed", flush=True)
     if args.bench:
-        rows = bench(dev, [int(x) for x in args.dims.split(",")])
+        rows = bench(dev, [int(x) for x in args.dims.split(",")]) if not args.cudnn_fp8 else []
+        if args.cudnn_fp8:
+            lines += bench_cudnn_fp8(dev, [int(x) for x in args.dims.split(",")],
+                                     [int(x) for x in args.cudnn_fp8.split(",")], args.rounds)
         lines += [f"D={d} causal={cz} N={n} e4m3={a:.0f} bf16={b:.0f} cudnn={c_:.0f}" for d, cz, n, a, b, c_ in rows]
         if args.sustain:
             lines += sustained(dev, [int(x) for x in args.dims.split(",")], args.sustain)
-    if args.bench and kc.OUT:
+    if rows and kc.OUT:
         plot(rows, os.path.join(kc.OUT, "fp8_forward.png"))
     if kc.OUT:
         with open(os.path.join(kc.OUT, "fp8_check.txt"), "w") as f:
