@@ -418,6 +418,7 @@ def main():
         lines.append(f"{'PASS' if ok else 'FAIL'} fp8 {c.name:22s} worst={worst:5.2f} {detail}")
         print(lines[-1], flush=True)
     print(f"fp8 check: {len(lines) - n_fail} passed, {n_fail} failed", flush=True)
+    rows = []
     if args.bench:
         rows = bench(dev, [int(x) for x in args.dims.split(",")]) if not args.cudnn_fp8 else []
         if args.cudnn_fp8:
