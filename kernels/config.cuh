@@ -245,6 +245,11 @@ template <typename T> using FwdSm90TraitsD256Long = FwdSm90Traits<T, 256, CF_FWD
 #ifndef CF_FP8_D128_BN
 #define CF_FP8_D128_BN 128
 #endif
+// The V^T pre-pass (sm90/fwd.cu fp8_transpose_v_kernel): halves of 64 keys per CTA, whose
+// loads a thread has in flight together (bench/NOTES.md "The V^T pre-pass").
+#ifndef CF_FP8_VT_HALVES
+#define CF_FP8_VT_HALVES 2
+#endif
 #ifndef CF_FP8_D128_STAGES
 #define CF_FP8_D128_STAGES (CF_FP8_D128_BN == 128 ? 4 : 2)
 #endif

@@ -113,49 +113,65 @@ __device__ __forceinline__ int64_t fp8_vt_col0(const SeqInfo& si) {
     return si.k_varlen ? fp8_vt_varlen_col0(si.k_row0, si.b) : 0;
 }
 
-// V (e4m3, the contract's addressing) -> V^T (Fp8VtLayout): CTA = 64 keys x 64 columns of d of
-// one (sequence, KV head); zeros from the sequence's end to fp8_vt_padded_keys (the attention
-// kernel loads whole key blocks; P is 0 there, V must not be NaN).
+// V (e4m3, the contract's addressing) -> V^T (Fp8VtLayout): CTA = kVtKeys keys x 64 columns of d
+// of one (sequence, KV head), in halves of 64 keys (each thread has both halves' loads in flight
+// before the barrier); zeros from the sequence's end to fp8_vt_padded_keys (the attention kernel
+// loads whole key blocks; P is 0 there, V must not be NaN).
 // Shared tile [key][d] with the 16-byte chunks of key row k XOR-swizzled by (k / 16) % 4: in the
 // gather below, the four threads of a d row read keys 16 apart at the same d; unswizzled (any
 // row pitch that keeps the chunks 16-byte aligned) those four reads hit one bank, a 4-way
 // conflict on every byte read (ncu: 38 us for the 33.5 MB of V at B * N = 16384, H = 16,
 // d = 128, i.e. 1.45 TB/s; ~8% of a 2k forward).
-constexpr int kVtTile = 64;
+constexpr int kVtTile = 64;                       // keys of a half, columns of d of a CTA
+constexpr int kVtHalves = CF_FP8_VT_HALVES;       // config.cuh
+constexpr int kVtKeys = kVtHalves * kVtTile;      // keys of a CTA (divides kFp8KeyPad)
+static_assert(kFp8KeyPad % kVtKeys == 0, "padded key counts are whole CTAs");
 __device__ __forceinline__ int fp8_vt_chunk(int key, int chunk) { return chunk ^ ((key >> 4) & 3); }
 __global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const CfFwdParams p, uint8_t* vt, int64_t cols) {
-    __shared__ __align__(16) uint8_t tile[kVtTile][kVtTile];  // [key][d], chunks swizzled
+    __shared__ __align__(16) uint8_t tile[kVtKeys][kVtTile];  // [key][d], chunks swizzled
     const int b = blockIdx.z, hk = blockIdx.y % p.hkv, d0 = (blockIdx.y / p.hkv) * kVtTile;
-    const int n0 = blockIdx.x * kVtTile, tid = threadIdx.x;
+    const int n0 = blockIdx.x * kVtKeys, tid = threadIdx.x;
     const SeqInfo si(p, b);
     const int padded = (int)fp8_vt_padded_keys(si.sk);
     if (n0 >= padded) return;
-    {  // load: key n0 + tid / 4, 16 bytes of d each
-        const int k = tid >> 2, key = n0 + k, c = d0 + 16 * (tid & 3);
-        uint4 x = make_uint4(0, 0, 0, 0);
-        if (key < si.sk && c < p.d)
-            x = *reinterpret_cast<const uint4*>(si.v<uint8_t>(p, hk) + (int64_t)key * p.v_row_stride + c);
-        *reinterpret_cast<uint4*>(&tile[k][16 * fp8_vt_chunk(k, tid & 3)]) = x;
+    {  // load: key n0 + 64 h + tid / 4, 16 bytes of d each
+        uint4 x[kVtHalves];
+#pragma unroll
+        for (int h = 0; h < kVtHalves; ++h) {
+            const int key = n0 + kVtTile * h + (tid >> 2), c = d0 + 16 * (tid & 3);
+            x[h] = make_uint4(0, 0, 0, 0);
+            if (key < si.sk && c < p.d)
+                x[h] = *reinterpret_cast<const uint4*>(si.v<uint8_t>(p, hk) + (int64_t)key * p.v_row_stride + c);
+        }
+#pragma unroll
+        for (int h = 0; h < kVtHalves; ++h) {
+            const int k = kVtTile * h + (tid >> 2);
+            *reinterpret_cast<uint4*>(&tile[k][16 * fp8_vt_chunk(k, tid & 3)]) = x[h];
+        }
     }
     __syncthreads();
-    // store: d row d0 + tid / 4, 16 consecutive positions (4 per thread, 64 per row)
-    const int r = tid >> 2, pos0 = 16 * (tid & 3);
+    // store: d row d0 + tid / 4, 16 consecutive positions of each half (4 per thread, 64 per row)
+    const int r = tid >> 2;
     if (d0 + r >= p.d) return;
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        uint32_t x = 0;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int pos = pos0 + 4 * i + e;  // within the 64-key tile; groups of 32 stay aligned
-            const int k = (pos & ~31) + fp8_vt_key(pos & 31);
-            x |= (uint32_t)tile[k][16 * fp8_vt_chunk(k, r >> 4) + (r & 15)] << (8 * e);
-        }
-        w[i] = x;
-    }
     const int64_t bb = si.k_varlen ? 0 : b;
-    uint8_t* row = vt + ((bb * p.hkv + hk) * p.d + d0 + r) * cols + fp8_vt_col0(si) + n0 + pos0;
-    *reinterpret_cast<uint4*>(row) = make_uint4(w[0], w[1], w[2], w[3]);
+    uint8_t* row = vt + ((bb * p.hkv + hk) * p.d + d0 + r) * cols + fp8_vt_col0(si) + n0;
+#pragma unroll
+    for (int h = 0; h < kVtHalves; ++h) {
+        const int pos0 = kVtTile * h + 16 * (tid & 3);
+        uint32_t w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            uint32_t x = 0;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int pos = pos0 + 4 * i + e;  // within the CTA's keys; groups of 32 stay aligned
+                const int k = (pos & ~31) + fp8_vt_key(pos & 31);
+                x |= (uint32_t)tile[k][16 * fp8_vt_chunk(k, r >> 4) + (r & 15)] << (8 * e);
+            }
+            w[i] = x;
+        }
+        *reinterpret_cast<uint4*>(row + pos0) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -597,7 +613,7 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t 
         if (workspace == nullptr) return cudaErrorInvalidValue;
         maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN, workspace, vl.cols, Kt::kHeadDim);
         if (!maps.q_ok || !maps.kv_ok) return cudaErrorNotSupported;  // cf_fwd_check rules this out
-        const dim3 tgrid((unsigned)(fp8_vt_padded_keys(p.seqlen_k) / kVtTile),
+        const dim3 tgrid((unsigned)(fp8_vt_padded_keys(p.seqlen_k) / kVtKeys),
                          (unsigned)(p.hkv * ((p.d + kVtTile - 1) / kVtTile)), (unsigned)p.b);
         if (tgrid.x > 0) {
             fp8_transpose_v_kernel<<<tgrid, 256, 0, stream>>>(p, static_cast<uint8_t*>(workspace), vl.cols);
