@@ -137,10 +137,14 @@ struct FwdSm90Traits {
     static constexpr int kProducerRegs = kFp8 ? 24 : kHeadDim == 64 ? (kNWarpGroups == 3 ? 32 : 56) : 40;
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
     static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
-    // e4m3 with 256 keys per block: P goes to O += P V^T through shared memory (SS) instead of
-    // registers (RS), which frees its 32 registers for the wider S (S 128 + O 64, no P
-    // fragments). Up to 224 keys P stays in registers (S 112 + P 28 + O 64 at d = 128).
-    static constexpr bool kPSmem = kFp8 && kBlockN > 224;
+    // e4m3 with more than 224 keys per block (kSerialPV; sm90/fwd.cu FwdMainloop): a step runs
+    // P(j-1) V(j-1) to completion, then S(j), then the softmax, instead of the softmax while P V
+    // finishes. No product is then in flight while another's registers are live: S 128 + O 64 is
+    // the peak at 256 keys and d = 128, where the overlapped step (S 128 + O 64 + P 32) spilled
+    // and serialised its wgmmas. cuDNN's FP8 forward (ncu, 9.19: 64 x 256 per warpgroup, P from
+    // registers) waits the same way. Up to 224 keys the overlapped step fits (S 112 + P 28 + O 64)
+    // and is faster (192 keys serial: -7%; bench/NOTES.md "FP8: 256 keys, serial P V").
+    static constexpr bool kSerialPV = kFp8 && kBlockN > 224;
     // Where O is rescaled by a block's softmax correction (sm90/fwd.cu FwdMainloop): at the end of
     // the step (after the previous P V completed) or, early, in the next step between issuing S
     // and P V (FlashAttention-3's place, off the step's critical tail). Early pays where O is
@@ -234,14 +238,14 @@ template <typename T> using FwdSm90TraitsD256Long = FwdSm90Traits<T, 256, CF_FWD
 //   D = 128 (d <= 128): Q 16 KB + K, V^T 4 x 2 x 16 KB + O 32 KB. O 64 + S 64 + P 16 registers.
 //   D = 256: Q 32 KB + K, V^T 2 x 2 x 32 KB + O 64 KB = 224 KB. O 128 + S 64 + P 16.
 //   (3 consumer warpgroups at d = 128, 192 x 128: 160 registers each, spilled 144 bytes.)
-//   D = 128 long (heuristics.cuh fwd_fp8_long): 128 x 192, 3 stages: Q 16 KB + K 24 KB, V^T
-//   32 KB (two 128-key panels, the second half used) x 3 + O 32 KB = 216 KB; S 96 + P 24 + O 64
-//   registers, no spills. H100: +0-7% at 8k-16k, level at 4k, 4-14% slower up to 2k (bench/NOTES.md
-//   "FP8 forward: wider key blocks"); 224 keys (2 stages) measured the same, 192 in 2 stages 2-3%
-//   below 3. CF_FP8_D128_LONG_BN picks another width for A/B runs.
-//   CF_FP8_D128_BN=256 (build-time): 128 x 256 tiles at d = 128 with P through shared memory
-//   (kPSmem); correct on the device (fp8_check 35/35), 2-8% faster at 8k-16k, 10-20% slower at
-//   512, 44 bytes spilled: not the default (bench/NOTES.md "FP8 forward").
+//   D = 128 long (heuristics.cuh fwd_fp8_long): 128 x 256, 2 stages, P V serial (kSerialPV): Q 16
+//   KB + (K 32 KB + V^T 32 KB) x 2 + O 32 KB = 176 KB; S 128 + O 64 registers, no spills. H100,
+//   against the former 128 x 192 (3 stages, overlapped P V): +6% non-causal and +1-2% causal at
+//   8k-16k (bench/NOTES.md "FP8: 256 keys, serial P V"). The 128 x 192 tile had been +0-7% over
+//   128 x 128 at 8k-16k, level at 4k, 4-14% slower up to 2k ("FP8 forward: wider key blocks").
+//   CF_FP8_D128_LONG_BN picks another width for A/B runs (up to 224: overlapped, 3 stages up to
+//   192).
+//   CF_FP8_D128_BN (build-time): the key width of the short-sequence tile; 256 runs it serial.
 #ifndef CF_FP8_D128_BN
 #define CF_FP8_D128_BN 128
 #endif
@@ -257,7 +261,7 @@ template <typename O>
 using FwdSm90Fp8TraitsD128 =
     FwdSm90Traits<__nv_fp8_e4m3, 128, CF_FP8_D128_BN, 2, CF_FP8_D128_STAGES, true, true, true, O>;
 #ifndef CF_FP8_D128_LONG_BN
-#define CF_FP8_D128_LONG_BN 192
+#define CF_FP8_D128_LONG_BN 256
 #endif
 template <typename O>
 using FwdSm90Fp8TraitsD128Long =

@@ -246,8 +246,9 @@ enum class FwdSm90Config { kD64Short, kD64, kD64Persistent, kD96, kD128, kD192, 
 // e4m3 forward (sm_90a only): the 128 head-dim tile up to d = 128 (d = 64 with zero-filled
 // columns: 8-bit rows of 64 bytes would need a second swizzle mode), else the 256 tile.
 inline int fwd_fp8_tile(int d) { return d <= 128 ? 128 : 256; }
-// The 128 tile's wide key blocks (config.cuh FwdSm90Fp8TraitsD128Long) from 4096 queries and keys:
-// level there, +0-7% at 8k-16k, slower below (H100, bench/NOTES.md "FP8 forward: wider key blocks").
+// The 128 tile's wide key blocks (config.cuh FwdSm90Fp8TraitsD128Long: 256 keys, serial P V) from
+// 4096 queries and keys: faster from 8k, slower at 2k (H100, bench/NOTES.md "FP8: 256 keys,
+// serial P V").
 // The 256 tile has no wider block: its V^T stages (64 KB per 128 keys) fill shared memory.
 inline bool fwd_fp8_long(const CfFwdParams& p) {
     return fwd_fp8_tile(p.d) == 128 && p.seqlen_q >= 4096 && p.seqlen_k >= 4096;

@@ -86,7 +86,6 @@ struct FwdSharedStorage {
     alignas(1024) T k[Kt::kStages][kKVElems];
     alignas(1024) T v[Kt::kStages][Kt::kVtKeys * Kt::kHeadDimPad];  // e4m3: V^T tiles [D][kVtKeys]
     OptionalTile<To, kQElems, Kt::kSeparateO> o;  // own output staging buffer, else staged in q
-    OptionalTile<uint8_t, Kt::kNWarpGroups * 64 * Kt::kBlockN, Kt::kPSmem> p;  // e4m3 P per warpgroup [64][kBlockN]
     // Pipeline barriers (full, then empty, per pipeline), contiguous: all pipelines are
     // addressed from one base register.
     uint64_t q_bars[2][1];
@@ -319,9 +318,7 @@ struct FwdMainloop {
 
     float o[D / 2];
     OnlineSoftmax<2> softmax;  // rows g and g + 8 of this warp
-    uint32_t pa[Kt::kPSmem ? 1 : PS][4];  // P of the previous block (A fragments; unused with kPSmem)
-    uint32_t aPwg = 0;  // kPSmem: this warpgroup's P tile (panel layout, 64 rows) and the named
-    int pbar = 0;       // barrier that publishes its stores to the warpgroup
+    uint32_t pa[PS][4];  // P of the previous block (A fragments)
 #ifdef CF_FWD_TRACE
     bool trace = false;  // this tile is the one probed
 #endif
@@ -348,9 +345,7 @@ struct FwdMainloop {
         auto issue_pv = [&](uint32_t st) {
 #pragma unroll
             for (int ks = 0; ks < PS; ++ks) {
-                if constexpr (Kt::kPSmem)  // P from shared memory (K-major, 64 rows)
-                    wgmma_ss_e4m3<D>(o, desc_k_major(aPwg, 64, ks), desc_k_major(aV + st * kVStageBytes, D, ks), 1);
-                else if constexpr (Kt::kFp8)  // V^T: D rows of kBlockN keys, K-major
+                if constexpr (Kt::kFp8)  // V^T: D rows of kBlockN keys, K-major
                     wgmma_rs_e4m3<D>(o, pa[ks], desc_k_major(aV + st * kVStageBytes, D, ks), 1);
                 else
                     wgmma_rs<D, T, 1>(o, pa[ks], desc_mn_major(aV + st * kVStageBytes, BN, ks), 1);
@@ -373,22 +368,8 @@ struct FwdMainloop {
 #pragma unroll
                     for (int hr = 0; hr < 4; ++hr) {
                         const float* a = s + 16 * ks + 8 * (hr >> 1) + 2 * (hr & 1);
-                        const uint32_t w = pack_e4m3x4(a[0], a[1], a[4], a[5]);
-                        if constexpr (Kt::kPSmem) {
-                            // the fragment's bytes at their (row, k) in the panel layout: row g (+8),
-                            // k = 32 ks + 16 (hr >> 1) + 4 q .. + 3 (conflict-free: 8 rows, 8 chunks)
-                            const int r = wrow_wg + g + 8 * (hr & 1), c = 32 * ks + 16 * (hr >> 1) + 4 * q4;
-                            const uint32_t addr = aPwg + (c >> 7) * 64 * kPanelRowBytes + r * kPanelRowBytes +
-                                                  ((((c & 127) >> 4) ^ (r & 7)) << 4) + (c & 15);
-                            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(w) : "memory");
-                        } else {
-                            pa[ks][hr] = w;
-                        }
+                        pa[ks][hr] = pack_e4m3x4(a[0], a[1], a[4], a[5]);
                     }
-                if constexpr (Kt::kPSmem) {
-                    fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)
-                    named_bar_sync(pbar, 128);
-                }
             } else {
 #pragma unroll
             for (int ks = 0; ks < PS; ++ks) {
@@ -421,6 +402,32 @@ struct FwdMainloop {
         }
         for (int j = 1; j < t.nblocks; ++j) {
             float s[BN / 2];
+            if constexpr (Kt::kSerialPV) {
+                // P(j-1) V(j-1), completed, then S(j), completed, then the softmax: no product
+                // is in flight while another's registers are live, so S 128 + O 64 is the peak
+                // and 256 keys fit (cuDNN's FP8 forward waits the same way). The other
+                // warpgroup's products fill the tensor cores during this one's softmax.
+                pl.v().consumer_wait(kv + j - 1);
+                pl.k().consumer_wait(kv + j);
+                turn.wait();
+                wg_fence();
+                issue_pv(pl.v().stage(kv + j - 1));
+                wg_wait<0>();
+                reg_fence(o);
+#pragma unroll
+                for (int ks = 0; ks < PS; ++ks) reg_fence(pa[ks]);
+                pl.v().consumer_release(kv + j - 1, lane);
+                wg_fence();
+                issue_s(s, pl.k().stage(kv + j));
+                turn.pass(j == t.nblocks - 1);
+                wg_wait<0>();
+                reg_fence(s);
+                pl.k().consumer_release(kv + j, lane);
+                softmax_block(s, (t.nb_hi - 1 - j) * BN, corr);
+                scale_rows<1, DT>(o, corr);
+                to_p(s);
+                continue;
+            }
             CF_TRACE(trace, turn.wg, j, 0);
             pl.k().consumer_wait(kv + j);
             pl.v().consumer_wait(kv + j - 1);  // loaded right after K(j): S and P V stay back to back
@@ -446,7 +453,7 @@ struct FwdMainloop {
             wg_wait<0>();  // P(j-1) V(j-1) done: o and pa are free
             reg_fence(o);
 #pragma unroll
-            for (int ks = 0; ks < (Kt::kPSmem ? 1 : PS); ++ks) reg_fence(pa[ks]);
+            for (int ks = 0; ks < PS; ++ks) reg_fence(pa[ks]);
             CF_TRACE(trace, turn.wg, j, 7);
             pl.v().consumer_release(kv + j - 1, lane);
             if constexpr (!kEarlyRescale) scale_rows<1, DT>(o, corr);
@@ -573,10 +580,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
         const float cmul = li.general ? kLog2e : li.c;  // general path: s holds natural logits
         turn.start_tile();
         pl.q().consumer_wait(tcount);
-        if constexpr (Kt::kPSmem) {
-            ml.aPwg = smem_addr(ss.p.data) + wg * 64 * Kt::kBlockN;
-            ml.pbar = 1 + NWG + wg;  // after the ping-pong barriers 1 .. NWG
-        }
 #ifdef CF_FWD_TRACE
         ml.trace = blockIdx.x == 0 && tcount == 0;
 #endif
