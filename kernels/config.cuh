@@ -151,7 +151,9 @@ struct FwdSm90Traits {
     // large: 16-bit d = 256 (H100: +6-8% at 8k-16k on the 64-key tile, +1-3% on the 80-key one);
     // at d = 64 / 128 / 192 it measured level (within +-3%), on e4m3 1-4% slower.
     // CF_FWD_EARLY_RESCALE=0 / 1 forces it for A/B runs.
-    static constexpr bool kEarlyRescale = CF_FWD_EARLY_RESCALE < 0 ? (!kFp8 && kHeadDim == 256) : CF_FWD_EARLY_RESCALE != 0;
+    // (Never with kSerialPV: its step rescales O between its two products, P V being complete.)
+    static constexpr bool kEarlyRescale =
+        !kSerialPV && (CF_FWD_EARLY_RESCALE < 0 ? (!kFp8 && kHeadDim == 256) : CF_FWD_EARLY_RESCALE != 0);
     static constexpr int kQBytes = kBlockM * kHeadDimPad * kElemBytes;
     static constexpr int kKVStageBytes = kBlockN * kHeadDimPad * kElemBytes;
     static constexpr int kVtKeys = kFp8 ? (kBlockN + 127) / 128 * 128 : kBlockN;  // keys of a V stage

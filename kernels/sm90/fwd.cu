@@ -328,7 +328,6 @@ struct FwdMainloop {
                                         uint32_t aQwg, uint32_t aK, uint32_t aV, uint32_t kv, int wrow0, int lane,
                                         const PingPong<Kt>& turn) {
         const int q4 = lane & 3, g = lane >> 2;
-        [[maybe_unused]] const int wrow_wg = 16 * ((threadIdx.x >> 5) & 3);  // this warp's first row in its warpgroup
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
         softmax = OnlineSoftmax<2>();
@@ -424,38 +423,36 @@ struct FwdMainloop {
                 reg_fence(s);
                 pl.k().consumer_release(kv + j, lane);
                 softmax_block(s, (t.nb_hi - 1 - j) * BN, corr);
-                scale_rows<1, DT>(o, corr);
-                to_p(s);
-                continue;
-            }
-            CF_TRACE(trace, turn.wg, j, 0);
-            pl.k().consumer_wait(kv + j);
-            pl.v().consumer_wait(kv + j - 1);  // loaded right after K(j): S and P V stay back to back
-            CF_TRACE(trace, turn.wg, j, 1);
-            turn.wait();
-            CF_TRACE(trace, turn.wg, j, 2);
-            wg_fence();
-            issue_s(s, pl.k().stage(kv + j));
-            CF_TRACE(trace, turn.wg, j, 3);
-            if constexpr (kEarlyRescale) {
-                scale_rows<1, DT>(o, corr);
-                wg_fence();  // o written by this thread -> read by the P V wgmma
-            }
-            issue_pv(pl.v().stage(kv + j - 1));
-            turn.pass(j == t.nblocks - 1);
-            CF_TRACE(trace, turn.wg, j, 4);
-            wg_wait<1>();  // S(j) done, P(j-1) V(j-1) may still run
-            reg_fence(s);
-            CF_TRACE(trace, turn.wg, j, 5);
-            pl.k().consumer_release(kv + j, lane);
-            softmax_block(s, (t.nb_hi - 1 - j) * BN, corr);
-            CF_TRACE(trace, turn.wg, j, 6);
-            wg_wait<0>();  // P(j-1) V(j-1) done: o and pa are free
-            reg_fence(o);
+            } else {
+                CF_TRACE(trace, turn.wg, j, 0);
+                pl.k().consumer_wait(kv + j);
+                pl.v().consumer_wait(kv + j - 1);  // loaded right after K(j): S and P V stay back to back
+                CF_TRACE(trace, turn.wg, j, 1);
+                turn.wait();
+                CF_TRACE(trace, turn.wg, j, 2);
+                wg_fence();
+                issue_s(s, pl.k().stage(kv + j));
+                CF_TRACE(trace, turn.wg, j, 3);
+                if constexpr (kEarlyRescale) {
+                    scale_rows<1, DT>(o, corr);
+                    wg_fence();  // o written by this thread -> read by the P V wgmma
+                }
+                issue_pv(pl.v().stage(kv + j - 1));
+                turn.pass(j == t.nblocks - 1);
+                CF_TRACE(trace, turn.wg, j, 4);
+                wg_wait<1>();  // S(j) done, P(j-1) V(j-1) may still run
+                reg_fence(s);
+                CF_TRACE(trace, turn.wg, j, 5);
+                pl.k().consumer_release(kv + j, lane);
+                softmax_block(s, (t.nb_hi - 1 - j) * BN, corr);
+                CF_TRACE(trace, turn.wg, j, 6);
+                wg_wait<0>();  // P(j-1) V(j-1) done: o and pa are free
+                reg_fence(o);
 #pragma unroll
-            for (int ks = 0; ks < PS; ++ks) reg_fence(pa[ks]);
-            CF_TRACE(trace, turn.wg, j, 7);
-            pl.v().consumer_release(kv + j - 1, lane);
+                for (int ks = 0; ks < PS; ++ks) reg_fence(pa[ks]);
+                CF_TRACE(trace, turn.wg, j, 7);
+                pl.v().consumer_release(kv + j - 1, lane);
+            }
             if constexpr (!kEarlyRescale) scale_rows<1, DT>(o, corr);
             to_p(s);
         }
