@@ -242,7 +242,7 @@ template <typename T> using FwdSm90TraitsD256Long = FwdSm90Traits<T, 256, CF_FWD
 //   (3 consumer warpgroups at d = 128, 192 x 128: 160 registers each, spilled 144 bytes.)
 //   D = 128 long (heuristics.cuh fwd_fp8_long): 128 x 256, 2 stages, P V serial (kSerialPV): Q 16
 //   KB + (K 32 KB + V^T 32 KB) x 2 + O 32 KB = 176 KB; S 128 + O 64 registers, no spills. H100,
-//   against the former 128 x 192 (3 stages, overlapped P V): +6% non-causal and +1-2% causal at
+//   against the former 128 x 192 (3 stages, overlapped P V): +4-6% non-causal and +1-4% causal at
 //   8k-16k (bench/NOTES.md "FP8: 256 keys, serial P V"). The 128 x 192 tile had been +0-7% over
 //   128 x 128 at 8k-16k, level at 4k, 4-14% slower up to 2k ("FP8 forward: wider key blocks").
 //   CF_FP8_D128_LONG_BN picks another width for A/B runs (up to 224: overlapped, 3 stages up to
