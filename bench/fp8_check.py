@@ -64,9 +64,13 @@ def descale_arg(ds, heads):
 
 
 class Fp8Case(kc.Case):
-    def __init__(self, name, out="bf16", q_groups="kv", descales=True, **kw):
+    def __init__(self, name, out="bf16", q_groups="kv", descales=True, kgrow=None, **kw):
         super().__init__(name, out, bwd=False, **kw)
         self.q_groups, self.descales = q_groups, descales
+        # (first, last, factor): keys [first, last) scaled by factor ramping down to 1 at key
+        # `last`, so that the scores' max rises as the kernel walks the keys backwards (the last
+        # key block first): the lazy softmax's redo path (OnlineSoftmax::step_lazy)
+        self.kgrow = kgrow
 
 
 def cases():
@@ -94,6 +98,10 @@ def cases():
         # from 4096 queries and keys the d <= 128 tile runs 192-key blocks (fwd_fp8_long)
         C("long-causal", b=1, h=2, sq=4133, d=128, wr=0), C("long-sq-sk", b=1, h=2, sq=4096, sk=4385, d=96),
         C("long-varlen", h=2, hkv=1, d=128, wr=0, varlen=[(4100, 4200), (17, 385), (4096, 4097), (300, 1)]),
+        # rising maxima: every 256-key block breaks the lazy bound / a sink of 16 keys at the start
+        C("long-rising", b=1, h=2, sq=4133, d=128, kgrow=(0, 4133, 48.0)),
+        C("long-rising-causal", b=1, h=2, sq=4133, d=128, wr=0, kgrow=(0, 4133, 48.0)),
+        C("long-sink", b=1, h=2, sq=4096, sk=4385, d=128, kgrow=(0, 16, 12.0)),
     ]
     return out
 
@@ -126,6 +134,11 @@ def cu_of(c, dev):
 
 def run_case(c, dev, gen):
     q, k, v, _, slopes = kc.make_inputs(c, dev, gen)  # bf16 / f16 values, any layout
+    if c.kgrow:
+        first, last, factor = c.kgrow
+        f = torch.ones(k.shape[1], device=dev)
+        f[first:last] = torch.linspace(factor, 1.0, last - first, device=dev)
+        k = (k.float() * f[None, :, None, None]).to(k.dtype)
     qg = c.hkv if c.q_groups == "kv" else c.h
     q8, dq, qd = quantize(c, q, qg, "q")
     k8, dk, kd = quantize(c, k, c.hkv, "k")
