@@ -1,8 +1,9 @@
 //! AVX-512 (BF16) row passes fused around the tile products: the forward's online softmax
 //! step (exp, running max and sum, P written as bf16 pairs for the AMX products or as f32
-//! for the f32 kernel) and the AMX backward's P and dS passes. Each replaces two to four
-//! passes of the generic path over a tile that does not fit L1, and computes the exp as
-//! exp2 with `vscalefps` (the hardware applies 2^n).
+//! for the f32 kernel; the f32 one also on AVX2) and the AMX backward's P and dS passes. Each
+//! replaces two to four passes of the generic path over a tile that does not fit L1, and
+//! computes the exp as exp2 with `vscalefps` (the hardware applies 2^n; on AVX2 the exponent
+//! field).
 
 use std::arch::x86_64::*;
 
@@ -78,7 +79,6 @@ macro_rules! online_softmax_fn {
                 // the same softmax), kept when no row's tile max exceeds it by more than STALE (P stays
                 // below e^STALE, far from overflow); the max moves only then. Rows that have seen no
                 // key yet (max -inf) take the two passes.
-                const STALE: f32 = 8.0;
                 if _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(m, old, neg_inf) == 0 {
                     let (sum, raw_max) = exp_pass(_mm512_mul_ps(old, _mm512_set1_ps(-std::f32::consts::LOG2_E)));
                     let limit = _mm512_add_ps(old, _mm512_set1_ps(STALE));
@@ -152,6 +152,196 @@ pub(crate) unsafe fn online_softmax_f32(
     probs: *mut f32,
 ) {
     online_softmax_avx512(s_t, dims, scale, state, ProbsOut::F32(probs))
+}
+
+/// [`online_softmax_f32`] on AVX2 + FMA, 8 query rows a vector: the same single pass on the
+/// stale running max (kept while no row's tile max exceeds it by more than
+/// [`STALE`]), with the tile's max and exact two passes as the fallback, so
+/// that the generic path's separate max pass over the tile and most rescales of the output are
+/// gone. `exp2_avx2` applies 2^n through the exponent bits (AVX2 has no `vscalefps`).
+///
+/// # Safety
+/// AVX2 and FMA must be present; the slices and `probs` as for [`online_softmax`].
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn online_softmax_f32_avx2(
+    s_t: &[f32],
+    (cols, rows): (usize, usize),
+    scale: f32,
+    state: (&mut [f32], &mut [f32], &mut [f32]),
+    probs: *mut f32,
+) {
+    debug_assert!(s_t.len() >= cols * rows);
+    for c0 in (0..rows).step_by(8) {
+        // Partial blocks (rows % 8) load and store through a lane mask; their spare lanes hold
+        // 0 and are never written back. Full blocks are their own instantiation (a lane test
+        // per key cost a compare and branch in the loop).
+        let lanes = 8.min(rows - c0);
+        let block = Lanes8 { base: c0, lanes, mask: lane_mask8(lanes) };
+        let state = (&mut *state.0, &mut *state.1, &mut *state.2);
+        if lanes == 8 {
+            softmax_block_avx2::<true>(s_t, (cols, rows), scale, state, probs, block);
+        } else {
+            softmax_block_avx2::<false>(s_t, (cols, rows), scale, state, probs, block);
+        }
+    }
+}
+
+/// [`online_softmax_f32_avx2`] on the query rows of one `block`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_block_avx2<const FULL: bool>(
+    s_t: &[f32],
+    dims: (usize, usize),
+    scale: f32,
+    (row_max, row_sum, correction): (&mut [f32], &mut [f32], &mut [f32]),
+    probs: *mut f32,
+    block: Lanes8,
+) {
+    let c = _mm256_set1_ps(scale * std::f32::consts::LOG2_E);
+    let neg_log2e = _mm256_set1_ps(-std::f32::consts::LOG2_E);
+    let old = block.load_or::<FULL>(row_max.as_ptr(), f32::NEG_INFINITY);
+    let old_sum = block.load_or::<FULL>(row_sum.as_ptr(), 0.0);
+    let live = block.bits();
+    let unseen = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(old, _mm256_set1_ps(f32::NEG_INFINITY))) & live;
+    if unseen == 0 {
+        let (sum, raw_max) = exp_columns_avx2::<FULL>(s_t, dims, block, c, _mm256_mul_ps(old, neg_log2e), probs);
+        let limit = _mm256_add_ps(old, _mm256_set1_ps(STALE));
+        let over = _mm256_cmp_ps::<_CMP_GT_OQ>(_mm256_mul_ps(raw_max, _mm256_set1_ps(scale)), limit);
+        if _mm256_movemask_ps(over) & live == 0 {
+            block.store::<FULL>(row_sum.as_mut_ptr(), _mm256_add_ps(old_sum, sum));
+            block.store::<FULL>(correction.as_mut_ptr(), _mm256_set1_ps(1.0));
+            return;
+        }
+    }
+    // The tile's max, then its exponentials against the new running max.
+    let raw_max = max_columns_avx2::<FULL>(s_t, dims, block);
+    let new = _mm256_max_ps(_mm256_mul_ps(raw_max, _mm256_set1_ps(scale)), old);
+    let visible = _mm256_cmp_ps::<_CMP_NEQ_OQ>(new, _mm256_set1_ps(f32::NEG_INFINITY));
+    let corr = _mm256_blendv_ps(
+        _mm256_set1_ps(1.0),
+        exp2_avx2(_mm256_mul_ps(_mm256_sub_ps(old, new), _mm256_set1_ps(std::f32::consts::LOG2_E))),
+        visible,
+    );
+    let shift = _mm256_and_ps(visible, new);
+    let (sum, _) = exp_columns_avx2::<FULL>(s_t, dims, block, c, _mm256_mul_ps(shift, neg_log2e), probs);
+    block.store::<FULL>(row_sum.as_mut_ptr(), _mm256_fmadd_ps(old_sum, corr, sum));
+    block.store::<FULL>(row_max.as_mut_ptr(), new);
+    block.store::<FULL>(correction.as_mut_ptr(), corr);
+}
+
+/// Running max of a tile kept when it is stale by at most this (natural units): P stays below
+/// e^8, far from overflow.
+const STALE: f32 = 8.0;
+
+/// Query rows `base..base + lanes` of a transposed tile, as one 8-lane vector.
+#[derive(Clone, Copy)]
+struct Lanes8 {
+    base: usize,
+    lanes: usize,
+    mask: __m256i,
+}
+
+impl Lanes8 {
+    /// The movemask bits of the live lanes.
+    fn bits(self) -> i32 {
+        (1 << self.lanes) - 1
+    }
+    /// `p[base..base + lanes]`, `fill` in the spare lanes (`FULL`: all 8 lanes are live).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load_or<const FULL: bool>(self, p: *const f32, fill: f32) -> __m256 {
+        if FULL {
+            _mm256_loadu_ps(p.add(self.base))
+        } else {
+            let x = _mm256_maskload_ps(p.add(self.base), self.mask);
+            _mm256_blendv_ps(_mm256_set1_ps(fill), x, _mm256_castsi256_ps(self.mask))
+        }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn store<const FULL: bool>(self, p: *mut f32, x: __m256) {
+        if FULL {
+            _mm256_storeu_ps(p.add(self.base), x)
+        } else {
+            _mm256_maskstore_ps(p.add(self.base), self.mask, x)
+        }
+    }
+}
+
+/// All-ones in the first `lanes` (1..=8) 32-bit lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn lane_mask8(lanes: usize) -> __m256i {
+    _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
+}
+
+/// P = 2^(x·c + bias) of one 8-row block of every key, written to `probs` (laid out as the
+/// tile); returns the block's sum of P and its max of x. `_mm256_max_ps(x, acc)` returns acc
+/// where x is NaN: NaN logits do not set the max (they reach the sum, hence their row, as NaN).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_columns_avx2<const FULL: bool>(
+    s_t: &[f32],
+    (cols, rows): (usize, usize),
+    block: Lanes8,
+    c: __m256,
+    bias: __m256,
+    probs: *mut f32,
+) -> (__m256, __m256) {
+    let s = s_t.as_ptr();
+    let (mut sum0, mut sum1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (mut max0, mut max1) = (_mm256_set1_ps(f32::NEG_INFINITY), _mm256_set1_ps(f32::NEG_INFINITY));
+    let key = |j: usize, sum: &mut __m256, max: &mut __m256| {
+        let x = block.load_or::<FULL>(s.add(j * rows), f32::NEG_INFINITY);
+        let e = exp2_avx2(_mm256_fmadd_ps(x, c, bias));
+        *max = _mm256_max_ps(x, *max);
+        *sum = _mm256_add_ps(*sum, e);
+        block.store::<FULL>(probs.add(j * rows), e);
+    };
+    // Two keys a step, each into its own sum and max (independent chains).
+    for j in (0..cols - cols % 2).step_by(2) {
+        key(j, &mut sum0, &mut max0);
+        key(j + 1, &mut sum1, &mut max1);
+    }
+    if cols % 2 == 1 {
+        key(cols - 1, &mut sum0, &mut max0);
+    }
+    (_mm256_add_ps(sum0, sum1), _mm256_max_ps(max0, max1))
+}
+
+/// The max of x over every key of one 8-row block (four chains: the loop is latency-bound
+/// with one).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn max_columns_avx2<const FULL: bool>(s_t: &[f32], (cols, rows): (usize, usize), block: Lanes8) -> __m256 {
+    let s = s_t.as_ptr();
+    let at = |j: usize| block.load_or::<FULL>(s.add(j * rows), f32::NEG_INFINITY);
+    let mut max = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
+    for j in (0..cols - cols % 4).step_by(4) {
+        for (u, m) in max.iter_mut().enumerate() {
+            *m = _mm256_max_ps(at(j + u), *m);
+        }
+    }
+    for j in cols - cols % 4..cols {
+        max[0] = _mm256_max_ps(at(j), max[0]);
+    }
+    _mm256_max_ps(_mm256_max_ps(max[0], max[1]), _mm256_max_ps(max[2], max[3]))
+}
+
+/// 2^t on AVX2 with [`exp2`]'s polynomial and range: 0 below t = -125 (-inf included), NaN
+/// kept; 2^n added to the exponent field (t is at most 127 here: clamped).
+#[inline(always)]
+unsafe fn exp2_avx2(t: __m256) -> __m256 {
+    // min / max with the constant first return t where t is NaN (NaN stays NaN).
+    let keep = _mm256_cmp_ps::<_CMP_NLT_UQ>(t, _mm256_set1_ps(-125.0));
+    let t = _mm256_min_ps(_mm256_set1_ps(127.0), _mm256_max_ps(_mm256_set1_ps(-125.0), t));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+    let f = _mm256_sub_ps(t, n);
+    let mut p = _mm256_set1_ps(EXP2_POLY[5]);
+    for &coef in EXP2_POLY[..5].iter().rev() {
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(coef));
+    }
+    // 2^n for n in [-125, 127]: a normal number, built from its exponent field.
+    let two_n =
+        _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127))));
+    _mm256_and_ps(keep, _mm256_mul_ps(p, two_n))
 }
 
 /// The AMX backward's P tile, fused: for query rows `0..rows` (row r at `probs[r * ld..]`,
@@ -281,6 +471,11 @@ unsafe fn interleave_halves() -> __m512i {
     )
 }
 
+/// 2^f on [-1/2, 1/2], degree 5 (constant term first), fitted for relative error (1.5e-7 at
+/// most, measured on 200001 points; the degree-6 Taylor series it replaced was no better and one
+/// FMA longer).
+const EXP2_POLY: [f32; 6] = [1.000_000_1, 0.693_146_94, 0.240_221_2, 0.055_507_135, 0.009_675_542, 0.001_327_645_3];
+
 /// 2^t, ~1.5e-7 relative error: t = n + f with n = round(t), f in [-1/2, 1/2], 2^f by a
 /// degree-5 polynomial, then `vscalefps` multiplies by 2^n; 0 below t = -125 (-inf
 /// included); NaN stays NaN (`max(lo, t)` returns t when t is NaN).
@@ -294,11 +489,8 @@ unsafe fn exp2(t: __m512) -> __m512 {
     let t = _mm512_max_ps(_mm512_set1_ps(-125.0), t);
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
     let f = _mm512_sub_ps(t, n);
-    // 2^f on [-1/2, 1/2], degree 5, fitted for relative error (1.5e-7 at most, measured on
-    // 200001 points; the degree-6 Taylor series it replaced was no better and one FMA longer).
-    const C: [f32; 6] = [1.000_000_1, 0.693_146_94, 0.240_221_2, 0.055_507_135, 0.009_675_542, 0.001_327_645_3];
-    let mut p = _mm512_set1_ps(C[5]);
-    for &coef in C[..5].iter().rev() {
+    let mut p = _mm512_set1_ps(EXP2_POLY[5]);
+    for &coef in EXP2_POLY[..5].iter().rev() {
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coef));
     }
     _mm512_maskz_scalef_ps(keep, p, n)
@@ -316,18 +508,28 @@ mod tests {
     #[test]
     fn fused_softmax_matches_f64() {
         use super::super::CpuIsa;
-        // bf16 pairs (`online_softmax`, AVX-512 BF16), then f32 P (`online_softmax_f32`, AVX-512).
-        for f32_out in [false, true] {
-            let need = if f32_out { CpuIsa::Avx512 } else { CpuIsa::Avx512Bf16 };
+        // bf16 pairs (`online_softmax`, AVX-512 BF16), then f32 P (`online_softmax_f32`,
+        // AVX-512; `online_softmax_f32_avx2`, AVX2).
+        for (kind, need) in
+            [(Kind::Pairs, CpuIsa::Avx512Bf16), (Kind::F32, CpuIsa::Avx512), (Kind::F32Avx2, CpuIsa::Avx2)]
+        {
             if CpuIsa::detected() < need {
-                println!("skipping the {} output: this CPU has no {need:?}", if f32_out { "f32" } else { "pairs" });
+                println!("skipping {kind:?}: this CPU has no {need:?}");
                 continue;
             }
-            fused_softmax_case(f32_out);
+            fused_softmax_case(kind);
         }
     }
 
-    fn fused_softmax_case(f32_out: bool) {
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Kind {
+        Pairs,
+        F32,
+        F32Avx2,
+    }
+
+    fn fused_softmax_case(kind: Kind) {
+        let f32_out = kind != Kind::Pairs;
         let mut seed = 7u64;
         let mut rand = move || {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -367,10 +569,14 @@ mod tests {
                 let state = (&mut max[..], &mut sum[..], &mut corr[..]);
                 // SAFETY: the caller checked the CPU's instructions; the slices have the sizes named.
                 unsafe {
-                    if f32_out {
-                        online_softmax_f32(&logits[t], (cols, rows), scale, state, probs.as_mut_ptr())
-                    } else {
-                        online_softmax(&logits[t], (cols, rows), scale, state, ProbsOut::Pairs(pairs.as_mut_ptr()))
+                    match kind {
+                        Kind::F32 => online_softmax_f32(&logits[t], (cols, rows), scale, state, probs.as_mut_ptr()),
+                        Kind::F32Avx2 => {
+                            online_softmax_f32_avx2(&logits[t], (cols, rows), scale, state, probs.as_mut_ptr())
+                        }
+                        Kind::Pairs => {
+                            online_softmax(&logits[t], (cols, rows), scale, state, ProbsOut::Pairs(pairs.as_mut_ptr()))
+                        }
                     }
                 };
                 for r in 0..rows {

@@ -277,7 +277,8 @@ unsafe fn forward_task(
     let fused = amx && plain_logits && opts.softmax_scale > 0.0;
     // The fused AVX-512 softmax step (any logits: it exponentiates what Sᵀ holds); its bf16
     // pairs need AVX-512 BF16 (`bf16_pairs` implies it), its f32 output AVX-512 F only.
-    let fused_softmax = cfg!(target_arch = "x86_64") && isa >= CpuIsa::Avx512;
+    // On AVX2 the f32 step only (there are no bf16 pairs below AVX-512 BF16).
+    let fused_softmax = cfg!(target_arch = "x86_64") && isa >= CpuIsa::Avx2;
     let k_lo = tiles.iter().filter(|t| t.keys.1 > t.keys.0).map(|t| t.keys.0).min().unwrap_or(0);
     let k_hi = tiles.iter().map(|t| t.keys.1).max().unwrap_or(0);
 
@@ -374,9 +375,10 @@ unsafe fn forward_task(
                 }
             }
             let (max, sum, correction) = (&mut t.row_max[..rows], &mut t.row_sum[..rows], &mut t.correction[..rows]);
-            // The softmax step writes P where the product reads it: with AVX-512 in one fused
-            // pass (`fused::online_softmax`: bf16 pairs; `online_softmax_f32`: f32 into
-            // `probs`), else in place over Sᵀ, packed into pairs for the bf16 products.
+            // The softmax step writes P where the product reads it: on AVX-512 and AVX2 in one
+            // fused pass (`fused::online_softmax`: bf16 pairs; `online_softmax_f32` and, on
+            // AVX2, `online_softmax_f32_avx2`: f32 into `probs`), else (portable) in place over
+            // Sᵀ, packed into pairs for the bf16 products.
             let probs_at: *const f32 = if fused_softmax {
                 #[cfg(target_arch = "x86_64")]
                 {
@@ -386,9 +388,12 @@ unsafe fn forward_task(
                         // SAFETY: `bf16_pairs` implies AVX-512 BF16; the buffers hold the tile.
                         let out = ProbsOut::Pairs(p_pairs.as_mut_ptr());
                         super::fused::online_softmax(s_t, (cols, rows), scale, state, out);
-                    } else {
-                        // SAFETY: `fused_softmax` implies AVX-512 F/BW/VL; `probs` holds the tile.
+                    } else if isa >= CpuIsa::Avx512 {
+                        // SAFETY: `isa` says AVX-512 F/BW/VL are present; `probs` holds the tile.
                         super::fused::online_softmax_f32(s_t, (cols, rows), scale, state, probs.as_mut_ptr());
+                    } else {
+                        // SAFETY: `fused_softmax` implies AVX2 and FMA; `probs` holds the tile.
+                        super::fused::online_softmax_f32_avx2(s_t, (cols, rows), scale, state, probs.as_mut_ptr());
                     }
                 }
                 probs.as_ptr()
