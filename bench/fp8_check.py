@@ -69,7 +69,8 @@ class Fp8Case(kc.Case):
         self.q_groups, self.descales = q_groups, descales
         # (first, last, factor): keys [first, last) scaled by factor ramping down to 1 at key
         # `last`, so that the scores' max rises as the kernel walks the keys backwards (the last
-        # key block first): the lazy softmax's redo path (OnlineSoftmax::step_lazy)
+        # key block first): the online softmax rescales O and l by large corrections at every
+        # block (a lazy softmax tried in the twenty-third session had to redo such blocks)
         self.kgrow = kgrow
 
 
@@ -98,7 +99,8 @@ def cases():
         # from 4096 queries and keys the d <= 128 tile runs 192-key blocks (fwd_fp8_long)
         C("long-causal", b=1, h=2, sq=4133, d=128, wr=0), C("long-sq-sk", b=1, h=2, sq=4096, sk=4385, d=96),
         C("long-varlen", h=2, hkv=1, d=128, wr=0, varlen=[(4100, 4200), (17, 385), (4096, 4097), (300, 1)]),
-        # rising maxima: every 256-key block breaks the lazy bound / a sink of 16 keys at the start
+        # rising maxima: the max rises by 2^8 and more at every 256-key block / a sink of 16 keys
+        # at the start
         C("long-rising", b=1, h=2, sq=4133, d=128, kgrow=(0, 4133, 48.0)),
         C("long-rising-causal", b=1, h=2, sq=4133, d=128, wr=0, kgrow=(0, 4133, 48.0)),
         C("long-sink", b=1, h=2, sq=4096, sk=4385, d=128, kgrow=(0, 16, 12.0)),
