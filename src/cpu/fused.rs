@@ -5,6 +5,7 @@
 //! computes the exp as exp2 with `vscalefps` (the hardware applies 2^n; on AVX2 the exponent
 //! field).
 
+use super::simd::{Avx2, Lanes};
 use std::arch::x86_64::*;
 
 /// Where [`online_softmax`] writes P.
@@ -176,7 +177,7 @@ pub(crate) unsafe fn online_softmax_f32_avx2(
         // 0 and are never written back. Full blocks are their own instantiation (a lane test
         // per key cost a compare and branch in the loop).
         let lanes = 8.min(rows - c0);
-        let block = Lanes8 { base: c0, lanes, mask: lane_mask8(lanes) };
+        let block = Lanes8 { base: c0, lanes, mask: Avx2::mask(lanes) };
         let state = (&mut *state.0, &mut *state.1, &mut *state.2);
         if lanes == 8 {
             softmax_block_avx2::<true>(s_t, (cols, rows), scale, state, probs, block);
@@ -265,13 +266,6 @@ impl Lanes8 {
             _mm256_maskstore_ps(p.add(self.base), self.mask, x)
         }
     }
-}
-
-/// All-ones in the first `lanes` (1..=8) 32-bit lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn lane_mask8(lanes: usize) -> __m256i {
-    _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
 }
 
 /// P = 2^(x·c + bias) of one 8-row block of every key, written to `probs` (laid out as the

@@ -346,7 +346,7 @@ struct Out {
 
 /// One instruction set's f32 vectors, as the kernel needs them. `Mask` selects the first
 /// lanes of a vector (the last, partial vector of a row).
-trait Lanes {
+pub(crate) trait Lanes {
     const LANES: usize;
     /// Rows of A per register block, and vectors of B per row: `MR × NV` accumulators plus
     /// `NV` B vectors and one broadcast fit the register file (16 ymm, 32 zmm).
@@ -538,12 +538,15 @@ unsafe fn block<S: Lanes, const MR: usize, const NV: usize, const PARTIAL: bool>
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) use x86::Avx2;
+
+#[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{matmul, Lanes, MatRef, Out};
     use std::arch::x86_64::*;
 
     /// 8-lane AVX2 + FMA vectors; 6 × 2 accumulators (the classic 6×16 block).
-    pub(super) struct Avx2;
+    pub(crate) struct Avx2;
 
     impl Lanes for Avx2 {
         const LANES: usize = 8;
