@@ -341,6 +341,14 @@ struct FwdMainloop {
             }
             wg_commit();
         };
+        // P(n) V(n) complete: o and P's fragments are free again, and so is V's stage n.
+        auto finish_pv = [&](uint32_t n) {
+            wg_wait<0>();
+            reg_fence(o);
+#pragma unroll
+            for (int ks = 0; ks < PS; ++ks) reg_fence(pa[ks]);
+            pl.v().consumer_release(n, lane);
+        };
         auto issue_pv = [&](uint32_t st) {
 #pragma unroll
             for (int ks = 0; ks < PS; ++ks) {
@@ -411,11 +419,7 @@ struct FwdMainloop {
                 turn.wait();
                 wg_fence();
                 issue_pv(pl.v().stage(kv + j - 1));
-                wg_wait<0>();
-                reg_fence(o);
-#pragma unroll
-                for (int ks = 0; ks < PS; ++ks) reg_fence(pa[ks]);
-                pl.v().consumer_release(kv + j - 1, lane);
+                finish_pv(kv + j - 1);
                 wg_fence();
                 issue_s(s, pl.k().stage(kv + j));
                 turn.pass(j == t.nblocks - 1);
@@ -446,12 +450,8 @@ struct FwdMainloop {
                 pl.k().consumer_release(kv + j, lane);
                 softmax_block(s, (t.nb_hi - 1 - j) * BN, corr);
                 CF_TRACE(trace, turn.wg, j, 6);
-                wg_wait<0>();  // P(j-1) V(j-1) done: o and pa are free
-                reg_fence(o);
-#pragma unroll
-                for (int ks = 0; ks < PS; ++ks) reg_fence(pa[ks]);
+                finish_pv(kv + j - 1);
                 CF_TRACE(trace, turn.wg, j, 7);
-                pl.v().consumer_release(kv + j - 1, lane);
             }
             if constexpr (!kEarlyRescale) scale_rows<1, DT>(o, corr);
             to_p(s);
@@ -461,9 +461,7 @@ struct FwdMainloop {
         if constexpr (kEarlyRescale) scale_rows<1, DT>(o, corr);
         wg_fence();
         issue_pv(pl.v().stage(kv_last));
-        wg_wait<0>();
-        reg_fence(o);
-        pl.v().consumer_release(kv_last, lane);
+        finish_pv(kv_last);
     }
 };
 
