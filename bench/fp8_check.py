@@ -72,6 +72,7 @@ class Fp8Case(kc.Case):
         # key block first): the online softmax rescales O and l by large corrections at every
         # block (a lazy softmax tried in the twenty-third session had to redo such blocks)
         self.kgrow = kgrow
+        assert kgrow is None or not self.varlen, "kgrow scales the key axis of [b, s, h, d] inputs"
 
 
 def cases():
