@@ -11,7 +11,17 @@ blocks (first 4 and those past the tile's end dropped):
   smax   mask + online softmax of block j
   PV     waiting for P(j-1) V(j-1) after the softmax
   tail   O rescale + conversion of P (up to the next block's first event)
-usage: CF_BUILD_DIR=bench/out_trace fwd_trace.py [dtype,d,causal,N ...] (dtype bf16 / f16 / e4m3)"""
+The serial step of e4m3 blocks wider than 224 keys (kSerialPV) has its own eight points; with
+--serial the phases are named for it:
+  data   waiting for V(j-1) and K(j)
+  turn   waiting for the other warpgroup's GEMM issue (ping-pong)
+  iss_PV issuing P V(j-1)
+  PV     waiting for P V(j-1) to complete (and releasing V)
+  iss_S  issuing S(j) (and passing the turn)
+  S      waiting for S(j)
+  smax   mask + online softmax of block j
+  tail   O rescale + conversion of P (up to the next block's first event)
+usage: CF_BUILD_DIR=bench/out_trace fwd_trace.py [--serial] [dtype,d,causal,N ...] (dtype bf16 / f16 / e4m3)"""
 import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_check as kc
@@ -21,8 +31,10 @@ kc.load_lib()
 NB, NE = 64, 8
 read_trace = kc.trace_reader("cf_fwd_trace_read", (4, NB, NE))
 dev = torch.device("cuda")
-points = sys.argv[1:] or ["e4m3,128,0,16384", "bf16,128,0,16384", "bf16,64,0,2048", "bf16,256,0,16384"]
-names = ["data", "turn", "iss_S", "iss_PV", "S", "smax", "PV", "tail", "step"]
+serial = "--serial" in sys.argv
+points = [a for a in sys.argv[1:] if a != "--serial"] or ["e4m3,128,0,16384", "bf16,128,0,16384", "bf16,64,0,2048", "bf16,256,0,16384"]
+names = (["data", "turn", "iss_PV", "PV", "iss_S", "S", "smax", "tail", "step"] if serial else
+         ["data", "turn", "iss_S", "iss_PV", "S", "smax", "PV", "tail", "step"])
 print(f"{'point':22s} wg " + " ".join(f"{n:>6s}" for n in names) + "   (cycles per key block, mean)")
 for pt in points:
     dt, d, causal, N = pt.split(",")

@@ -4,7 +4,10 @@ backends on a grid point, for profilers: ncu -k regex:fwd_sm90 python3 bench/one
 --bwd: also one backward of ours (after the forward) and of each backend:
   ncu -k regex:bwd_dkdv python3 bench/one_fwd.py --n 8192 --d 256 --bwd
 --refs-only: only the SDPA backends (no library needed: to read cuDNN's kernels' names, launch
-shapes and SASS under ncu)."""
+shapes and SASS under ncu).
+--dtype e4m3: one FP8 forward of ours (fp8_check's bench point) and, with --cudnn-fp8, one of
+cuDNN's FP8 forward on the same e4m3 tensors (cudnn-frontend, see fp8_check.py):
+  ncu --section SpeedOfLight python3 bench/one_fwd.py --dtype e4m3 --n 16384 --d 128 --cudnn-fp8"""
 import argparse, os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_check as kc  # noqa: E402
@@ -19,8 +22,19 @@ ap.add_argument("--causal", action="store_true")
 ap.add_argument("--dtype", default="bf16")
 ap.add_argument("--bwd", action="store_true")
 ap.add_argument("--refs-only", action="store_true")
+ap.add_argument("--cudnn-fp8", action="store_true")
 a = ap.parse_args()
 dev = torch.device("cuda")
+if a.dtype == "e4m3":
+    import fp8_check as f8  # noqa: E402
+    kc.load_lib()
+    call, _, _ = f8.bench_setup(dev, a.d, a.causal, a.n)
+    kc.check(call(), "cf_fwd")
+    if a.cudnn_fp8:
+        cudnn_call = f8.cudnn_fp8_call(a.d, a.causal, *call.e4m3, check=False)
+        cudnn_call()
+    torch.cuda.synchronize()
+    sys.exit(0)
 B, H = 16384 // a.n, 2048 // a.d
 c = kc.Case("one", a.dtype, b=B, h=H, sq=a.n, d=a.d, wl=-1, wr=(0 if a.causal else -1))
 q, k, v, _, _ = kc.make_inputs(c, dev, torch.Generator(device=dev).manual_seed(0))

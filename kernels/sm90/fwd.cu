@@ -414,19 +414,29 @@ struct FwdMainloop {
                 // is in flight while another's registers are live, so S 128 + O 64 is the peak
                 // and 256 keys fit (cuDNN's FP8 forward waits the same way). The other
                 // warpgroup's products fill the tensor cores during this one's softmax.
+                // Probe points (bench/fwd_trace.py --serial): 0 start, 1 K / V arrived, 2 turn,
+                // 3 P V issued, 4 P V complete, 5 S issued, 6 S complete, 7 softmax done.
+                CF_TRACE(trace, turn.wg, j, 0);
                 pl.v().consumer_wait(kv + j - 1);
                 pl.k().consumer_wait(kv + j);
+                CF_TRACE(trace, turn.wg, j, 1);
                 turn.wait();
+                CF_TRACE(trace, turn.wg, j, 2);
                 wg_fence();
                 issue_pv(pl.v().stage(kv + j - 1));
+                CF_TRACE(trace, turn.wg, j, 3);
                 finish_pv(kv + j - 1);
+                CF_TRACE(trace, turn.wg, j, 4);
                 wg_fence();
                 issue_s(s, pl.k().stage(kv + j));
                 turn.pass(j == t.nblocks - 1);
+                CF_TRACE(trace, turn.wg, j, 5);
                 wg_wait<0>();
                 reg_fence(s);
+                CF_TRACE(trace, turn.wg, j, 6);
                 pl.k().consumer_release(kv + j, lane);
                 softmax_block(s, (t.nb_hi - 1 - j) * BN, corr);
+                CF_TRACE(trace, turn.wg, j, 7);
             } else {
                 CF_TRACE(trace, turn.wg, j, 0);
                 pl.k().consumer_wait(kv + j);
