@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The Llama example on the GPU machine (device tool), SmolLM2-135M-Instruct Q4_1 GGUF (98 MB):
-# the model travels in two parts because one call carries at most 64 MiB (shared/device README).
+# the model travels in parts because one call carries at most 64 MiB, the working tree
+# included (shared/device README).
 #
 # Here (no GPU):   bash scripts/gpu-llama.sh pack
-#   builds `llama` and `llama_bench` with --features cuda,llama, packs them (xz) with part 0 of
-#   the model into gpu-llama/a/ and part 1 into gpu-llama/b/, with the model's sha256.
-# Device, call 1:  run(command="bash scripts/gpu-llama.sh park", carry=["gpu-llama/a"])
-#   parks part 0 and the binaries under /root/llama (kept while the machine stays warm).
-# Device, call 2 (right after):  run(command="bash scripts/gpu-llama.sh run", carry=["gpu-llama/b"])
+#   builds `llama` and `llama_bench` with --features cuda,llama, packs them (xz) with the first
+#   part of the model into gpu-llama/p0/ and the rest in parts into gpu-llama/p1/, p2/, ...,
+#   each small enough to travel beside the working tree, and the model's sha256 in the last.
+# Device, one call per part but the last, right after one another:
+#   run(command="bash scripts/gpu-llama.sh park", carry=["gpu-llama/p0"]), then p1, ...
+#   parks the part (and the binaries) under /root/llama (kept while the machine stays warm).
+# Device, last call (right after):  run(command="bash scripts/gpu-llama.sh run", carry=["gpu-llama/pN"])
 #   reassembles and checks the model, then: the first forward of a fresh process (cold JIT cache
 #   and warm), llama_bench single-sequence decode (eager vs CUDA graph, same run) in bf16 and
 #   f32, quantized and dequantized weights, and the batched mode; logs under $OUT, a summary last.
@@ -25,22 +28,34 @@ if [ "$what" = pack ]; then
   # shellcheck disable=SC1091
   source .cuda/env.sh
   cargo build --release --features cuda,llama --example llama --example llama_bench
-  rm -rf gpu-llama/a gpu-llama/b /tmp/gpu-llama-bin && mkdir -p gpu-llama/a gpu-llama/b /tmp/gpu-llama-bin
+  rm -rf gpu-llama /tmp/gpu-llama-bin && mkdir -p gpu-llama/p0 /tmp/gpu-llama-bin
   cp "${CARGO_TARGET_DIR:-target}"/release/examples/{llama,llama_bench} /tmp/gpu-llama-bin/
   strip /tmp/gpu-llama-bin/llama /tmp/gpu-llama-bin/llama_bench
   cp ../shared/device/cuda-libs.sh /tmp/gpu-llama-bin/
-  tar -C /tmp/gpu-llama-bin -cf - . | xz -9 -T0 > gpu-llama/a/bin.tar.xz
-  (cd "$(dirname "$MODEL")" && sha256sum "$(basename "$MODEL")") > gpu-llama/b/model.sha256
-  # Two parts: the first beside the binaries within 64 MiB, the rest alone.
-  head -c 36000000 "$MODEL" > gpu-llama/a/part.00
-  tail -c +36000001 "$MODEL" > gpu-llama/b/part.01
-  du -sh gpu-llama/a gpu-llama/b
+  tar -C /tmp/gpu-llama-bin -cf - . | xz -9 -T0 > gpu-llama/p0/bin.tar.xz
+  # What one call may carry beside the working tree (tracked and untracked-not-ignored files).
+  tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+  room=$(( 60 * 1024 * 1024 - tree ))
+  first=$(( room - $(stat -c %s gpu-llama/p0/bin.tar.xz) ))
+  [ "$first" -gt 1000000 ] || { echo "the working tree ($tree bytes) leaves no room for the binaries"; exit 5; }
+  size=$(stat -c %s "$MODEL")
+  head -c "$first" "$MODEL" > gpu-llama/p0/part.00
+  off=$first n=1
+  while [ "$off" -lt "$size" ]; do
+    d=gpu-llama/p$n; mkdir -p "$d"
+    dd if="$MODEL" of="$d/part.$(printf %02d $n)" bs=1M iflag=skip_bytes,count_bytes skip="$off" count="$room" status=none
+    off=$(( off + room )) n=$(( n + 1 ))
+  done
+  (cd "$(dirname "$MODEL")" && sha256sum "$(basename "$MODEL")") > "gpu-llama/p$(( n - 1 ))/model.sha256"
+  du -sh gpu-llama/p*
+  echo "park p0 .. p$(( n - 2 )) (one call each), then run with p$(( n - 1 ))"
   exit 0
 fi
 
 if [ "$what" = park ]; then
   mkdir -p "$PARK"
-  cp gpu-llama/a/part.00 gpu-llama/a/bin.tar.xz "$PARK"/ && ls -la "$PARK"
+  # the one part carried with this call (whichever gpu-llama/pK it is)
+  cp gpu-llama/p*/part.* "$PARK"/ && { cp gpu-llama/p*/bin.tar.xz "$PARK"/ 2>/dev/null; ls -la "$PARK"; }
   exit $?
 fi
 
@@ -51,8 +66,9 @@ if [ ! -f "$PARK/part.00" ]; then
   exit 3
 fi
 mkdir -p models bin
-cat "$PARK/part.00" gpu-llama/b/part.01 > "$MODEL"
-(cd models && sha256sum -c ../gpu-llama/b/model.sha256) || exit 4
+cp gpu-llama/p*/part.* "$PARK"/
+cat "$PARK"/part.* > "$MODEL"
+(cd models && sha256sum -c ../gpu-llama/p*/model.sha256) || exit 4
 tar -C bin -xJf "$PARK/bin.tar.xz"
 # shellcheck disable=SC1091
 source bin/cuda-libs.sh >/dev/null
