@@ -64,9 +64,15 @@ def descale_arg(ds, heads):
 
 
 class Fp8Case(kc.Case):
-    def __init__(self, name, out="bf16", q_groups="kv", descales=True, kgrow=None, **kw):
+    def __init__(self, name, out="bf16", q_groups="kv", descales=True, kgrow=None, vnan=None, **kw):
         super().__init__(name, out, bwd=False, **kw)
         self.q_groups, self.descales = q_groups, descales
+        # packed varlen key rows whose V is set to e4m3 NaN (and to 0 in the reference): rows
+        # that no query of their own sequence sees (a window), but that the previous sequence's
+        # last key block reads past its end, where V^T must be written as zeros (P is 0 there,
+        # and 0 * NaN would poison that sequence's rows)
+        self.vnan = vnan
+        assert vnan is None or self.varlen
         # (first, last, factor): keys [first, last) scaled by factor ramping down to 1 at key
         # `last`, so that the scores' max rises as the kernel walks the keys backwards (the last
         # key block first): the online softmax rescales O and l by large corrections at every
@@ -96,6 +102,10 @@ def cases():
         C("varlen", h=4, d=128, varlen=[(1, 1), (17, 200), (113, 113), (300, 129)]),
         C("varlen-causal", h=8, hkv=2, d=128, wr=0, varlen=[(5, 300), (130, 130), (1, 0), (64, 257)]),
         C("varlen-d256", h=4, d=256, varlen=[(200, 17), (129, 385), (33, 1)], wr=0),
+        # NaN in V rows 200, 201 (keys 0, 1 of the second sequence, outside its window): the
+        # first sequence's last key block (keys 128..255 of a 200-key sequence) reads them
+        C("varlen-nan-v", h=4, d=128, wl=32, wr=0, varlen=[(17, 200), (5, 600)], vnan=[200, 201]),
+        C("varlen-nan-v-d256", h=4, d=256, wl=32, wr=0, varlen=[(17, 200), (5, 600)], vnan=[200, 201]),
         C("big", b=1, h=4, sq=2048, d=128, wr=0),
         # from 4096 queries and keys the d <= 128 tile runs 192-key blocks (fwd_fp8_long)
         C("long-causal", b=1, h=2, sq=4133, d=128, wr=0), C("long-sq-sk", b=1, h=2, sq=4096, sk=4385, d=96),
@@ -146,6 +156,10 @@ def run_case(c, dev, gen):
     q8, dq, qd = quantize(c, q, qg, "q")
     k8, dk, kd = quantize(c, k, c.hkv, "k")
     v8, dv, vd = quantize(c, v, c.hkv, "k")
+    if c.vnan:
+        rows = torch.tensor(c.vnan, device=dev)
+        v8[rows] = float("nan")
+        vd[rows] = 0.0
     if not c.descales:  # plain casts: randn values are far inside e4m3's range
         q8, k8, v8 = (x.float().to(E4M3) for x in (q, k, v))
         qd, kd, vd = (x.float() for x in (q8, k8, v8))
@@ -187,13 +201,15 @@ def bench_setup(dev, d, causal, N):
     fp = kc.fwd_params(c, q8, k8, v8, o8, lse, None, None, None)
     fp.dtype, fp.o_dtype = kc.CF_E4M3, kc.CF_BF16
     fp.q_descale, fp.k_descale, fp.v_descale = descale_arg(dq, H), descale_arg(dk, H), descale_arg(dv, H)
-    ws = kc.fwd_workspace(fp, dev)
     stream = torch.cuda.current_stream().cuda_stream
-    keep = (q8, k8, v8, dq, dk, dv, o8, lse, ws)
+    keep = (q8, k8, v8, dq, dk, dv, o8, lse)
+    wss = {}  # workspace per loaded library (fp8_ab.py: builds may need different sizes)
 
     def call():
         _ = keep
-        return kc.call_fwd(fp, ws, stream)
+        if id(kc.lib) not in wss:
+            wss[id(kc.lib)] = kc.fwd_workspace(fp, dev)
+        return kc.call_fwd(fp, wss[id(kc.lib)], stream)
     call.e4m3 = (q8, k8, v8)
     return call, (q, k, v, lse, o8), 4 * B * H * N * N * d * (0.5 if causal else 1.0)
 

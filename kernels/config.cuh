@@ -81,6 +81,17 @@ struct SplitTraits {
 #ifndef CF_FWD_EARLY_RESCALE
 #define CF_FWD_EARLY_RESCALE -1
 #endif
+// Where the e4m3 d <= 128 forward transposes V (8-bit wgmma reads V^T): inside the attention
+// kernel (sm90/fwd.cu FwdVTranspose: the producer warpgroup, from a raw TMA-loaded V tile) or in
+// the pre-pass (fp8_transpose_v_kernel, into the workspace). 1: in the kernel on the 128-key tile
+// (below 4096 keys), the pre-pass for the 256-key tile; 2: in the kernel on both; 0: pre-pass on
+// both (A/B runs). H100 / H200 (bench/NOTES.md "FP8: V transposed inside the kernel"): in the
+// kernel +2-15% at 1k-2k, but 5-13% slower on the 256-key tile (4k-16k), where the transpose's
+// shared-memory stores slow the consumers' softmax more than the pre-pass costs (~1-2%).
+#ifndef CF_FP8_VT_IN_KERNEL
+#define CF_FP8_VT_IN_KERNEL 1
+#endif
+constexpr bool kFp8VtInKernelShort = CF_FP8_VT_IN_KERNEL >= 1, kFp8VtInKernelLong = CF_FP8_VT_IN_KERNEL >= 2;
 // Warp-specialised CTA: kNWarpGroups consumer warpgroups, each owning 64 query rows (one m64
 // wgmma tile) and looping over kBlockN keys per step, plus one producer warpgroup that issues
 // the cp.async loads of Q and of the K / V ring (kStages stages, mbarrier-guarded).
@@ -103,7 +114,7 @@ struct SplitTraits {
 // the first 192), key blocks of 32-key multiples, head-dim tiles 128 and 256 (one or two panels
 // of Q / K rows).
 template <typename T_, int kHeadDim_, int kBlockN_, int kNWarpGroups_, int kStages_, bool kPingPong_,
-          bool kPersistent_, bool kSeparateO_, typename Out_ = T_>
+          bool kPersistent_, bool kSeparateO_, typename Out_ = T_, bool kVtInKernel_ = false>
 struct FwdSm90Traits {
     using Elem = T_;
     using Out = Out_;
@@ -134,7 +145,11 @@ struct FwdSm90Traits {
     // bytes), so that the consumers get the 160 that S 64 + P 32 + O 32 need (at 152 they spilled).
     // e4m3: TMA only, no cp.async paths: the producer runs at the minimum (24), and the
     // consumers take 240 (d = 256: O 128 + S 64 + P 16 registers).
-    static constexpr int kProducerRegs = kFp8 ? 24 : kHeadDim == 64 ? (kNWarpGroups == 3 ? 32 : 56) : 40;
+    // e4m3 with V transposed in the kernel (kVtInKernel, 128 head-dim tile): the producer also
+    // transposes V, at 32 (the consumers keep 240).
+    static constexpr bool kVtInKernel = kVtInKernel_;
+    static constexpr int kProducerRegs =
+        kFp8 ? (kVtInKernel ? 32 : 24) : kHeadDim == 64 ? (kNWarpGroups == 3 ? 32 : 56) : 40;
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
     static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
     // e4m3 with more than 224 keys per block (kSerialPV; sm90/fwd.cu FwdMainloop): a step runs
@@ -158,12 +173,15 @@ struct FwdSm90Traits {
     static constexpr int kKVStageBytes = kBlockN * kHeadDimPad * kElemBytes;
     static constexpr int kVtKeys = kFp8 ? (kBlockN + 127) / 128 * 128 : kBlockN;  // keys of a V stage
     static constexpr int kVStageBytes = kVtKeys * kHeadDimPad * kElemBytes;
+    // The raw V tile that the producer transposes into a V^T stage (kVtInKernel): [kBlockN][128].
+    static constexpr int kVRawBytes = kVtInKernel ? kBlockN * kHeadDimPad : 0;
 
     static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256 && (!kFp8 || kHeadDim == kHeadDimPad),
                   "wgmma forward: k16 steps in whole 32-byte chunks; e4m3 head-dim tiles of whole panels");
     static_assert(!kFp8 || (kBlockN % 32 == 0 && kBlockN <= 256 && kSeparateO),
                   "e4m3: P V^T in k-steps of 32 keys; O (16-bit) has its own buffer");
     static_assert(kFp8 || std::is_same<Out_, T_>::value, "16-bit inputs: output of the same type");
+    static_assert(!kVtInKernel || (kFp8 && kHeadDimPad == 128), "V^T in the kernel: one 128-byte panel of d");
     static_assert(kStages >= 2, "K/V ring");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N of S = Q K^T; P V in k-steps of 16 keys");
     static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "load_panels row passes (128 producer threads)");
@@ -237,7 +255,8 @@ template <typename T> using FwdSm90TraitsD128Long = FwdSm90Traits<T, 128, CF_FWD
 template <typename T> using FwdSm90TraitsD192Long = FwdSm90Traits<T, 192, CF_FWD_D192_LONG_BN, 2, 2, true, true, false>;
 template <typename T> using FwdSm90TraitsD256Long = FwdSm90Traits<T, 256, CF_FWD_D256_LONG_BN, 2, 2, true, true, false>;
 // e4m3 inputs (Out = f16 / bf16 output), 128 x 128 tiles, persistent, ping-pong:
-//   D = 128 (d <= 128): Q 16 KB + K, V^T 4 x 2 x 16 KB + O 32 KB. O 64 + S 64 + P 16 registers.
+//   D = 128 (d <= 128): Q 16 KB + K, V^T 4 x 2 x 16 KB + O 32 KB + raw V 16 KB (V transposed in
+//   the kernel, kFp8VtInKernelShort) = 192 KB. O 64 + S 64 + P 16 registers.
 //   D = 256: Q 32 KB + K, V^T 2 x 2 x 32 KB + O 64 KB = 224 KB. O 128 + S 64 + P 16.
 //   (3 consumer warpgroups at d = 128, 192 x 128: 160 registers each, spilled 144 bytes.)
 //   D = 128 long (heuristics.cuh fwd_fp8_long): 128 x 256, 2 stages, P V serial (kSerialPV): Q 16
@@ -261,13 +280,14 @@ template <typename T> using FwdSm90TraitsD256Long = FwdSm90Traits<T, 256, CF_FWD
 #endif
 template <typename O>
 using FwdSm90Fp8TraitsD128 =
-    FwdSm90Traits<__nv_fp8_e4m3, 128, CF_FP8_D128_BN, 2, CF_FP8_D128_STAGES, true, true, true, O>;
+    FwdSm90Traits<__nv_fp8_e4m3, 128, CF_FP8_D128_BN, 2, CF_FP8_D128_STAGES, true, true, true, O, kFp8VtInKernelShort>;
 #ifndef CF_FP8_D128_LONG_BN
 #define CF_FP8_D128_LONG_BN 256
 #endif
 template <typename O>
 using FwdSm90Fp8TraitsD128Long =
-    FwdSm90Traits<__nv_fp8_e4m3, 128, CF_FP8_D128_LONG_BN, 2, CF_FP8_D128_LONG_BN <= 192 ? 3 : 2, true, true, true, O>;
+    FwdSm90Traits<__nv_fp8_e4m3, 128, CF_FP8_D128_LONG_BN, 2, CF_FP8_D128_LONG_BN <= 192 ? 3 : 2, true, true, true, O,
+                  kFp8VtInKernelLong>;
 template <typename O> using FwdSm90Fp8TraitsD256 = FwdSm90Traits<__nv_fp8_e4m3, 256, 128, 2, 2, true, true, true, O>;
 
 // ------------------------------------------------------------------ backward (tensor cores)

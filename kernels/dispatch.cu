@@ -109,7 +109,9 @@ int check_fwd_e4m3(const CfFwdParams* p, bool probe_maps) {
         !tensor_aligned(p->o, p->o_batch_stride, p->o_row_stride, p->o_head_stride, vq))
         return CF_ERR_UNSUPPORTED_DTYPE;
     if (probe_maps && p->b > 0 && p->seqlen_q > 0) {
-        const FwdTmaMaps m = make_fwd_tma_maps(*p, 128, 128, p->q, fp8_vt_layout(*p).cols, fwd_fp8_tile(p->d));
+        const FwdTmaMaps m = fwd_fp8_vt_in_kernel(*p)
+                                 ? make_fwd_tma_maps(*p, 128, 128)
+                                 : make_fwd_tma_maps(*p, 128, 128, p->q, fp8_vt_layout(*p).cols, fwd_fp8_tile(p->d));
         if (!m.q_ok || !m.kv_ok) return CF_ERR_UNSUPPORTED_DTYPE;
     }
     return CF_OK;
@@ -370,7 +372,7 @@ int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream) {
         case CF_F16: e = fwd_tc<__half>(*p, workspace, stream); break;
         case CF_BF16: e = fwd_tc<__nv_bfloat16>(*p, workspace, stream); break;
         default:
-            if (workspace == nullptr) return CF_ERR_BAD_ARGUMENT;
+            if (workspace == nullptr && fp8_vt_layout(*p).bytes != 0) return CF_ERR_BAD_ARGUMENT;  // V^T pre-pass
             e = p->o_dtype == CF_F16 ? fwd_fp8<__half>(*p, workspace, stream) : fwd_fp8<__nv_bfloat16>(*p, workspace, stream);
             break;
     }

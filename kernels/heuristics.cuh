@@ -283,8 +283,14 @@ constexpr int kFp8VtSeqGap = 3 * kFp8KeyPad;
 __host__ __device__ inline int64_t fp8_vt_varlen_col0(int64_t row0, int b) {
     return (row0 + 15) / 16 * 16 + (int64_t)kFp8VtSeqGap * b;
 }
+// Whether the kernel fwd_fp8 runs for p transposes V itself (config.cuh CF_FP8_VT_IN_KERNEL, the
+// traits' kVtInKernel): then no workspace, and V is read through a row map like K's.
+inline bool fwd_fp8_vt_in_kernel(const CfFwdParams& p) {
+    return fwd_fp8_tile(p.d) == 128 && (fwd_fp8_long(p) ? kFp8VtInKernelLong : kFp8VtInKernelShort);
+}
 inline Fp8VtLayout fp8_vt_layout(const CfFwdParams& p) {
     Fp8VtLayout l{};
+    if (fwd_fp8_vt_in_kernel(p)) return l;  // no V^T in memory
     const bool varlen = p.cu_seqlens_k != nullptr;
     l.batches = varlen ? 1 : p.b;
     l.cols = varlen ? fp8_vt_varlen_col0(p.total_k, p.b) : fp8_vt_padded_keys(p.seqlen_k);

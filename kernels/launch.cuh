@@ -66,7 +66,8 @@ template <typename T, int D, bool kPaged, bool kHopperTile = false>
 cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);
 // sm_90a wgmma forward (sm90/fwd.cu) with configuration Kt (one of the FwdSm90Traits* of
 // config.cuh); call only when sm90a_available(). The workspace (cf_fwd's) holds V^T for e4m3
-// inputs (Fp8VtLayout, heuristics.cuh), unused otherwise.
+// inputs whose kernel does not transpose V itself (Fp8VtLayout, heuristics.cuh), unused
+// otherwise (may be NULL then).
 template <typename Kt>
 cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t stream);
 // f32 forward on CUDA cores (simt/fwd_f32.cu).

@@ -33,12 +33,18 @@
 //   by block j's correction after P(j-1) V(j-1) has completed, at the end of the step or
 //   (Kt::kEarlyRescale, d = 256) in the next step between issuing S(j+1) and P(j) V(j).
 // e4m3 inputs (Kt::kFp8; FlashAttention-3's FP8 forward): both products on 8-bit wgmma (k32),
-// which reads both operands K-major. So V is transposed first (fp8_transpose_v_kernel, into the
-// workspace: Fp8VtLayout in heuristics.cuh) and the producer loads V^T tiles [D][kBlockN keys]
-// (128-key panels); the keys of each 32-key group are stored in the order in which a thread's S
-// accumulators become its 8-bit A fragment of P (fp8_vt_key), so P goes from registers into
-// O += P V^T with no shuffle. S is scaled by q descale * k descale through the logit scale, O by the v descale in
-// the epilogue, and P (in [0, 1]) is rounded to e4m3 unscaled. Every load is TMA.
+// which reads both operands K-major. So V is transposed: by the producer warpgroup from raw V
+// tiles (Kt::kVtInKernel, FwdVTranspose) or first, by a pre-pass (fp8_transpose_v_kernel, into
+// the workspace: Fp8VtLayout in heuristics.cuh) whose V^T tiles the producer then loads; either
+// way a V^T stage is [D][kBlockN keys] (128-key panels), the keys of each 32-key group in the
+// order in which a thread's S accumulators become its 8-bit A fragment of P (fp8_vt_key), so P
+// goes from registers into O += P V^T with no shuffle. S is scaled by q descale * k descale
+// through the logit scale, O by the v descale in the epilogue, and P (in [0, 1]) is rounded to
+// e4m3 unscaled. Every load is TMA.
+// Barriers of the in-kernel transpose (kVtInKernel), per key block, all 128 producer threads:
+//   wait vraw_bar (thread 0's arrival + the raw TMA bytes) and V^T's empty -> transpose ->
+//   fence.proxy.async -> arrive on V^T's full (128 arrivals) -> producer named barrier
+//   (kProducerBar: the raw tile is read) -> thread 0 issues the next raw block.
 // The kernel body exists only in sm_90a code (wgmma); the same file also builds for sm_80 / PTX.
 #include <cstddef>
 #include <cstdint>
@@ -86,11 +92,13 @@ struct FwdSharedStorage {
     alignas(1024) T k[Kt::kStages][kKVElems];
     alignas(1024) T v[Kt::kStages][Kt::kVtKeys * Kt::kHeadDimPad];  // e4m3: V^T tiles [D][kVtKeys]
     OptionalTile<To, kQElems, Kt::kSeparateO> o;  // own output staging buffer, else staged in q
+    OptionalTile<T, Kt::kVRawBytes, Kt::kVtInKernel> vraw;  // e4m3 d = 128: V as loaded, [kBlockN][128]
     // Pipeline barriers (full, then empty, per pipeline), contiguous: all pipelines are
     // addressed from one base register.
     uint64_t q_bars[2][1];
     uint64_t k_bars[2][Kt::kStages];
     uint64_t v_bars[2][Kt::kStages];
+    uint64_t vraw_bar;  // kVtInKernel: the raw V tile has landed (thread 0's arrival + its bytes)
 
     __device__ __forceinline__ To* o_staging() {
         if constexpr (Kt::kSeparateO) return o.data;
@@ -175,6 +183,72 @@ __global__ void __launch_bounds__(256) fp8_transpose_v_kernel(const CfFwdParams 
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
+// ---------------------------------------------------------------- e4m3: V^T in the kernel
+// (Kt::kVtInKernel, the 128 head-dim tile; FlashAttention-3 and cuDNN transpose V on chip too.)
+// The producer warpgroup turns a raw V tile, [BN keys][128 d] as TMA writes it (chunk c of key
+// row k at c ^ (k & 7)), into a V^T stage: panels [128 d][128 positions] (chunk c of d row r at
+// c ^ (r & 7)), position s of each 32-key group holding key fp8_vt_key(s), as the pre-pass writes
+// it. One warp step moves 32 keys (group g) x 16 d (chunk column cc of the raw tile), 512 bytes;
+// warp w takes the chunk columns w and w + 4 of every group.
+//   ldmatrix.x4.trans: matrix i = keys 8i .. 8i + 7 of the group as 8 x 8 16-bit pairs; lane
+//     (c, q) (c = lane / 4, q = lane % 4) receives d pair c, keys 8i + 2q (low half) and
+//     8i + 2q + 1 (high half): bytes {k 2q: d 2c, d 2c + 1; k 2q + 1: d 2c, d 2c + 1}.
+//   PRMT: row d = 16 cc + 2c gets keys {2q, 2q + 1, 8 + 2q, 9 + 2q} (x0, x1: bytes 0 and 2), which
+//     are positions 4q .. 4q + 3 (fp8_vt_key), and keys 16 + the same (x2, x3): positions
+//     16 + 4q ..; row 2c + 1 the odd bytes.
+//   stmatrix.x4: matrix j, row r = 16 bytes (positions 16 (j & 1) ..) of one d row, held by
+//     lanes 4r .. 4r + 3. Rows d 2 apart repeat the swizzle every 4, so matrix j takes the even
+//     rows 2r of lanes r < 4 and the odd rows 2r + 1 of lanes r >= 4 (j < 2), or the other way
+//     round (j >= 2): 8 distinct swizzled chunks, no bank conflict (the loads have none either).
+// Keys at or past `lim` (a sequence's end inside the tile: another sequence's rows in a varlen
+// tensor, TMA's zeros otherwise) are written as 0, as the pre-pass writes them (P is 0 there; V
+// must not be NaN).
+template <int BN>
+struct FwdVTranspose {
+    static constexpr int G = BN / 32;  // 32-key groups
+    static_assert(BN % 32 == 0, "whole 32-key groups");
+    static __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+        uint32_t d;
+        asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+        return d;
+    }
+    static __device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&r)[4]) {
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+                     "r"(r[1]), "r"(r[2]), "r"(r[3])
+                     : "memory");
+    }
+    // raw, vt: shared addresses (1024-byte aligned); ptid: thread within the producer warpgroup.
+    static __device__ __forceinline__ void run(uint32_t raw, uint32_t vt, int lim, int ptid) {
+        const int warp = ptid >> 5, lane = ptid & 31, lr = lane & 7, li = lane >> 3, q = lane & 3;
+        const bool hi = lane >= 16;  // holds d pairs 4..7: its odd rows go to matrices 0 / 1
+        const uint32_t sel_a = hi ? 0x7531u : 0x6420u, sel_b = hi ? 0x6420u : 0x7531u;
+        // this lane's stmatrix row: matrix li, row lr (parity as above)
+        const int dl = 2 * lr + ((li >> 1) ^ (lr >> 2));
+        const uint32_t st_x = (uint32_t)(((li & 1) ^ (dl & 7)) << 4);  // chunk bits XORed per group
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int cc = warp + 4 * h;
+            const uint32_t ld = raw + (8 * li + lr) * kPanelRowBytes + ((cc ^ lr) << 4);
+            const uint32_t st = vt + (16 * cc + dl) * kPanelRowBytes;
+#pragma unroll 2
+            for (int g = 0; g < G; ++g) {
+                uint32_t x[4];
+                ldsm_x4_t(x, ld + g * 32 * kPanelRowBytes);
+                if (lim < BN) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int k0 = 32 * g + 8 * i + 2 * q;
+                        x[i] &= (k0 < lim ? 0x0000ffffu : 0u) | (k0 + 1 < lim ? 0xffff0000u : 0u);
+                    }
+                }
+                const uint32_t w[4] = {prmt(x[0], x[1], sel_a), prmt(x[2], x[3], sel_a), prmt(x[0], x[1], sel_b),
+                                       prmt(x[2], x[3], sel_b)};
+                stsm_x4(st + (g >> 2) * 128 * kPanelRowBytes + (st_x ^ (uint32_t)((g & 3) << 5)), w);
+            }
+        }
+    }
+};
+
 template <typename Kt>
 struct FwdPipelines {
     using Storage = FwdSharedStorage<Kt>;
@@ -196,6 +270,7 @@ struct FwdProducer {
     // the TMA path beside them, fully unrolled passes spilled the 40-register producer (8 / 20
     // bytes at d = 128 / 256) and the 32-register one of the d = 64 192 x 128 tile (76 bytes).
     static constexpr bool kRolled = D >= 128 || Kt::kProducerRegs <= 32;
+    static constexpr int kProducerBar = Kt::kNWarpGroups + 1;  // named barrier after PingPong's 1..NWG
 
     // Loads every tile of this CTA; ptid = thread index within the producer warpgroup. A tile
     // goes by TMA (thread 0 issues it) when the map exists and, for varlen keys, the block lies
@@ -206,6 +281,7 @@ struct FwdProducer {
         const FwdTileScheduler<BM, BN, !Kt::kPersistent> sched(p, tail_groups);
         const int dch = p.d >> 3;
         uint32_t kv = 0, tcount = 0;  // key blocks and tiles loaded so far (pipeline counters)
+        uint32_t nraw = 0;            // kVtInKernel: raw V tiles transposed so far (vraw_bar's phases)
         for (int it = 0; it < sched.niters; ++it) {
             const int tile = sched.tile_index(it);
             if (tile >= sched.ntiles) continue;
@@ -218,12 +294,40 @@ struct FwdProducer {
             const int kbatch = si.k_varlen ? 0 : si.b, qbatch = si.q_varlen ? 0 : si.b;
             // The cp.async path computes its head pointers when it runs (the producer works at 40
             // registers: nothing long-lived that the TMA path does not need).
+            // kVtInKernel: raw V of key block j into ss.vraw (thread 0; one arrival and its bytes
+            // complete vraw_bar's phase).
+            const uint32_t raw_bar = smem_addr(&ss.vraw_bar);
+            auto issue_raw_v = [&](int j) {
+                if constexpr (Kt::kVtInKernel) {
+                    if (ptid == 0) {
+                        tma_load_tile<BN, D, 1>(smem_addr(ss.vraw.data), &maps.v, raw_bar,
+                                                krow0 + (t.nb_hi - 1 - j) * BN, hk, kbatch);
+                        mbar_arrive(raw_bar);
+                    }
+                }
+            };
             auto load_kv = [&](bool is_k, int j) {
                 const Pipeline<Kt::kStages> pipe = is_k ? pl.k() : pl.v();
                 T* dst = is_k ? ss.k[pipe.stage(kv + j)] : ss.v[pipe.stage(kv + j)];
                 const uint32_t n = kv + j;
                 const int n0 = (t.nb_hi - 1 - j) * BN;
                 pipe.producer_acquire(n);
+                if constexpr (Kt::kVtInKernel) {
+                    if (!is_k) {
+                        // raw V(j) was issued after the previous transpose (or after Q): wait for
+                        // it, transpose it into the V^T stage, publish the stage to wgmma (async
+                        // proxy) and the consumers, then, once every producer thread has read the
+                        // raw tile, issue the next one.
+                        mbar_wait(raw_bar, nraw & 1);
+                        FwdVTranspose<BN>::run(smem_addr(ss.vraw.data), smem_addr(dst), si.sk - n0, ptid);
+                        fence_async_smem();
+                        mbar_arrive(pipe.full_bar(n));
+                        ++nraw;
+                        named_bar_sync(kProducerBar, 128);
+                        if (j + 1 < t.nblocks) issue_raw_v(j + 1);
+                        return;
+                    }
+                }
                 if constexpr (Kt::kFp8) {
                     // TMA only (cf_fwd_check). Key rows past a varlen sequence's end are the next
                     // sequence's: masked in S, and V^T is zero there (fp8_transpose_v_kernel).
@@ -267,6 +371,7 @@ struct FwdProducer {
                                         si.sq - t.m0, dch, ptid, p.q);
             }
             pl.q().producer_commit_cp_async(tcount);
+            if constexpr (Kt::kVtInKernel) issue_raw_v(0);
             for (int j = 1; j < t.nblocks; ++j) {
                 load_k(j);
                 load_v(j - 1);
@@ -549,6 +654,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
         pl.q().init(128, 4 * NWG);  // full: one cp.async-tracking arrival per producer thread
         pl.k().init(128, 4 * NWG);  // empty: one arrival per consumer warp
         pl.v().init(128, 4 * NWG);
+        if constexpr (Kt::kVtInKernel) mbar_init(smem_addr(&ss.vraw_bar), 1);
     }
     __syncthreads();  // barrier initialisation visible to every thread (the only CTA-wide barrier)
 
@@ -615,7 +721,10 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t 
     const int query_blocks = (p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
     const int tail = Kt::kPersistent ? 0 : fwd_heavy_groups(p, query_blocks, (int64_t)p.h * p.b, (int64_t)sms * Kt::kMinBlocks);
     FwdTmaMaps maps;
-    if constexpr (Kt::kFp8) {
+    if constexpr (Kt::kVtInKernel) {
+        maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN);
+        if (!maps.q_ok || !maps.kv_ok) return cudaErrorNotSupported;  // cf_fwd_check rules this out
+    } else if constexpr (Kt::kFp8) {
         // V^T into the workspace first (same stream: the attention kernel sees it)
         const Fp8VtLayout vl = fp8_vt_layout(p);
         if (workspace == nullptr) return cudaErrorInvalidValue;

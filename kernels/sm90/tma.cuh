@@ -101,9 +101,9 @@ inline bool encode_vt_map(CUtensorMap& m, const void* base, int d, int64_t cols,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The maps of a forward call with BM-row query tiles and BN-row key tiles (f16 / bf16: q, k, v;
-// e4m3: q, k, and v = the transposed V in `vt` with `vt_cols` columns per (batch, KV head, d row),
-// `d_tile` rows per box).
+// The maps of a forward call with BM-row query tiles and BN-row key tiles (f16 / bf16, and e4m3
+// with V transposed in the kernel: q, k, v; e4m3 with the V^T pre-pass: q, k, and v = the
+// transposed V in `vt` with `vt_cols` columns per (batch, KV head, d row), `d_tile` rows per box).
 inline FwdTmaMaps make_fwd_tma_maps(const CfFwdParams& p, int block_m, int block_n, const void* vt = nullptr,
                                     int64_t vt_cols = 0, int d_tile = 0) {
     FwdTmaMaps m{};
@@ -113,7 +113,7 @@ inline FwdTmaMaps make_fwd_tma_maps(const CfFwdParams& p, int block_m, int block
     const bool k_ok = p.block_table == nullptr &&
                       encode_rows_map(m.k, p.k, p.dtype, p.d, vk ? p.total_k : p.seqlen_k, p.hkv, vk ? 1 : p.b,
                                       p.k_row_stride, p.k_head_stride, p.k_batch_stride, block_n);
-    const bool v_ok = p.dtype == CF_E4M3
+    const bool v_ok = p.dtype == CF_E4M3 && vt != nullptr
                           ? encode_vt_map(m.v, vt, p.d, vt_cols, p.hkv, vk ? 1 : p.b, kPanelRowBytes, d_tile)
                           : p.block_table == nullptr && encode_rows_map(m.v, p.v, p.dtype, p.d,
                                                                         vk ? p.total_k : p.seqlen_k, p.hkv,
