@@ -126,7 +126,8 @@ typedef struct {
 // the parameters and the current device (its SM count), so the size call and the launch agree.
 
 // Forward: bytes of scratch memory cf_fwd needs for these parameters (0 for most shapes; the
-// split-KV decode path keeps its partial outputs there).
+// split-KV decode path keeps its partial outputs there, and the e4m3 forward V^T where its
+// kernel does not transpose V itself: d > 128, or 4096 queries and keys and more).
 size_t cf_fwd_workspace_size(const CfFwdParams* p);
 // Forward: CF_OK when cf_fwd runs these parameters on the current device, else the status it
 // would return without launching anything (e4m3 inputs need the sm_90a kernel: a Hopper GPU,
