@@ -206,8 +206,11 @@ impl LlamaAttention {
             AttnImpl::Flash => crate::flash_attn_with_options(&q, k_cache, v_cache, &opts)?,
             AttnImpl::Naive => reference::attention(&q, k_cache, v_cache, &opts)?,
             AttnImpl::Fp8 => {
-                let (k, v, opts) = reference::unpage(&q, k_cache, v_cache, &opts)?;
-                fp8_attention(&q, &k, &v, &opts)?
+                // The FP8 kernel reads no block table: the pages gathered into the packed varlen
+                // layout, whose offsets are the step's cumulative key lengths (opts' seqlens_k).
+                let rows = step.packed_key_rows()?;
+                let gather = |t: &Tensor| t.flatten_to(1)?.index_select(rows, 0);
+                fp8_attention(&q, &gather(k_cache)?, &gather(v_cache)?, &opts.clone().paged(None))?
             }
         };
         self.o_proj.forward_split(&y.reshape((t, h * d))?, few)

@@ -150,6 +150,8 @@ impl DecodeGraph {
                 k_lens: vec![],
                 single: 0,
                 rest: None,
+                page_size: cache.page_size(),
+                key_rows: Default::default(),
             };
             let rope = Rope {
                 start: 0,

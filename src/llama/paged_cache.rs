@@ -81,6 +81,35 @@ pub(crate) struct PagedStep {
     /// of the sequences after them, when there are any.
     pub single: usize,
     pub rest: Option<PagedRest>,
+    pub page_size: usize,
+    /// [`PagedStep::packed_key_rows`], made by the first layer that asks (construct empty).
+    pub key_rows: std::sync::OnceLock<Tensor>,
+}
+
+impl PagedStep {
+    /// `[total_k]` u32: for every key `j` of every sequence, in order, its row
+    /// `page(j / page_size) · page_size + j % page_size` of a layer's pool viewed as
+    /// `(pages · page_size, Hkv, D)`. Gathering those rows turns the cache into the packed varlen
+    /// layout whose offsets are [`PagedStep::seqlens_k`] (what [`crate::reference::unpage`]
+    /// does), for kernels that read no block table (the FP8 forward). Made once per step from
+    /// the host's table and shared by every layer: no layer reads the device's seqlens or table
+    /// back to the host.
+    pub fn packed_key_rows(&self) -> Result<&Tensor> {
+        if let Some(rows) = self.key_rows.get() {
+            return Ok(rows);
+        }
+        if self.k_lens.len() + 1 != self.seqlens_k.dim(0)? {
+            bail!("paged step: no host addressing to gather the keys by (a graph step)")
+        }
+        let (page, w) = (self.page_size as u32, self.table_width);
+        let rows: Vec<u32> = (self.k_lens.iter().enumerate())
+            .flat_map(|(b, &len)| (0..len as u32).map(move |j| (b, j)))
+            .map(|(b, j)| self.host_table[b * w + (j / page) as usize] * page + j % page)
+            .collect();
+        let n = rows.len();
+        let rows = Tensor::from_vec(rows, n, self.slots.device())?;
+        Ok(self.key_rows.get_or_init(|| rows))
+    }
 }
 
 /// The paged-attention arguments of a step's sequences after its leading single-token ones.
@@ -384,6 +413,70 @@ impl PagedKvCache {
             k_lens,
             single,
             rest,
+            page_size: self.page_size,
+            key_rows: std::sync::OnceLock::new(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{reference, FlashAttnOptions, PagedKv, VarLen};
+
+    /// `PagedStep::packed_key_rows` gathers exactly what `reference::unpage` gathers through
+    /// the device's block table: three sequences whose pages interleave over three steps (page
+    /// size 4, so every sequence spans pages that are not adjacent), on pools of distinct values.
+    #[test]
+    fn packed_key_rows_match_unpage() -> Result<()> {
+        let cfg = LlamaConfig {
+            vocab_size: 8,
+            hidden_size: 8,
+            intermediate_size: 8,
+            num_hidden_layers: 1,
+            num_attention_heads: 2,
+            num_key_value_heads: 2,
+            head_dim: 4,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: super::super::rotary::RopeScaling::None,
+            max_position_embeddings: 64,
+            tie_word_embeddings: false,
+        };
+        let dev = Device::Cpu;
+        let mut cache = PagedKvCache::new(&cfg, 4, None, DType::F32, &dev)?;
+        for seq in 0..3 {
+            cache.add_sequence(seq)?;
+        }
+        for batch in [vec![(0, 5), (1, 3)], vec![(2, 6), (0, 2)], vec![(1, 7), (0, 1), (2, 1)]] {
+            let step = cache.prepare(&batch, false)?;
+            let pages = cache.capacity_pages();
+            let pool = |offset: f32| -> Result<Tensor> {
+                let n = pages * 4 * 2 * 4;
+                Tensor::arange(0f32, n as f32, &dev)?.affine(1.0, offset as f64)?.reshape((pages, 4, 2, 4))
+            };
+            let (k_pool, v_pool) = (pool(0.0)?, pool(0.5)?);
+            let rows = step.packed_key_rows()?;
+            let gather = |t: &Tensor| t.flatten_to(1)?.index_select(rows, 0);
+            let total_q: usize = batch.iter().map(|(_, n)| n).sum();
+            let q = Tensor::zeros((total_q, 2, 4), DType::F32, &dev)?;
+            let opts = FlashAttnOptions::new(0.5)
+                .causal(true)
+                .varlen(Some(VarLen {
+                    seqlens_q: step.seqlens_q.clone(),
+                    seqlens_k: step.seqlens_k.clone(),
+                    max_seqlen_q: step.max_seqlen_q,
+                    max_seqlen_k: step.max_seqlen_k,
+                }))
+                .paged(Some(PagedKv::new(&step.block_table, 4)));
+            let (k_want, v_want, unpaged) = reference::unpage(&q, &k_pool, &v_pool, &opts)?;
+            assert_eq!(gather(&k_pool)?.to_vec3::<f32>()?, k_want.to_vec3::<f32>()?, "batch {batch:?}");
+            assert_eq!(gather(&v_pool)?.to_vec3::<f32>()?, v_want.to_vec3::<f32>()?, "batch {batch:?}");
+            let offsets = |o: &FlashAttnOptions| o.varlen.as_ref().map(|v| v.seqlens_k.to_vec1::<u32>());
+            assert_eq!(offsets(&unpaged).transpose()?, Some(step.seqlens_k.to_vec1::<u32>()?));
+            // made once: the same tensor for every later layer
+            assert!(std::ptr::eq(rows, step.packed_key_rows()?));
+        }
+        Ok(())
     }
 }
