@@ -192,15 +192,7 @@ impl LlamaAttention {
         // kernel rotates q and k and writes k and v into their slots.
         let tables = (&rope.cos, &rope.sin);
         let q = crate::rope_write_paged_kv(&q, &k, &v, tables, (k_cache, v_cache), &step.slots)?;
-        let opts = FlashAttnOptions::new(self.softmax_scale)
-            .causal(true)
-            .varlen(Some(VarLen {
-                seqlens_q: step.seqlens_q.clone(),
-                seqlens_k: step.seqlens_k.clone(),
-                max_seqlen_q: step.max_seqlen_q,
-                max_seqlen_k: step.max_seqlen_k,
-            }))
-            .paged(Some(PagedKv::new(&step.block_table, k_cache.dim(1)?)));
+        let opts = step.attn_options(self.softmax_scale);
         let y = match self.attn_impl {
             AttnImpl::Flash if step.single > 0 => self.attend_split(&q, k_cache, v_cache, step, &opts)?,
             AttnImpl::Flash => crate::flash_attn_with_options(&q, k_cache, v_cache, &opts)?,

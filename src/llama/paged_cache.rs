@@ -87,6 +87,20 @@ pub(crate) struct PagedStep {
 }
 
 impl PagedStep {
+    /// The step's attention options: causal, varlen over its packed new queries and each
+    /// sequence's cached keys, read through its block table.
+    pub fn attn_options(&self, softmax_scale: f32) -> crate::FlashAttnOptions {
+        crate::FlashAttnOptions::new(softmax_scale)
+            .causal(true)
+            .varlen(Some(crate::VarLen {
+                seqlens_q: self.seqlens_q.clone(),
+                seqlens_k: self.seqlens_k.clone(),
+                max_seqlen_q: self.max_seqlen_q,
+                max_seqlen_k: self.max_seqlen_k,
+            }))
+            .paged(Some(crate::PagedKv::new(&self.block_table, self.page_size)))
+    }
+
     /// `[total_k]` u32: for every key `j` of every sequence, in order, its row
     /// `page(j / page_size) · page_size + j % page_size` of a layer's pool viewed as
     /// `(pages · page_size, Hkv, D)`. Gathering those rows turns the cache into the packed varlen
@@ -422,7 +436,7 @@ impl PagedKvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{reference, FlashAttnOptions, PagedKv, VarLen};
+    use crate::{reference, FlashAttnOptions};
 
     /// `PagedStep::packed_key_rows` gathers exactly what `reference::unpage` gathers through
     /// the device's block table: three sequences whose pages interleave over three steps (page
@@ -460,15 +474,7 @@ mod tests {
             let gather = |t: &Tensor| t.flatten_to(1)?.index_select(rows, 0);
             let total_q: usize = batch.iter().map(|(_, n)| n).sum();
             let q = Tensor::zeros((total_q, 2, 4), DType::F32, &dev)?;
-            let opts = FlashAttnOptions::new(0.5)
-                .causal(true)
-                .varlen(Some(VarLen {
-                    seqlens_q: step.seqlens_q.clone(),
-                    seqlens_k: step.seqlens_k.clone(),
-                    max_seqlen_q: step.max_seqlen_q,
-                    max_seqlen_k: step.max_seqlen_k,
-                }))
-                .paged(Some(PagedKv::new(&step.block_table, 4)));
+            let opts = step.attn_options(0.5);
             let (k_want, v_want, unpaged) = reference::unpage(&q, &k_pool, &v_pool, &opts)?;
             assert_eq!(gather(&k_pool)?.to_vec3::<f32>()?, k_want.to_vec3::<f32>()?, "batch {batch:?}");
             assert_eq!(gather(&v_pool)?.to_vec3::<f32>()?, v_want.to_vec3::<f32>()?, "batch {batch:?}");
