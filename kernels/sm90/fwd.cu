@@ -230,7 +230,7 @@ struct FwdVTranspose {
             const int cc = warp + 4 * h;
             const uint32_t ld = raw + (8 * li + lr) * kPanelRowBytes + ((cc ^ lr) << 4);
             const uint32_t st = vt + (16 * cc + dl) * kPanelRowBytes;
-#pragma unroll 2
+#pragma unroll 2  // two steps in flight; fully unrolled, the 32-register producer spilled
             for (int g = 0; g < G; ++g) {
                 uint32_t x[4];
                 ldsm_x4_t(x, ld + g * 32 * kPanelRowBytes);
