@@ -207,16 +207,6 @@ template <int BN>
 struct FwdVTranspose {
     static constexpr int G = BN / 32;  // 32-key groups
     static_assert(BN % 32 == 0, "whole 32-key groups");
-    static __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-        uint32_t d;
-        asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-        return d;
-    }
-    static __device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&r)[4]) {
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
-                     "r"(r[1]), "r"(r[2]), "r"(r[3])
-                     : "memory");
-    }
     // raw, vt: shared addresses (1024-byte aligned); ptid: thread within the producer warpgroup.
     static __device__ __forceinline__ void run(uint32_t raw, uint32_t vt, int lim, int ptid) {
         const int warp = ptid >> 5, lane = ptid & 31, lr = lane & 7, li = lane >> 3, q = lane & 3;
@@ -241,9 +231,9 @@ struct FwdVTranspose {
                         x[i] &= (k0 < lim ? 0x0000ffffu : 0u) | (k0 + 1 < lim ? 0xffff0000u : 0u);
                     }
                 }
-                const uint32_t w[4] = {prmt(x[0], x[1], sel_a), prmt(x[2], x[3], sel_a), prmt(x[0], x[1], sel_b),
-                                       prmt(x[2], x[3], sel_b)};
-                stsm_x4(st + (g >> 2) * 128 * kPanelRowBytes + (st_x ^ (uint32_t)((g & 3) << 5)), w);
+                const uint32_t w[4] = {__byte_perm(x[0], x[1], sel_a), __byte_perm(x[2], x[3], sel_a),
+                                       __byte_perm(x[0], x[1], sel_b), __byte_perm(x[2], x[3], sel_b)};
+                stmatrix_x4(st + (g >> 2) * 128 * kPanelRowBytes + (st_x ^ (uint32_t)((g & 3) << 5)), w);
             }
         }
     }
@@ -330,7 +320,7 @@ struct FwdProducer {
                 }
                 if constexpr (Kt::kFp8) {
                     // TMA only (cf_fwd_check). Key rows past a varlen sequence's end are the next
-                    // sequence's: masked in S, and V^T is zero there (fp8_transpose_v_kernel).
+                    // sequence's: masked in S, and V^T is zero there (the pre-pass or FwdVTranspose).
                     if (ptid == 0) {
                         if (is_k) {
                             tma_load_tile<BN, D, 1>(smem_addr(dst), &maps.k, pipe.full_bar(n), krow0 + n0, hk, kbatch);

@@ -113,6 +113,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
     CF_WG_RS(160) CF_WG_RS(176) CF_WG_RS(192) CF_WG_RS(256)
 #undef CF_WG_RS
 }
+// Four 8 x 8 matrices of 16-bit pairs (stmatrix): register i of a lane holds row lane / 4,
+// columns 2 (lane % 4) + {0, 1} of matrix i; lane 8i + r gives the address of row r of matrix i
+// (16 bytes).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
 // Four 8 x 8 matrices of 16-bit pairs, stored transposed (stmatrix .trans): register i of a lane
 // holds row lane / 4, columns 2 (lane % 4) + {0, 1} of matrix i (the mma.sync fragment, low half
 // first); lane 8i + r gives the address of row r of stored matrix i, which receives column r of
