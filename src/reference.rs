@@ -42,13 +42,7 @@ pub fn unpage(
     let (Some(pages), Some(varlen)) = (&host.pages, &opts.varlen) else {
         candle_core::bail!("candle-flash: unpage needs paged K/V options")
     };
-    // Row of key j of sequence b in the cache viewed as (num_blocks * page, Hkv, D).
-    let rows: Vec<u32> = host
-        .seqs
-        .iter()
-        .zip(pages)
-        .flat_map(|(seq, pages)| (0..seq.k_len).map(move |j| (pages[j / page] * page + j % page) as u32))
-        .collect();
+    let rows = packed_key_rows(page, host.seqs.iter().zip(pages).map(|(seq, pages)| (seq.k_len, |i: usize| pages[i])));
     let rows = Tensor::new(rows.as_slice(), k.device())?;
     let gather = |t: &Tensor| t.flatten_to(1)?.index_select(&rows, 0);
     let mut offsets = vec![0u32];
@@ -59,6 +53,14 @@ pub fn unpage(
     varlen.seqlens_k = Tensor::new(offsets.as_slice(), k.device())?;
     let opts = opts.clone().paged(None).varlen(Some(varlen));
     Ok((gather(k)?, gather(v)?, opts))
+}
+
+/// For every key `j` of every sequence `(k_len, page_of)`, in order, its row
+/// `page_of(j / page) · page + j % page` of a paged cache viewed as `(num_blocks · page, Hkv, D)`
+/// (`page_of(i)`: the sequence's i-th page): the gather that turns the cache into the packed
+/// varlen layout ([`unpage`]).
+pub(crate) fn packed_key_rows<F: Fn(usize) -> usize>(page: usize, seqs: impl Iterator<Item = (usize, F)>) -> Vec<u32> {
+    seqs.flat_map(|(k_len, page_of)| (0..k_len).map(move |j| (page_of(j / page) * page + j % page) as u32)).collect()
 }
 
 fn attention_impl(

@@ -115,11 +115,10 @@ impl PagedStep {
         if self.k_lens.len() + 1 != self.seqlens_k.dim(0)? {
             bail!("paged step: no host addressing to gather the keys by (a graph step)")
         }
-        let (page, w) = (self.page_size as u32, self.table_width);
-        let rows: Vec<u32> = (self.k_lens.iter().enumerate())
-            .flat_map(|(b, &len)| (0..len as u32).map(move |j| (b, j)))
-            .map(|(b, j)| self.host_table[b * w + (j / page) as usize] * page + j % page)
-            .collect();
+        let w = self.table_width;
+        let table = &self.host_table;
+        let seqs = self.k_lens.iter().enumerate().map(|(b, &len)| (len, move |i: usize| table[b * w + i] as usize));
+        let rows = crate::reference::packed_key_rows(self.page_size, seqs);
         let n = rows.len();
         let rows = Tensor::from_vec(rows, n, self.slots.device())?;
         Ok(self.key_rows.get_or_init(|| rows))
@@ -441,6 +440,10 @@ mod tests {
     /// `PagedStep::packed_key_rows` gathers exactly what `reference::unpage` gathers through
     /// the device's block table: three sequences whose pages interleave over three steps (page
     /// size 4, so every sequence spans pages that are not adjacent), on pools of distinct values.
+    /// Both take their row formula from `reference::packed_key_rows`, so the gather is also
+    /// checked against the cache's own writes: every new key is written through the step's slots
+    /// with a tag (sequence, position), and the gathered rows must be each sequence's tags in
+    /// order.
     #[test]
     fn packed_key_rows_match_unpage() -> Result<()> {
         let cfg = LlamaConfig {
@@ -462,8 +465,28 @@ mod tests {
         for seq in 0..3 {
             cache.add_sequence(seq)?;
         }
+        let tag = |seq: SeqId, pos: usize| (100 * seq as usize + pos) as f32;
+        let mut lens = BTreeMap::new();
         for batch in [vec![(0, 5), (1, 3)], vec![(2, 6), (0, 2)], vec![(1, 7), (0, 1), (2, 1)]] {
             let step = cache.prepare(&batch, false)?;
+            let tags: Vec<f32> = step
+                .positions
+                .iter()
+                .zip(batch.iter().flat_map(|&(seq, n)| std::iter::repeat_n(seq, n)))
+                .flat_map(|(&pos, seq)| [tag(seq, pos); 8])
+                .collect();
+            let new_keys = Tensor::from_vec(tags, (step.positions.len(), 2, 4), &dev)?;
+            let (k_cache, v_cache) = cache.layer(0)?;
+            crate::write_paged_kv(k_cache, v_cache, &new_keys, &new_keys, &step.slots)?;
+            let mut want = vec![];
+            for &(seq, n) in &batch {
+                let len = lens.entry(seq).or_insert(0usize);
+                *len += n;
+                want.extend((0..*len).map(|j| tag(seq, j)));
+            }
+            let gathered = k_cache.flatten_to(1)?.index_select(step.packed_key_rows()?, 0)?;
+            let got = gathered.narrow(1, 0, 1)?.narrow(2, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
+            assert_eq!(got, want, "batch {batch:?}");
             let pages = cache.capacity_pages();
             let pool = |offset: f32| -> Result<Tensor> {
                 let n = pages * 4 * 2 * 4;
