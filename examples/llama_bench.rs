@@ -413,6 +413,9 @@ fn main() -> Result<()> {
     let mut rows = vec![];
     for &n in &lengths {
         if graph_rows {
+            // graphs decode with flash attention (the implementations' loop below may have left
+            // another one set)
+            model.set_attn_impl(AttnImpl::Flash);
             let prompt = prompt_tokens(&base, n);
             let (mut pre, mut dec, mut cap, mut same) = (vec![], vec![], vec![], true);
             let eager = run(&model, &prompt, args.decode_tokens, &device)?.4;

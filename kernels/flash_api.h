@@ -215,6 +215,24 @@ typedef struct {
 
 int cf_convert_e4m3(const CfConvertParams* p, cudaStream_t stream);
 
+// Quantization of x [b][s][h][d] (contiguous f32 / f16 / bf16) to e4m3 in groups of (batch,
+// block of block_rows rows, head): scale [b][nb][h], nb = max(1, ceil(s / block_rows)).
+// mode CF_QUANT_FULL: each group's amax -> scale = amax * (1 / 448) (1 for an all-zero group),
+//   then q = e4m3(x / scale) (round to nearest even, saturated to +-448);
+// CF_QUANT_AMAX: only scale = each group's amax (q untouched; per-tensor scaling reduces them);
+// CF_QUANT_APPLY: only q = e4m3(x / scale), with the scales given.
+// Non-finite inputs: NaN is ignored by the amax and stays NaN in q.
+enum CfQuantMode { CF_QUANT_FULL = 0, CF_QUANT_AMAX = 1, CF_QUANT_APPLY = 2 };
+typedef struct {
+    const void* x;
+    void* q;
+    float* scale;
+    int64_t b, s, h, d, block_rows;
+    int32_t dtype, mode;
+} CfQuantizeParams;
+
+int cf_quantize_e4m3(const CfQuantizeParams* p, cudaStream_t stream);
+
 // Text for any status returned above (static storage, never NULL).
 const char* cf_error_string(int status);
 

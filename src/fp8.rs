@@ -133,17 +133,25 @@ fn row_descales(descale: &Tensor, block_rows: usize, (b, s, h): (usize, usize, u
 
 /// Quantizes `x` (f32 / f16 / bf16, `(B, S, H, D)` or `(total, H, D)`) to e4m3 with the given
 /// scaling: each group's largest magnitude maps to ±448 (an all-zero group gets descale 1).
+/// On CUDA two kernels do it (the groups' maxima, then the scaled cast), unless `x` tracks
+/// gradients: then candle ops, which keep the autograd graph. Both give the same bits as the CPU.
 pub fn quantize_e4m3(x: &Tensor, scaling: Fp8Scaling) -> Result<Fp8Tensor> {
     if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
         bail!("candle-flash fp8: quantize_e4m3 takes f32, f16 or bf16, got {:?}", x.dtype())
     }
     let (b, s, h, d) = bshd(x)?;
-    let x4 = x.to_dtype(DType::F32)?.reshape((b, s, h, d))?;
     let block_rows = match scaling {
         Fp8Scaling::PerTensor | Fp8Scaling::PerHead => s.max(1),
         Fp8Scaling::PerBlock(0) => bail!("candle-flash fp8: PerBlock needs at least one row per block"),
         Fp8Scaling::PerBlock(r) => r,
     };
+    // The fused kernels are for inference: a tensor that tracks gradients takes the candle ops,
+    // so that the graph stays and asking for a gradient through FP8 attention is an error.
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.elem_count() > 0 && !x.track_op() {
+        return quantize_on_gpu(x, (b, s, h, d), block_rows, scaling);
+    }
+    let x4 = x.to_dtype(DType::F32)?.reshape((b, s, h, d))?;
     let nb = s.div_ceil(block_rows).max(1);
     let amax = match scaling {
         _ if x4.elem_count() == 0 => Tensor::zeros((b, nb, h), DType::F32, x.device())?,
@@ -154,12 +162,40 @@ pub fn quantize_e4m3(x: &Tensor, scaling: Fp8Scaling) -> Result<Fp8Tensor> {
             padded.abs()?.reshape((b, nb, r, h, d))?.max(4)?.max(2)?
         }
     };
-    // descale = amax / 448, or 1 where the group is all zero (nothing to scale)
-    let zero = amax.eq(0f32)?;
-    let descale = zero.where_cond(&amax.ones_like()?, &(amax / E4M3_MAX as f64)?)?;
+    let descale = descale_of_amax(&amax)?;
     let rows = row_descales(&descale, block_rows, (b, s, h))?;
     let q = cast_e4m3(&x4.broadcast_div(&rows)?.clamp(-E4M3_MAX, E4M3_MAX)?, DType::F8E4M3)?;
     Ok(Fp8Tensor { data: q.reshape(x.dims())?, descale, block_rows })
+}
+
+/// descale = amax / 448 (candle's `/ f64`: a multiplication by 1 / 448 in f32, which
+/// `cf_quantize_e4m3` repeats), or 1 where the group is all zero (nothing to scale).
+fn descale_of_amax(amax: &Tensor) -> Result<Tensor> {
+    amax.eq(0f32)?.where_cond(&amax.ones_like()?, &(amax / E4M3_MAX as f64)?)
+}
+
+/// [`quantize_e4m3`] on CUDA: `cf_quantize_e4m3`'s two kernels (each group's maximum and
+/// descale, then the scaled cast) instead of the dozen candle ops above, with the same bits.
+/// Per-tensor scaling takes the groups' maxima from the GPU and reduces the small `(B, 1, H)`
+/// tensor with candle before the cast.
+#[cfg(feature = "cuda")]
+fn quantize_on_gpu(
+    x: &Tensor,
+    dims: (usize, usize, usize, usize),
+    block_rows: usize,
+    scaling: Fp8Scaling,
+) -> Result<Fp8Tensor> {
+    use crate::cuda::QuantStep;
+    let x = x.contiguous()?;
+    let (data, descale) = if let Fp8Scaling::PerTensor = scaling {
+        let (_, amax) = crate::cuda::quantize_e4m3(&x, dims, block_rows, QuantStep::Amax)?;
+        let descale = descale_of_amax(&amax.max_all()?.broadcast_as(amax.shape())?.contiguous()?)?;
+        crate::cuda::quantize_e4m3(&x, dims, block_rows, QuantStep::Apply(&descale))?
+    } else {
+        crate::cuda::quantize_e4m3(&x, dims, block_rows, QuantStep::Full)?
+    };
+    let data = data.ok_or_else(|| candle_core::Error::Msg("candle-flash fp8: quantization wrote no data".into()))?;
+    Ok(Fp8Tensor { data, descale, block_rows })
 }
 
 /// `data · descale` in `dtype` (f32 / f16 / bf16), in `t.data`'s shape.

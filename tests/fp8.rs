@@ -70,6 +70,54 @@ fn quantize_round_trip_every_scaling() {
     }
 }
 
+/// On CUDA, quantize_e4m3 runs its own kernels (`cf_quantize_e4m3`); the CPU runs candle ops.
+/// Both must give the same bits: descales and data, for every scaling, input dtype and shape
+/// (4-d and packed 3-d, rows not a multiple of the block, a block longer than the sequence),
+/// on inputs with outlier channels and an all-zero head. (A tensor that tracks gradients takes
+/// the candle ops on CUDA too: `fp8_kernel_every_option` checks that the backward then errors.)
+#[test]
+fn quantize_on_cuda_matches_the_cpu_bit_for_bit() {
+    let Some(gpu) = common::cuda_device() else { return };
+    let cpu = Device::Cpu;
+    let shapes: [&[usize]; 5] = [&[2, 113, 4, 64], &[1, 1, 3, 128], &[3, 17, 2, 96], &[1023, 2, 64], &[1, 300, 1, 256]];
+    for (i, dims) in shapes.iter().enumerate() {
+        let x = Tensor::randn(0f32, 1f32, *dims, &cpu).unwrap();
+        // a few channels 30x larger, and the last head all zero
+        let d = dims[dims.len() - 1];
+        let h = dims[dims.len() - 2];
+        let chan: Vec<f32> = (0..d).map(|c| if c % 17 == 3 { 30.0 } else { 1.0 }).collect();
+        let x = x.broadcast_mul(&Tensor::new(chan, &cpu).unwrap()).unwrap();
+        let heads: Vec<f32> = (0..h).map(|j| if h > 1 && j == h - 1 { 0.0 } else { 1.0 }).collect();
+        let x = x.broadcast_mul(&Tensor::new(heads, &cpu).unwrap().unsqueeze(1).unwrap()).unwrap();
+        for scaling in [
+            Fp8Scaling::PerTensor,
+            Fp8Scaling::PerHead,
+            Fp8Scaling::PerBlock(16),
+            Fp8Scaling::PerBlock(1),
+            Fp8Scaling::PerBlock(1000),
+        ] {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let xt = x.to_dtype(dtype).unwrap();
+                let want = fp8::quantize_e4m3(&xt, scaling).unwrap();
+                let got = fp8::quantize_e4m3(&xt.to_device(&gpu).unwrap(), scaling).unwrap();
+                assert_eq!(got.data.dims(), xt.dims());
+                assert_eq!(got.block_rows, want.block_rows);
+                let host = |t: &Tensor| t.to_device(&cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                let (gs, ws) =
+                    (host(&got.descale).to_vec1::<f32>().unwrap(), host(&want.descale).to_vec1::<f32>().unwrap());
+                assert_eq!(got.descale.dims(), want.descale.dims(), "shape {i} {scaling:?} {dtype:?}");
+                assert!(
+                    gs.iter().zip(&ws).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "descales: shape {i} {scaling:?} {dtype:?}"
+                );
+                let (gd, wd) = (host(&got.data).to_vec1::<f32>().unwrap(), host(&want.data).to_vec1::<f32>().unwrap());
+                let bad = gd.iter().zip(&wd).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(bad, 0, "data: shape {i} {scaling:?} {dtype:?}: {bad} of {} values differ", wd.len());
+            }
+        }
+    }
+}
+
 #[test]
 fn hadamard_rotation_is_orthonormal_and_keeps_qk() {
     let device = Device::Cpu;

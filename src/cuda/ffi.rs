@@ -168,7 +168,27 @@ pub struct CfConvertParams {
     pub dst_dtype: i32,
 }
 
+/// `CfQuantizeParams` (`mode`: CF_QUANT_*): e4m3 quantization in (batch, row block, head) groups.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CfQuantizeParams {
+    pub x: *const c_void,
+    pub q: *mut c_void,
+    pub scale: *mut f32,
+    pub b: i64,
+    pub s: i64,
+    pub h: i64,
+    pub d: i64,
+    pub block_rows: i64,
+    pub dtype: i32,
+    pub mode: i32,
+}
+pub const CF_QUANT_FULL: i32 = 0;
+pub const CF_QUANT_AMAX: i32 = 1;
+pub const CF_QUANT_APPLY: i32 = 2;
+
 extern "C" {
+    pub fn cf_quantize_e4m3(p: *const CfQuantizeParams, stream: *mut c_void) -> c_int;
     pub fn cf_convert_e4m3(p: *const CfConvertParams, stream: *mut c_void) -> c_int;
     pub fn cf_add_rms_norm(p: *const CfAddRmsNormParams, stream: *mut c_void) -> c_int;
     pub fn cf_silu_mul(p: *const CfSiluMulParams, stream: *mut c_void) -> c_int;

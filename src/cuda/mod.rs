@@ -635,6 +635,73 @@ pub(crate) fn convert_e4m3((x, l): (&CudaStorage, &Layout), dtype: DType) -> Res
     Ok(out)
 }
 
+/// What [`quantize_e4m3`] runs of `cf_quantize_e4m3` (flash_api.h).
+pub(crate) enum QuantStep<'a> {
+    /// Each group's descale from its amax, then the e4m3 data: returns (data, descale).
+    Full,
+    /// Only each group's amax (per-tensor scaling reduces them): returns (None, amax).
+    Amax,
+    /// Only the e4m3 data, with these descales `(b, nb, h)` (f32, contiguous): returns (data, them).
+    Apply(&'a Tensor),
+}
+
+/// `cf_quantize_e4m3` on `x`, contiguous f32 / f16 / bf16 viewed as `(b, s, h, d)`, in groups
+/// of (batch, `block_rows` rows, head); [`crate::fp8::quantize_e4m3`] validated all of it.
+/// Two kernels at most (the group maxima, the scaled cast) instead of a dozen candle ops.
+pub(crate) fn quantize_e4m3(
+    x: &Tensor,
+    (b, s, h, d): (usize, usize, usize, usize),
+    block_rows: usize,
+    step: QuantStep,
+) -> Result<(Option<Tensor>, Tensor)> {
+    let dev = x.device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    let nb = s.div_ceil(block_rows).max(1);
+    let mut named = vec![("x", x)];
+    if let QuantStep::Apply(scale) = &step {
+        named.push(("descale", *scale));
+    }
+    with_args(&named, |a| {
+        let launch = |q: u64, scale: u64, mode: i32| -> Result<()> {
+            let p = ffi::CfQuantizeParams {
+                x: const_ptr(&a[0]),
+                q: q as *mut c_void,
+                scale: scale as *mut f32,
+                b: b as i64,
+                s: s as i64,
+                h: h as i64,
+                d: d as i64,
+                block_rows: block_rows as i64,
+                dtype: dtype_code(x.dtype())?,
+                mode,
+            };
+            // SAFETY: x holds b * s * h * d contiguous elements from its start (validated), q as
+            // many e4m3 bytes and scale b * nb * h f32 (allocated here, or the validated
+            // descales, which APPLY only reads); the call only enqueues work on candle's stream.
+            check(unsafe { ffi::cf_quantize_e4m3(&p, stream.cu_stream() as *mut c_void) }, "cf_quantize_e4m3")
+        };
+        let scales = |st: CudaStorage| tensor_of(st, (b, nb, h));
+        let data = |st: CudaStorage| tensor_of(st, x.shape().clone());
+        match step {
+            QuantStep::Full => {
+                let (scale, (q, ())) = new_output(&dev, DType::F32, b * nb * h, |scale| {
+                    new_output(&dev, DType::F8E4M3, b * s * h * d, |q| launch(q, scale, ffi::CF_QUANT_FULL))
+                })?;
+                Ok((Some(data(q)), scales(scale)))
+            }
+            QuantStep::Amax => {
+                let (amax, ()) = new_output(&dev, DType::F32, b * nb * h, |amax| launch(0, amax, ffi::CF_QUANT_AMAX))?;
+                Ok((None, scales(amax)))
+            }
+            QuantStep::Apply(scale) => {
+                let (q, ()) =
+                    new_output(&dev, DType::F8E4M3, b * s * h * d, |q| launch(q, a[1].ptr, ffi::CF_QUANT_APPLY))?;
+                Ok((Some(data(q)), scale.clone()))
+            }
+        }
+    })
+}
+
 /// A tensor over a new output's storage (no autograd: these ops are inference paths).
 fn tensor_of(storage: CudaStorage, shape: impl Into<candle_core::Shape>) -> Tensor {
     Tensor::from_storage(candle_core::Storage::Cuda(storage), shape, candle_core::op::BackpropOp::none(), false)

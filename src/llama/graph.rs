@@ -119,6 +119,10 @@ impl DecodeGraph {
         if cache.capacity_pages() == 0 {
             bail!("decode graph: the cache has no pages; reserve them before capturing")
         }
+        if model.attn_impl() == super::attention::AttnImpl::Fp8 {
+            // its steps gather the pages by a host-made row list and quantize per call
+            bail!("decode graph: FP8 attention is not captured; decode it eagerly or use flash attention")
+        }
         let (b, page_size) = (batch, cache.page_size());
         let w = max_seq_len.div_ceil(page_size);
         let max_seqlen_k = w * page_size;
