@@ -72,14 +72,23 @@ fn quantize_round_trip_every_scaling() {
 
 /// On CUDA, quantize_e4m3 runs its own kernels (`cf_quantize_e4m3`); the CPU runs candle ops.
 /// Both must give the same bits: descales and data, for every scaling, input dtype and shape
-/// (4-d and packed 3-d, rows not a multiple of the block, a block longer than the sequence),
+/// (4-d and packed 3-d, rows not a multiple of the block, a block longer than the sequence, head
+/// dims 32 to 256, which the unrolled amax kernels take, and 320, which takes its generic loop),
 /// on inputs with outlier channels and an all-zero head. (A tensor that tracks gradients takes
 /// the candle ops on CUDA too: `fp8_kernel_every_option` checks that the backward then errors.)
 #[test]
 fn quantize_on_cuda_matches_the_cpu_bit_for_bit() {
     let Some(gpu) = common::cuda_device() else { return };
     let cpu = Device::Cpu;
-    let shapes: [&[usize]; 5] = [&[2, 113, 4, 64], &[1, 1, 3, 128], &[3, 17, 2, 96], &[1023, 2, 64], &[1, 300, 1, 256]];
+    let shapes: [&[usize]; 7] = [
+        &[2, 113, 4, 64],
+        &[1, 1, 3, 128],
+        &[3, 17, 2, 96],
+        &[1023, 2, 64],
+        &[1, 300, 1, 256],
+        &[1, 40, 2, 32],
+        &[1, 9, 1, 320],
+    ];
     for (i, dims) in shapes.iter().enumerate() {
         let x = Tensor::randn(0f32, 1f32, *dims, &cpu).unwrap();
         // a few channels 30x larger, and the last head all zero

@@ -33,7 +33,7 @@ cudaError_t convert(const CfConvertParams& p, cudaStream_t s) {
 }
 
 // ------------------------------------------------------------------ per-group quantization
-// One warp per row of d values at a time (lanes along d): the (batch, row, head) of a row is
+// Lanes along d, a warp per row of d values at a time: the (batch, row, head) of a row is
 // derived once per row, not per element. Every rule here matches src/fp8.rs's composite path
 // (to f32, |x| max per group, descale = amax * (1 / 448) as candle's affine computes it,
 // x / descale, the e4m3 cast), so both give the same bits.
@@ -46,29 +46,58 @@ __device__ __forceinline__ float warp_max(float m) {
 }
 
 // One CTA per group (blockIdx.x = (bi * nb + blk) * h + hi): the group's |x| max, written as the
-// descale (CF_QUANT_FULL) or as it is (CF_QUANT_AMAX).
-template <typename T>
-__global__ void __launch_bounds__(kQuantThreads) group_amax_kernel(const CfQuantizeParams p, int64_t nb) {
+// descale (CF_QUANT_FULL) or as it is (CF_QUANT_AMAX). A per-head group of a decode step's
+// gathered keys is a few CTAs over thousands of rows, so each thread keeps several rows' loads in
+// flight: CPR 32-column chunks per row, unrolled (CPR = 0: any d, a loop per row), and up to 1024
+// threads (blockDim.x, a multiple of 32).
+template <typename T, int CPR>
+__global__ void __launch_bounds__(1024) group_amax_kernel(const CfQuantizeParams p, int64_t nb) {
     const int64_t g = blockIdx.x;
     const int64_t hi = g % p.h, blk = g / p.h % nb, bi = g / p.h / nb;
     const int64_t r0 = blk * p.block_rows;
     const int64_t rows = min(p.block_rows, p.s - r0);  // <= 0 only for s = 0: an all-zero group
     const T* x = static_cast<const T*>(p.x);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int d = (int)p.d;
+    const T* x0 = x + ((bi * p.s + r0) * p.h + hi) * p.d;  // row r of the group: x0 + r * h * d
+    const int64_t row_stride = p.h * p.d;
     float m = 0.f;
-    for (int64_t r = warp; r < rows; r += kQuantThreads / 32) {
-        const T* row = x + ((bi * p.s + r0 + r) * p.h + hi) * p.d;
-        for (int64_t c = lane; c < p.d; c += 32) m = fmaxf(m, fabsf(to_float(row[c])));
+    if constexpr (CPR > 0) {
+        // 4 rows per warp and pass, every load predicated (no branch between them)
+        constexpr int U = 4;
+        for (int64_t r = warp; r < rows; r += U * nwarps) {
+            float v[U * CPR];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int k = 0; k < CPR; ++k) {
+                    const bool in = r + u * nwarps < rows && lane + 32 * k < d;
+                    v[u * CPR + k] = in ? fabsf(to_float(x0[(r + u * nwarps) * row_stride + lane + 32 * k])) : 0.f;
+                }
+#pragma unroll
+            for (int i = 0; i < U * CPR; ++i) m = fmaxf(m, v[i]);
+        }
+    } else {
+        for (int64_t r = warp; r < rows; r += nwarps)
+            for (int c = lane; c < d; c += 32) m = fmaxf(m, fabsf(to_float(x0[r * row_stride + c])));
     }
-    __shared__ float warps[kQuantThreads / 32];
+    __shared__ float warps[32];
     m = warp_max(m);
     if (lane == 0) warps[warp] = m;
     __syncthreads();
     if (warp == 0) {
-        m = warp_max(lane < kQuantThreads / 32 ? warps[lane] : 0.f);
+        m = warp_max(lane < nwarps ? warps[lane] : 0.f);
         if (lane == 0)
             p.scale[g] = p.mode == CF_QUANT_AMAX ? m : m == 0.f ? 1.f : m * (float)(1.0 / 448.0);
     }
+}
+
+template <typename T, int CPR>
+cudaError_t launch_group_amax(const CfQuantizeParams& p, int64_t nb, cudaStream_t s) {
+    const int64_t group_rows = p.block_rows < p.s ? p.block_rows : p.s;
+    const int threads = group_rows >= 512 ? 1024 : group_rows >= 64 ? 256 : 64;
+    group_amax_kernel<T, CPR><<<(unsigned)(p.b * nb * p.h), threads, 0, s>>>(p, nb);
+    return cudaGetLastError();
 }
 
 // q = e4m3(x / scale of the row's group); warps stride over the b * s * h rows.
@@ -89,8 +118,12 @@ template <typename T>
 cudaError_t quantize(const CfQuantizeParams& p, cudaStream_t s) {
     const int64_t nb = p.s > 0 ? (p.s + p.block_rows - 1) / p.block_rows : 1;
     if (p.mode != CF_QUANT_APPLY) {
-        group_amax_kernel<T><<<(unsigned)(p.b * nb * p.h), kQuantThreads, 0, s>>>(p, nb);
-        if (cudaError_t e = cudaGetLastError(); e != cudaSuccess || p.mode == CF_QUANT_AMAX) return e;
+        const cudaError_t e = p.d <= 32    ? launch_group_amax<T, 1>(p, nb, s)
+                              : p.d <= 64  ? launch_group_amax<T, 2>(p, nb, s)
+                              : p.d <= 128 ? launch_group_amax<T, 4>(p, nb, s)
+                              : p.d <= 256 ? launch_group_amax<T, 8>(p, nb, s)
+                                           : launch_group_amax<T, 0>(p, nb, s);
+        if (e != cudaSuccess || p.mode == CF_QUANT_AMAX) return e;
     }
     const int64_t rows = p.b * p.s * p.h;
     if (rows == 0) return cudaSuccess;
