@@ -39,12 +39,6 @@ cudaError_t convert(const CfConvertParams& p, cudaStream_t s) {
 // x / descale, the e4m3 cast), so both give the same bits.
 constexpr int kQuantThreads = 256;
 
-__device__ __forceinline__ float warp_max(float m) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    return m;
-}
-
 // One CTA per group (blockIdx.x = (bi * nb + blk) * h + hi): the group's |x| max, written as the
 // descale (CF_QUANT_FULL) or as it is (CF_QUANT_AMAX). A per-head group of a decode step's
 // gathered keys is a few CTAs over thousands of rows, so each thread keeps several rows' loads in
@@ -82,11 +76,11 @@ __global__ void __launch_bounds__(1024) group_amax_kernel(const CfQuantizeParams
             for (int c = lane; c < d; c += 32) m = fmaxf(m, fabsf(to_float(x0[r * row_stride + c])));
     }
     __shared__ float warps[32];
-    m = warp_max(m);
+    m = group_max<32>(m);
     if (lane == 0) warps[warp] = m;
     __syncthreads();
     if (warp == 0) {
-        m = warp_max(lane < nwarps ? warps[lane] : 0.f);
+        m = group_max<32>(lane < nwarps ? warps[lane] : 0.f);
         if (lane == 0)
             p.scale[g] = p.mode == CF_QUANT_AMAX ? m : m == 0.f ? 1.f : m * (float)(1.0 / 448.0);
     }
@@ -114,9 +108,9 @@ __global__ void __launch_bounds__(kQuantThreads) apply_scale_kernel(const CfQuan
     }
 }
 
+// nb: row blocks per sequence (cf_quantize_e4m3 computed it for its grid check)
 template <typename T>
-cudaError_t quantize(const CfQuantizeParams& p, cudaStream_t s) {
-    const int64_t nb = p.s > 0 ? (p.s + p.block_rows - 1) / p.block_rows : 1;
+cudaError_t quantize(const CfQuantizeParams& p, int64_t nb, cudaStream_t s) {
     if (p.mode != CF_QUANT_APPLY) {
         const cudaError_t e = p.d <= 32    ? launch_group_amax<T, 1>(p, nb, s)
                               : p.d <= 64  ? launch_group_amax<T, 2>(p, nb, s)
@@ -145,9 +139,9 @@ extern "C" int cf_quantize_e4m3(const CfQuantizeParams* p, cudaStream_t stream) 
     if (p->b * nb * p->h > 0x7fffffff) return CF_ERR_BAD_ARGUMENT;  // one CTA per group (grid.x)
     if (p->b * nb * p->h == 0) return CF_OK;
     switch (p->dtype) {
-        case CF_F32: return (int)quantize<float>(*p, stream);
-        case CF_F16: return (int)quantize<__half>(*p, stream);
-        case CF_BF16: return (int)quantize<__nv_bfloat16>(*p, stream);
+        case CF_F32: return (int)quantize<float>(*p, nb, stream);
+        case CF_F16: return (int)quantize<__half>(*p, nb, stream);
+        case CF_BF16: return (int)quantize<__nv_bfloat16>(*p, nb, stream);
         default: return CF_ERR_UNSUPPORTED_DTYPE;
     }
 }
