@@ -215,7 +215,8 @@ class CfFwdParams(ctypes.Structure):
                [("softmax_scale", f32), ("softcap", f32), ("dtype", i32), ("total_q", i64), ("total_k", i64)] + \
                [("block_table", vp), ("block_table_batch_stride", i64)] + \
                [(n, i32) for n in ("page_block_size", "num_blocks", "max_blocks")] + \
-               [("o_dtype", i32), ("q_descale", CfDescale), ("k_descale", CfDescale), ("v_descale", CfDescale)]
+               [("o_dtype", i32), ("q_descale", CfDescale), ("k_descale", CfDescale), ("v_descale", CfDescale),
+                ("sinks", vp)]
 
 
 class CfBwdParams(ctypes.Structure):
@@ -223,7 +224,7 @@ class CfBwdParams(ctypes.Structure):
                [(f"do_{s}_stride", i64) for s in ("batch", "row", "head")] + \
                [("dq", vp), ("dk", vp), ("dv", vp)] + \
                [(f"{t}_{s}_stride", i64) for t in ("dq", "dk", "dv") for s in ("batch", "row", "head")] + \
-               [("deterministic", i32)]
+               [("deterministic", i32), ("dsinks", vp)]
 
 
 lib = None

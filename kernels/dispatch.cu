@@ -10,7 +10,7 @@
 
 // The sizes src/cuda/ffi.rs asserts for its mirrors (LP64): a field added on one side only fails
 // to compile on both.
-static_assert(sizeof(CfFwdParams) == 344 && sizeof(CfBwdParams) == 480, "change src/cuda/ffi.rs with flash_api.h");
+static_assert(sizeof(CfFwdParams) == 352 && sizeof(CfBwdParams) == 496, "change src/cuda/ffi.rs with flash_api.h");
 
 namespace cf {
 
@@ -390,7 +390,11 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
     const int st = check_bwd(p);
     if (st != CF_OK) return st;
     const CfFwdParams& f = p->fwd;
-    if (f.b == 0 || (f.seqlen_q == 0 && f.seqlen_k == 0)) return CF_OK;
+    if (f.b == 0 || (f.seqlen_q == 0 && f.seqlen_k == 0)) {
+        // no rows: dsinks (when asked for) is zero
+        if (f.sinks == nullptr || p->dsinks == nullptr || f.h == 0) return CF_OK;
+        return (int)cudaMemsetAsync(p->dsinks, 0, sizeof(float) * f.h, stream);
+    }
     const BwdPlan pl = plan_bwd(*p, bwd_tensor_cores(*p), bwd_sm90_tile_for(f) != 0);
     if (pl.total > 0 && workspace == nullptr) return CF_ERR_BAD_ARGUMENT;
     char* base = static_cast<char*>(workspace);
@@ -416,11 +420,41 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
         if (e != cudaSuccess) return (int)e;
     }
     if ((e = run_bwd_dot_do_o(*p, ws, stream)) != cudaSuccess) return (int)e;
+    if (f.sinks != nullptr && p->dsinks != nullptr && (e = run_bwd_sink_grad(*p, ws, stream)) != cudaSuccess)
+        return (int)e;
     switch (f.dtype) {
         case CF_F32: e = bwd_f32(*p, ws, stream); break;
         case CF_F16: e = bwd_tc<__half>(*p, ws, stream); break;
         default: e = bwd_tc<__nv_bfloat16>(*p, ws, stream); break;
     }
+    return (int)e;
+}
+
+// The sinks' gradient needs dsum alone: the workspace is dsum's rows, [h][total_q] f32.
+size_t cf_sink_grad_workspace_size(const CfBwdParams* p) {
+    if (p == nullptr || cf::check_fwd(&p->fwd) != CF_OK) return 0;
+    return sizeof(float) * (size_t)p->fwd.h * (size_t)p->fwd.total_q;
+}
+
+int cf_sink_grad(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
+    using namespace cf;
+    if (p == nullptr || p->fwd.sinks == nullptr || p->dsinks == nullptr || p->fwd.dtype == CF_E4M3 ||
+        p->fwd.block_table != nullptr || p->dout == nullptr)
+        return CF_ERR_BAD_ARGUMENT;
+    const int st = check_fwd(&p->fwd);
+    if (st != CF_OK) return st;
+    const CfFwdParams& f = p->fwd;
+    if (f.h == 0) return CF_OK;
+    if (f.b == 0 || f.total_q == 0) {  // no rows: a zero gradient
+        return (int)cudaMemsetAsync(p->dsinks, 0, sizeof(float) * f.h, stream);
+    }
+    if (workspace == nullptr) return CF_ERR_BAD_ARGUMENT;
+    BwdWs ws{};
+    ws.dsum = static_cast<float*>(workspace);
+    ws.total_q = f.total_q;
+    ws.total_k = f.total_k;
+    cudaError_t e = run_bwd_dot_do_o(*p, ws, stream);
+    if (e == cudaSuccess) e = run_bwd_sink_grad(*p, ws, stream);
     return (int)e;
 }
 

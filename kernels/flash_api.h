@@ -105,6 +105,12 @@ typedef struct {
     // for q and the KV head for k and v (FlashAttention-3's (B, Hkv) descales: batch_stride =
     // hkv, head_div = h / hkv for q and 1 for k, v); ptr NULL: 1.
     CfDescale q_descale, k_descale, v_descale;
+    // Learnable attention sinks: NULL, or one f32 logit per query head (sinks[h], natural-log
+    // units) that joins every row's softmax denominator and carries no value:
+    //   o_i = sum_j e^{x_ij} v_j / (e^{sinks[h]} + sum_j e^{x_ij}),  lse_i = log(e^{sinks[h]} + sum_j e^{x_ij}).
+    // A row that sees no key then gets o = 0 and lse = sinks[h]. The backward needs nothing else
+    // (its P = e^{x - lse} and D = rowsum(dO * o) already account for the sink); see dsinks.
+    const float* sinks;
 } CfFwdParams;
 
 typedef struct {
@@ -119,6 +125,10 @@ typedef struct {
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
     // Nonzero: the same inputs give the same bits every run (no order-dependent atomics).
     int32_t deterministic;
+    // With fwd.sinks: NULL, or f32 [h] that receives the sinks' gradient
+    //   dsinks[h] = -sum_{b, i} e^{sinks[h] - lse(b, h, i)} * rowsum(dout * o)(b, h, i)
+    // (summed in a fixed order: deterministic). cf_sink_grad computes only this.
+    float* dsinks;
 } CfBwdParams;
 
 // Scratch memory: the caller allocates it (from candle's allocator, on the same stream) and
@@ -140,9 +150,15 @@ int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream);
 
 // Backward: bytes of scratch memory cf_bwd needs for these parameters (may be 0).
 size_t cf_bwd_workspace_size(const CfBwdParams* p);
-// Backward: writes dq, dk, dv. `workspace` holds cf_bwd_workspace_size(p) bytes, contents
-// undefined on entry (cf_bwd clears what it needs on `stream`).
+// Backward: writes dq, dk, dv (and dsinks when set). `workspace` holds cf_bwd_workspace_size(p)
+// bytes, contents undefined on entry (cf_bwd clears what it needs on `stream`).
 int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream);
+
+// The sinks' gradient alone (p->fwd.sinks and p->dsinks set; reads fwd.o, fwd.lse and dout; dq,
+// dk, dv are not used and may be NULL): for autograd, where dsinks and dq/dk/dv are asked for by
+// two graph nodes. Workspace: cf_sink_grad_workspace_size(p) bytes (rowsum(dout * o), f32).
+size_t cf_sink_grad_workspace_size(const CfBwdParams* p);
+int cf_sink_grad(const CfBwdParams* p, void* workspace, cudaStream_t stream);
 
 // The Llama block's step between its projections and the attention, in one pass over T rows:
 // the rotary embedding of q and k, and the write of the rotated k and of v into a paged cache

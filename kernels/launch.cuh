@@ -87,6 +87,8 @@ cudaError_t run_fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* works
 
 // Writes dsum (D = rowsum(dO*O)) into ws.dsum (simt/bwd_f32.cu, every dtype).
 cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
+// After dsum: the attention sinks' gradient into p.dsinks (simt/bwd_f32.cu; p.fwd.sinks set).
+cudaError_t run_bwd_sink_grad(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
 // Tensor-core backward after dsum (sm80/bwd.cuh, instantiated in sm80/bwd_{f16,bf16}.cu): dK/dV
 // (+ dQ accumulation when ws.dq_accum) with the sm_90a wgmma kernels (sm90/bwd.cuh for D = 64 /
 // 128, sm90/bwd_wide.cuh for 192 / 256; bulk reductions into the tiled dq_accum) when `wgmma`,

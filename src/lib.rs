@@ -55,7 +55,8 @@ pub use params::{
 };
 
 use candle_core::{Result, Tensor};
-use op::{FlashAttnOp, LseSlot};
+pub use op::AttnGrads;
+use op::{FlashAttnOp, LseSlot, SinkGradOp};
 use std::sync::Arc;
 
 /// `Device::new_cuda(ordinal)` with the device's memory pool set to cache freed memory (see
@@ -78,8 +79,16 @@ pub fn flash_attn_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnO
     let shape = params::validate(q, k, v, opts)?;
     let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
     let lse = LseSlot::default();
-    let op = FlashAttnOp { opts: opts.clone(), shape, lse: lse.clone(), forward_only: None, fp8: None };
+    let op = FlashAttnOp { opts: opts.clone(), shape: shape.clone(), lse: lse.clone(), forward_only: None, fp8: None };
     let out = q.apply_op3_arc(&k, &v, Arc::new(Box::new(op)))?;
+    let out = match &opts.sinks {
+        // Sinks that track gradients: the output passes through the node that gives theirs.
+        Some(sinks) if sinks.track_op() => {
+            let node = SinkGradOp { shape, opts: opts.clone(), q, k, v, lse: lse.clone() };
+            out.apply_op2_arc(sinks, Arc::new(Box::new(node)))?
+        }
+        _ => out,
+    };
     Ok((out, lse.get()?))
 }
 
@@ -110,8 +119,37 @@ pub fn flash_attn_backward(
     lse: &Tensor,
     opts: &FlashAttnOptions,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let g = flash_attn_grads_inner(q, k, v, out, grad_out, lse, opts, false)?;
+    Ok((g.dq, g.dk, g.dv))
+}
+
+/// [`flash_attn_backward`] that also returns the sinks' gradient (`dsinks`, f32 `[H]`, when
+/// `opts.sinks` is set): `dsinks_h = -Σ_i e^{s_h - lse_i} · rowsum(dO ∘ O)_i`.
+pub fn flash_attn_grads(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    grad_out: &Tensor,
+    lse: &Tensor,
+    opts: &FlashAttnOptions,
+) -> Result<AttnGrads> {
+    flash_attn_grads_inner(q, k, v, out, grad_out, lse, opts, true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn flash_attn_grads_inner(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    grad_out: &Tensor,
+    lse: &Tensor,
+    opts: &FlashAttnOptions,
+    want_dsinks: bool,
+) -> Result<AttnGrads> {
     let shape = params::validate(q, k, v, opts)?;
-    op::backward(&shape, opts, op::BwdInputs { q, k, v, out, grad_out, lse })
+    op::backward(&shape, opts, op::BwdInputs { q, k, v, out, grad_out, lse }, want_dsinks)
 }
 
 /// Flash attention. q `(B, Sq, H, D)`, k/v `(B, Sk, Hkv, D)` → `(B, Sq, H, D)`.

@@ -6,10 +6,18 @@
 //! LSE into a slot of the op (`LseSlot`), and `bwd` reads it from there: nothing is recomputed,
 //! and the LSE lives exactly as long as the graph that may need it. The same slot hands the LSE
 //! to callers of [`crate::flash_attn_with_lse`].
+//!
+//! Learnable sinks are a fourth differentiable input, and a `CustomOp3` has three. When the
+//! sinks tensor tracks gradients, the attention's output therefore passes through
+//! [`SinkGradOp`], a `CustomOp2` over (output, sinks) whose forward is the identity (one copy of
+//! the output) and whose backward hands the output's gradient on unchanged and gives the sinks'
+//! gradient, which needs only the output, its gradient and the LSE. The attention's own backward
+//! then needs nothing new: its P = e^{x - lse} and D = rowsum(dO∘O) already include the sink.
 
 use crate::params::{validate_backward, AttnShape, FlashAttnOptions};
+use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
-use candle_core::{bail, CpuStorage, CustomOp3, Device, Error, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Device, Error, Layout, Result, Shape, Storage, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// Where the forward leaves its LSE (f32, `shape.lse_dims()`), for the backward and for callers.
@@ -97,9 +105,66 @@ impl CustomOp3 for FlashAttnOp {
             candle_core::bail!("candle-flash: {what} is forward only: no backward (autograd) through it")
         }
         let lse = self.lse.get()?;
-        let (dq, dk, dv) = backward(&self.shape, &self.opts, BwdInputs { q, k, v, out, grad_out, lse: &lse })?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        // The sinks' gradient, when wanted, comes from the SinkGradOp node after this one.
+        let g = backward(&self.shape, &self.opts, BwdInputs { q, k, v, out, grad_out, lse: &lse }, false)?;
+        Ok((Some(g.dq), Some(g.dk), Some(g.dv)))
     }
+}
+
+/// The identity on the attention's output, differentiable in the sinks (module documentation):
+/// inserted only when the sinks tensor tracks gradients.
+pub(crate) struct SinkGradOp {
+    pub shape: AttnShape,
+    pub opts: FlashAttnOptions,
+    /// The attention's inputs (the CUDA entry point checks them as the backward's) and its LSE.
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub lse: LseSlot,
+}
+
+impl CustomOp2 for SinkGradOp {
+    fn name(&self) -> &'static str {
+        "candle-flash-sinks"
+    }
+
+    fn cpu_fwd(&self, out: &CpuStorage, out_l: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((out.try_clone(out_l)?, out_l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        out: &candle_core::CudaStorage,
+        out_l: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((out.try_clone(out_l)?, out_l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        out: &Tensor,
+        _sinks: &Tensor,
+        _res: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let lse = self.lse.get()?;
+        let x = BwdInputs { q: &self.q, k: &self.k, v: &self.v, out, grad_out, lse: &lse };
+        let dsinks = sink_grads(&self.shape, &self.opts, x)?;
+        Ok((Some(grad_out.clone()), Some(dsinks)))
+    }
+}
+
+/// The gradients of one backward: dq, dk, dv (dk and dv summed over each KV head's query
+/// heads), and the sinks' gradient (f32 `[H]`) when the options have sinks.
+#[derive(Clone, Debug)]
+pub struct AttnGrads {
+    pub dq: Tensor,
+    pub dk: Tensor,
+    pub dv: Tensor,
+    pub dsinks: Option<Tensor>,
 }
 
 /// The tensors of a backward call, however each is held: `&Tensor` here, `(&CpuStorage,
@@ -177,33 +242,70 @@ pub(crate) fn device_storage<'a, S: DeviceStorage>(
     }
 }
 
-/// The one backward dispatch point: gradients of q, k, v on whatever device they live.
+/// CUDA: contiguous inputs keep the kernels' addressing simple (the gradient candle hands us
+/// may be a broadcast view); copies are O(N) and only for strided inputs. The CPU path reads
+/// any layout while it converts to f32 (`cpu::dense_f32`), so a copy there would be a second one.
+fn backward_inputs(x: BwdInputs<&Tensor>) -> Result<BwdInputs<Tensor>> {
+    let cuda = x.q.device().is_cuda();
+    x.try_map(|_, t| if cuda { t.contiguous() } else { Ok(t.clone()) })
+}
+
+fn wrap(s: Storage, dims: &[usize]) -> Tensor {
+    Tensor::from_storage(s, dims, BackpropOp::none(), false)
+}
+
+/// The one backward dispatch point: gradients of q, k, v (and of the sinks, with sinks and
+/// `want_dsinks`) on whatever device they live.
 pub(crate) fn backward(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
     x: BwdInputs<&Tensor>,
-) -> Result<(Tensor, Tensor, Tensor)> {
+    want_dsinks: bool,
+) -> Result<AttnGrads> {
     validate_backward(shape, opts, &x)?;
-    // CUDA: contiguous inputs keep the kernels' addressing simple (the gradient candle hands us
-    // may be a broadcast view); copies are O(N) and only for strided inputs. The CPU path reads
-    // any layout while it converts to f32 (`cpu::dense_f32`), so a copy here would be a second one.
-    let cuda = x.q.device().is_cuda();
-    let x = x.try_map(|_, t| if cuda { t.contiguous() } else { Ok(t.clone()) })?;
+    let x = backward_inputs(x)?;
     let guards = x.as_ref().try_map(|_, t| Ok(t.storage_and_layout()))?;
-    let (dq, dk, dv) = match x.q.device() {
+    let with_dsinks = want_dsinks && opts.sinks.is_some();
+    let (dq, dk, dv, dsinks) = match x.q.device() {
         Device::Cpu => {
             let inputs = guards.as_ref().try_map(|name, g| device_storage::<CpuStorage>(name, g))?;
             let (dq, dk, dv) = crate::cpu::backward(shape, opts, inputs)?;
-            (Storage::Cpu(dq), Storage::Cpu(dk), Storage::Cpu(dv))
+            let dsinks = if with_dsinks {
+                let values = crate::cpu::sink_grads(shape, inputs.out, inputs.grad_out, inputs.lse)?;
+                Some(Storage::Cpu(CpuStorage::F32(values)))
+            } else {
+                None
+            };
+            (Storage::Cpu(dq), Storage::Cpu(dk), Storage::Cpu(dv), dsinks)
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
             let inputs = guards.as_ref().try_map(|name, g| device_storage::<candle_core::CudaStorage>(name, g))?;
-            let (dq, dk, dv) = crate::cuda::backward(shape, opts, inputs)?;
-            (Storage::Cuda(dq), Storage::Cuda(dk), Storage::Cuda(dv))
+            let (dq, dk, dv, dsinks) = crate::cuda::backward(shape, opts, inputs, with_dsinks)?;
+            (Storage::Cuda(dq), Storage::Cuda(dk), Storage::Cuda(dv), dsinks.map(Storage::Cuda))
         }
         dev => bail!("candle-flash: backward is not implemented on {:?}", dev.location()),
     };
-    let wrap = |s: Storage, t: &Tensor| Tensor::from_storage(s, t.dims(), BackpropOp::none(), false);
-    Ok((wrap(dq, &x.q), wrap(dk, &x.k), wrap(dv, &x.v)))
+    let dsinks = dsinks.map(|s| wrap(s, &[shape.num_heads]));
+    Ok(AttnGrads { dq: wrap(dq, x.q.dims()), dk: wrap(dk, x.k.dims()), dv: wrap(dv, x.v.dims()), dsinks })
+}
+
+/// The sinks' gradient alone (f32 `[H]`; the options have sinks): what [`SinkGradOp`] needs.
+pub(crate) fn sink_grads(shape: &AttnShape, opts: &FlashAttnOptions, x: BwdInputs<&Tensor>) -> Result<Tensor> {
+    validate_backward(shape, opts, &x)?;
+    let x = backward_inputs(x)?;
+    let guards = x.as_ref().try_map(|_, t| Ok(t.storage_and_layout()))?;
+    let dsinks = match x.q.device() {
+        Device::Cpu => {
+            let inputs = guards.as_ref().try_map(|name, g| device_storage::<CpuStorage>(name, g))?;
+            Storage::Cpu(CpuStorage::F32(crate::cpu::sink_grads(shape, inputs.out, inputs.grad_out, inputs.lse)?))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            let inputs = guards.as_ref().try_map(|name, g| device_storage::<candle_core::CudaStorage>(name, g))?;
+            Storage::Cuda(crate::cuda::sink_grad(shape, opts, inputs)?)
+        }
+        dev => bail!("candle-flash: backward is not implemented on {:?}", dev.location()),
+    };
+    Ok(wrap(dsinks, &[shape.num_heads]))
 }

@@ -86,6 +86,13 @@ pub struct FlashAttnOptions {
     /// says, so the range attends to itself bidirectionally. Ranges with `start >= end` are
     /// ignored. Forward only, CPU only (an error on CUDA).
     pub mm_prefix_ranges: Option<Tensor>,
+    /// Learnable attention sinks (gpt-oss): f32 `[H]`, one logit `s_h` per query head that joins
+    /// every row's softmax denominator and carries no value: row i of head h gets
+    /// `out_i = Σ_j e^{x_ij} v_j / (e^{s_h} + Σ_j e^{x_ij})`. The returned LSE includes the sink,
+    /// and a row that sees no key gives 0 (all its mass on the sink, LSE `s_h`). Differentiable:
+    /// through `Tensor::backward()` when the tensor is a `Var`, and from [`crate::flash_attn_grads`].
+    /// Values must be finite (checked where the device-data policy reads values: always on the CPU).
+    pub sinks: Option<Tensor>,
     /// Backward only: give bit-identical gradients run to run (no order-dependent atomics). On
     /// Hopper dQ's additions then go in key-block order inside the dK/dV kernel (about 0.7-0.8x
     /// the default backward's speed); elsewhere a separate dQ pass runs.
@@ -119,6 +126,7 @@ impl FlashAttnOptions {
             varlen: None,
             paged: None,
             mm_prefix_ranges: None,
+            sinks: None,
             deterministic: false,
             check_device_data: false,
         }
@@ -160,6 +168,12 @@ impl FlashAttnOptions {
 
     pub fn mm_prefix_ranges(mut self, ranges: Option<&Tensor>) -> Self {
         self.mm_prefix_ranges = ranges.cloned();
+        self
+    }
+
+    /// Learnable attention sinks, f32 `[H]` (see the field [`FlashAttnOptions::sinks`]).
+    pub fn sinks(mut self, sinks: Option<&Tensor>) -> Self {
+        self.sinks = sinks.cloned();
         self
     }
 
@@ -239,6 +253,8 @@ pub struct HostData {
     pub pages: Option<Vec<Vec<usize>>>,
     /// `mm_prefix_ranges` of each sequence as `[start, end)` pairs (empty ranges dropped).
     prefix_ranges: Option<Vec<Vec<(i64, i64)>>>,
+    /// The sink logit of each query head (checked finite).
+    sinks: Option<Vec<f32>>,
 }
 
 impl HostData {
@@ -259,6 +275,11 @@ impl HostData {
 
     pub fn has_alibi(&self) -> bool {
         self.alibi.is_some()
+    }
+
+    /// The sink logit of query head `h`, when the call has sinks.
+    pub fn sink(&self, h: usize) -> Option<f32> {
+        self.sinks.as_ref().map(|s| s[h])
     }
 }
 
@@ -651,6 +672,17 @@ fn validate_inner(
         }
     }
 
+    if let Some(s) = &opts.sinks {
+        check_same_device("sinks", s, q.device())?;
+        if s.dtype() != DType::F32 || s.dims() != [num_heads] {
+            bail!(
+                "candle-flash: sinks must be f32 of shape [{num_heads}] (one per query head), got {:?} {:?}",
+                s.dtype(),
+                s.dims()
+            )
+        }
+    }
+
     let host = if read_device_data { Some(read_host_data(q, k, opts, batch, num_heads)?) } else { None };
 
     Ok(AttnShape {
@@ -788,7 +820,17 @@ fn read_host_data(
             Some(if s.rank() == 1 { values.repeat(batch) } else { values })
         }
     };
-    Ok(HostData { seqs, alibi, num_heads, pages, prefix_ranges })
+    let sinks = match &opts.sinks {
+        None => None,
+        Some(s) => {
+            let values = s.to_vec1::<f32>()?;
+            if let Some(i) = values.iter().position(|x| !x.is_finite()) {
+                bail!("candle-flash: sinks must be finite, got {} at head {i}", values[i])
+            }
+            Some(values)
+        }
+    };
+    Ok(HostData { seqs, alibi, num_heads, pages, prefix_ranges, sinks })
 }
 
 /// Checks the extra tensors of a backward call (out, grad_out, lse) against the forward's shape.

@@ -176,11 +176,17 @@ fn sequence_attention(
     let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
     let (sq, sk) = (seq.q_len, seq.k_len);
     let dtype = q.dtype();
+    // The sink logits as (H, 1, 1), in the computation's dtype (autograd reaches a `Var`).
+    let sinks =
+        opts.sinks.as_ref().map(|s| s.to_device(q.device())?.to_dtype(dtype)?.reshape((h, 1, 1))).transpose()?;
     if sk == 0 || sq == 0 {
-        // No key at all: every row is fully masked (output 0, lse -inf). Multiplying by zero
-        // keeps q in the graph so that autograd still returns (zero) gradients.
+        // No key at all: every row is fully masked (output 0, lse -inf, or the sink's logit).
+        // Multiplying by zero keeps q in the graph so that autograd still returns (zero) gradients.
         let out = (q.zeros_like()? + (q * 0.0)?)?;
-        let lse = Tensor::full(f32::NEG_INFINITY, (h, sq), q.device())?;
+        let lse = match &sinks {
+            Some(s) => s.to_dtype(DType::F32)?.reshape((h, 1))?.broadcast_as((h, sq))?.contiguous()?.detach(),
+            None => Tensor::full(f32::NEG_INFINITY, (h, sq), q.device())?,
+        };
         return Ok((out, Some(lse)));
     }
     let group = h / hkv;
@@ -200,18 +206,27 @@ fn sequence_attention(
     }
     let no_empty_row = (0..sq).all(|i| (0..sk).any(|j| visible.get(i, j)));
     let tracked = [q, k, v].iter().any(|t| t.track_op());
-    if !want_lse && !tracked && no_empty_row && !p_e4m3 {
+    if !want_lse && !tracked && no_empty_row && !p_e4m3 && sinks.is_none() {
         // Inference without empty rows: candle's fused softmax (no backward, no LSE needed).
         let p = candle_nn::ops::softmax_last_dim(&s)?;
         return Ok((p.matmul(&vh)?.transpose(0, 1)?, None));
     }
     // Softmax that gives 0 (not NaN) on rows with no visible key. The max only shifts the
     // exponent, so it is detached; fully masked rows shift by 0 and divide by 1.
+    // A sink is one more logit in every row's softmax, with no value: it joins the max and the
+    // sum (so a fully masked row has all its mass on the sink, sum 1, output 0).
     let m = s.max_keepdim(D::Minus1)?.detach();
+    let m = match &sinks {
+        Some(sink) => m.broadcast_maximum(&sink.detach())?,
+        None => m,
+    };
     let neg_inf = m.eq(f64::NEG_INFINITY)?;
     let m = neg_inf.where_cond(&m.zeros_like()?, &m)?;
     let e = s.broadcast_sub(&m)?.exp()?;
-    let sum = e.sum_keepdim(D::Minus1)?;
+    let mut sum = e.sum_keepdim(D::Minus1)?;
+    if let Some(sink) = &sinks {
+        sum = (sum + sink.broadcast_sub(&m)?.exp()?)?;
+    }
     let denom = (&sum + sum.eq(0.0)?.to_dtype(dtype)?.detach())?;
     let out = if p_e4m3 {
         // through f32: candle's CPU e4m3 <-> f64 casts are not usable (tests/fp8.rs)

@@ -150,6 +150,7 @@ fn prefill_matches_reference_and_contiguous() {
         cases.push((Case::new(dtype, (0, 0), (4, 1), 64).varlen(&seqs).window(Some(7), Some(2)).softcap(5.0), 16));
         cases.push((Case::new(dtype, (0, 0), (6, 2), 24).varlen(&seqs).alibi(2), 3));
         cases.push((Case::new(dtype, (0, 0), (2, 2), 16).varlen(&seqs), 1));
+        cases.push((Case::new(dtype, (0, 0), (4, 2), 32).varlen(&seqs).causal().sinks(-8.0, 6.0), 16));
     }
     sweep(&cases, None);
 }
@@ -164,6 +165,7 @@ fn decode_matches_reference_and_contiguous() {
             cases.push((Case::new(dtype, (0, 0), (8, 2), 64).varlen(&seqs).causal(), page));
         }
         cases.push((Case::new(dtype, (0, 0), (8, 1), 64).varlen(&seqs).window(Some(100), Some(0)).softcap(20.0), 3));
+        cases.push((Case::new(dtype, (0, 0), (8, 2), 64).varlen(&seqs).causal().sinks(-8.0, 6.0), 16));
     }
     sweep(&cases, None);
 }
@@ -201,6 +203,8 @@ fn cuda_prefill_matches_reference_and_contiguous() {
         // Left-bounded windows at d <= 64: the sm_80 kernel's paged tiles for d = 96 / 128 differ
         // from its contiguous ones, and there the last bits may too (README, docs/kernels.md).
         cases.push((Case::new(dtype, (0, 0), (2, 2), 64).varlen(&seqs).window(Some(40), None), 128));
+        cases.push((Case::new(dtype, (0, 0), (4, 2), 128).varlen(&seqs).causal().sinks(-8.0, 6.0), 64));
+        cases.push((Case::new(dtype, (0, 0), (4, 1), 64).varlen(&seqs).window(Some(7), Some(2)).sinks(-8.0, 6.0), 7));
     }
     sweep_on(&gpu, &cases, None);
 }
@@ -218,6 +222,9 @@ fn cuda_decode_matches_reference_and_contiguous() {
         cases.push((Case::new(dtype, (0, 0), (4, 2), 64).varlen(&seqs).alibi(1), 32));
         let q4 = [(4, 1000), (1, 1), (3, 700)];
         cases.push((Case::new(dtype, (0, 0), (8, 2), 128).varlen(&q4).causal(), 256));
+        // Split-KV decode: the combine adds the sink once.
+        cases.push((Case::new(dtype, (0, 0), (8, 2), 128).varlen(&seqs).causal().sinks(-8.0, 6.0), 16));
+        cases.push((Case::new(dtype, (0, 0), (8, 1), 64).varlen(&seqs).softcap(20.0).sinks(-8.0, 6.0), 48));
     }
     sweep_on(&gpu, &cases, None);
 }

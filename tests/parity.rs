@@ -147,21 +147,52 @@ fn varlen() {
     sweep(&cases, true);
 }
 
+/// Learnable sinks (logits from -8, where they barely matter, to +6, where they take most of the
+/// mass): forward, LSE, dq / dk / dv and dsinks against the reference, with masks, softcap,
+/// ALiBi, GQA / MQA, tile-breaking lengths, Sq ≠ Sk, rows that see no key (all mass on the sink:
+/// output 0, lse = the sink), varlen with an empty sequence, decode shapes, head dims up to 256.
+#[test]
+fn sinks() {
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        for (lo, hi) in [(-8.0, -4.0), (-2.0, 2.0), (3.0, 6.0)] {
+            cases.push(Case::new(dtype, (17, 113), (4, 2), 64).sinks(lo, hi));
+            cases.push(Case::new(dtype, (113, 17), (4, 2), 64).causal().sinks(lo, hi));
+        }
+        cases.push(Case::new(dtype, (65, 65), (4, 1), 32).window(Some(7), Some(3)).softcap(4.0).sinks(-8.0, 6.0));
+        cases.push(Case::new(dtype, (40, 8), (2, 2), 32).causal().alibi(1).sinks(-8.0, 6.0));
+        cases.push(Case::new(dtype, (16, 64), (2, 1), 32).window(Some(0), Some(0)).sinks(-8.0, 6.0));
+        cases.push(Case::new(dtype, (1, 1), (2, 1), 32).sinks(-8.0, 6.0));
+        cases.push(Case::new(dtype, (1, 1023), (8, 2), 128).causal().sinks(-8.0, 6.0));
+        cases.push(Case::new(dtype, (33, 47), (4, 2), 96).causal().sinks(-8.0, 6.0));
+        cases.push(Case::new(dtype, (20, 20), (2, 1), 256).sinks(-8.0, 6.0));
+        cases.push(Case::new(dtype, (70, 90), (4, 2), 192).window(Some(30), Some(4)).softcap(3.0).sinks(-8.0, 6.0));
+        let seqs = [(17, 30), (0, 5), (64, 64), (113, 1), (1, 70), (5, 0)];
+        cases.push(Case::new(dtype, (0, 0), (4, 2), 64).varlen(&seqs).causal().sinks(-8.0, 6.0));
+        cases.push(
+            Case::new(dtype, (0, 0), (4, 1), 64).varlen(&seqs).window(Some(9), Some(2)).alibi(2).sinks(-8.0, 6.0),
+        );
+        cases.push(Case::new(dtype, (200, 300), (8, 2), 64).causal().deterministic().sinks(-8.0, 6.0));
+    }
+    sweep(&cases, true);
+}
+
 /// Deterministic backward: the same inputs give the same bits on every run, on every device.
 #[test]
 fn deterministic_backward_is_bitwise_stable() {
     for device in devices() {
         for dtype in DTYPES {
-            let case = Case::new(dtype, (200, 300), (8, 2), 64).causal();
+            let case = Case::new(dtype, (200, 300), (8, 2), 64).causal().sinks(-8.0, 6.0);
             let (mut rng, seed) = common::rng();
             let x = common::make_inputs(&case, &mut rng).unwrap();
             let opts = common::options(&case, &x, &device).unwrap().deterministic(true);
             let to = |t: &candle_core::Tensor| t.to_dtype(dtype).unwrap().to_device(&device).unwrap();
             let (q, k, v, dout) = (to(&x.q), to(&x.k), to(&x.v), to(&x.dout));
             let (out, lse) = candle_flash::flash_attn_with_lse(&q, &k, &v, &opts).unwrap();
-            let grads = || candle_flash::flash_attn_backward(&q, &k, &v, &out, &dout, &lse, &opts).unwrap();
+            let grads = || candle_flash::flash_attn_grads(&q, &k, &v, &out, &dout, &lse, &opts).unwrap();
             let (a, b) = (grads(), grads());
-            for (x, y) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+            let (da, db) = (a.dsinks.as_ref().unwrap(), b.dsinks.as_ref().unwrap());
+            for (x, y) in [(&a.dq, &b.dq), (&a.dk, &b.dk), (&a.dv, &b.dv), (da, db)] {
                 let diff = common::max_err(x, y);
                 assert!(diff == 0.0, "{dtype:?} on {:?}: runs differ by {diff} (seed {seed})", device.location());
             }

@@ -105,13 +105,30 @@ struct OnlineSoftmax {
     }
 
     // End of the key loop for row r: returns 1 / l (0 for a row that saw no key, whose output
-    // is then 0) and the natural-log lse (-inf for such a row).
-    __device__ __forceinline__ float finish_row(int r, float c, float& lse) const {
+    // is then 0) and the natural-log lse (-inf for such a row). `sink` (natural units, -inf for
+    // none: sink_logit) is an attention sink: one more term of the denominator without a value,
+    // so the factor becomes e^{m - top} / (l e^{m - top} + e^{sink - top}) with top the larger of
+    // the two maxima (no overflow either way), and a row that saw no key gets lse = sink.
+    __device__ __forceinline__ float finish_row(int r, float c, float& lse, float sink = -INFINITY) const {
         const float l = group_sum<kLanes>(row_sum[r]);
-        lse = l > 0.f ? row_max[r] * c * (1.f / Units::kPerNat) + logf(l) : -INFINITY;
-        return l > 0.f ? 1.f / l : 0.f;
+        if (sink == -INFINITY) {
+            lse = l > 0.f ? row_max[r] * c * (1.f / Units::kPerNat) + logf(l) : -INFINITY;
+            return l > 0.f ? 1.f / l : 0.f;
+        }
+        const float m = l > 0.f ? row_max[r] * c : -INFINITY;  // exponent units
+        const float s = sink * Units::kPerNat;
+        const float top = fmaxf(m, s);
+        const float kept = Units::exp(m - top);
+        const float total = l * kept + Units::exp(s - top);
+        lse = top * (1.f / Units::kPerNat) + logf(total);
+        return kept / total;
     }
 };
+
+// The attention sink's logit of query head h (natural units), -inf when the call has none.
+__device__ __forceinline__ float sink_logit(const CfFwdParams& p, int h) {
+    return p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+}
 
 // Multiplies row r of an output fragment (same layout, DT n8 tiles per m16 tile) by f[r].
 template <int MT, int DT, int kRows>
@@ -124,11 +141,11 @@ __device__ __forceinline__ void scale_rows(float* o, const float (&f)[kRows]) {
             for (int e = 0; e < 4; ++e) o[(mt * DT + t) * 4 + e] *= f[2 * mt + (e >> 1)];
 }
 
-// Rows [m0, m_last] of a query block that see no key: o = 0, lse = -inf (og, lseg: row 0 of the
-// (sequence, head), as SeqInfo gives them).
+// Rows [m0, m_last] of a query block that see no key: o = 0, lse = -inf, or the head's sink
+// logit `sink` (og, lseg: row 0 of the (sequence, head), as SeqInfo gives them).
 template <typename T, int ROWS, int NTHREADS>
 __device__ __forceinline__ void write_empty_rows(T* og, int64_t o_row_stride, float* lseg, int m0,
-                                                 int m_last, int d, int tid) {
+                                                 int m_last, int d, int tid, float sink) {
     const int d8 = d >> 3;
     for (int idx = tid; idx < ROWS * d8; idx += NTHREADS) {
         const int r = idx / d8, c = idx % d8;
@@ -142,7 +159,7 @@ __device__ __forceinline__ void write_empty_rows(T* og, int64_t o_row_stride, fl
         }
     }
     for (int r = tid; r < ROWS; r += NTHREADS)
-        if (m0 + r <= m_last) lseg[m0 + r] = -INFINITY;
+        if (m0 + r <= m_last) lseg[m0 + r] = sink;
 }
 
 }  // namespace cf

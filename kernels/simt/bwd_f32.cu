@@ -35,6 +35,38 @@ cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t
     return cudaGetLastError();
 }
 
+// One CTA per query head h: dsinks[h] = -sum over the head's rows of e^{sink - lse} * dsum (the
+// sink's probability times D: a sink carries no value, so its score gradient is -P_sink D). Each
+// thread walks rows at a stride of the CTA, then a fixed-order reduction: the same bits every run.
+__global__ void __launch_bounds__(256) bwd_sink_grad_kernel(const CfBwdParams p, const BwdWs ws) {
+    const CfFwdParams& f = p.fwd;
+    const int h = blockIdx.x;
+    const float sink = f.sinks[h];
+    float acc = 0.f;
+    for (int b = 0; b < f.b; ++b) {
+        const SeqInfo si(f, b);
+        const float* lse = si.lse(f, h);
+        const float* dsum = ws.dsum_rows(si, h);
+        for (int i = threadIdx.x; i < si.sq; i += 256) acc = fmaf(expf(sink - lse[i]), dsum[i], acc);
+    }
+    __shared__ float warp_totals[8];
+    acc = warp_sum(acc);
+    if ((threadIdx.x & 31) == 0) warp_totals[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) total += warp_totals[w];
+        p.dsinks[h] = -total;
+    }
+}
+
+cudaError_t run_bwd_sink_grad(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream) {
+    if (p.fwd.h == 0) return cudaSuccess;
+    bwd_sink_grad_kernel<<<p.fwd.h, 256, 0, stream>>>(p, ws);
+    return cudaGetLastError();
+}
+
 // total += x with compensation c (Kahan): the rounding of each add is carried into the next, so a
 // long chain of block sums (a key's dV over every query row of a KV group: 512 blocks at 16k rows)
 // errs like one add. nvcc does not reassociate these without fast-math.

@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(F32FwdTraits::kNThreads) fwd_f32_kernel(const 
     float* og = si.o<float>(p, h);
     float* lseg = si.lse(p, h);
     if (w.no_keys()) {
-        write_empty_rows<float, BM, NTH>(og, p.o_row_stride, lseg, m0, w.m_last, d, tid);
+        write_empty_rows<float, BM, NTH>(og, p.o_row_stride, lseg, m0, w.m_last, d, tid, sink_logit(p, h));
         return;
     }
     const LogitInfo li(p, si.b, h);
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(F32FwdTraits::kNThreads) fwd_f32_kernel(const 
         }
     }
     float lse;
-    const float inv = softmax.finish_row(0, 1.f, lse);
+    const float inv = softmax.finish_row(0, 1.f, lse, sink_logit(p, h));
     if (i < si.sq) {
 #pragma unroll
         for (int m = 0; m < 32; ++m)

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
     T* og = si.o<T>(p, h);
     float* lseg = si.lse(p, h);
     if (w.no_keys()) {
-        write_empty_rows<T, BM, NTH>(og, p.o_row_stride, lseg, m0, w.m_last, p.d, tid);
+        write_empty_rows<T, BM, NTH>(og, p.o_row_stride, lseg, m0, w.m_last, p.d, tid, sink_logit(p, h));
         return;
     }
     const LogitInfo li(p, si.b, h);
@@ -111,12 +111,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
     }
 
     // Normalize, write lse, stage O (as T) in this warp's own rows of sQ, store 16 B per lane.
+    const float sink = sink_logit(p, h);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float lse;
-            const float inv = softmax.finish_row(2 * mt + r, cmul, lse);
+            const float inv = softmax.finish_row(2 * mt + r, cmul, lse, sink);
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 acc[mt][dt][2 * r] *= inv;

@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
     }
 }
 
-// One warp per (b, h, i) row: lse = log sum_s exp(lse_s); o = sum_s exp(lse_s - lse) o_s.
+// One warp per (b, h, i) row: lse = log sum_s exp(lse_s); o = sum_s exp(lse_s - lse) o_s. An
+// attention sink is one more partial, with lse_s = its logit and o_s = 0 (the splits know none).
 template <typename T, int D>
 __global__ void __launch_bounds__(128) split_combine_kernel(const CfFwdParams p, const SplitArgs sa) {
     const int lane = threadIdx.x & 31;
@@ -167,7 +168,8 @@ __global__ void __launch_bounds__(128) split_combine_kernel(const CfFwdParams p,
     if (i >= si.sq) return;
     const int64_t sstride = (int64_t)p.b * p.h * SQ;  // between splits
     const int64_t base = ((int64_t)b * p.h + h) * SQ + i;
-    float m = -INFINITY;
+    const float sink = sink_logit(p, h);
+    float m = sink;
     for (int s = lane; s < sa.nsplit; s += 32) m = fmaxf(m, sa.lpart[base + s * sstride]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -180,7 +182,7 @@ __global__ void __launch_bounds__(128) split_combine_kernel(const CfFwdParams p,
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        lse = m + logf(sum);
+        lse = m + logf(sum + expf(sink - m));
     }
     T* og = si.o<T>(p, h) + (int64_t)i * p.o_row_stride;
     for (int c0 = lane * 4; c0 < p.d; c0 += 128) {

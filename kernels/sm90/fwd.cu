@@ -584,10 +584,11 @@ struct FwdEpilogue {
         const int g = lane >> 2, q4 = lane & 3, dch = p.d >> 3;
         const SeqInfo& si = t.si;
         float* lseg = si.lse(p, t.h);
+        const float sink = sink_logit(p, t.h);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float lse;
-            const float inv = ml.softmax.finish_row(r, cmul, lse) * out_scale;
+            const float inv = ml.softmax.finish_row(r, cmul, lse, sink) * out_scale;
 #pragma unroll
             for (int j = 0; j < DT; ++j) {
                 ml.o[4 * j + 2 * r] *= inv;
@@ -617,10 +618,10 @@ struct FwdEpilogue {
         __syncwarp();  // every lane read its staged rows before they are rewritten (next tile)
     }
 
-    // A tile none of whose rows sees a key: o = 0, lse = -inf (all consumer threads).
+    // A tile none of whose rows sees a key: o = 0, lse = -inf or the sink (all consumer threads).
     static __device__ __forceinline__ void store_empty(const CfFwdParams& p, const FwdTile& t, int ctid) {
         write_empty_rows<T, BM, Kt::kNConsumerThreads>(t.si.o<T>(p, t.h), p.o_row_stride, t.si.lse(p, t.h), t.m0, t.m_last,
-                                                       p.d, ctid);
+                                                       p.d, ctid, sink_logit(p, t.h));
     }
 };
 

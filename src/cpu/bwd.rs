@@ -210,6 +210,33 @@ pub(crate) fn backward(
     ))
 }
 
+/// The sinks' gradient on the CPU, f32 `[H]`: `dsinks[h] = -Σ_{b, i} e^{s_h - lse_i} · D_i` with
+/// `D_i = rowsum(dO ∘ O)` (a sink carries no value, so its logit's gradient is `-P_sink · D`).
+pub(crate) fn sink_grads(
+    shape: &AttnShape,
+    (out, out_l): (&CpuStorage, &Layout),
+    (dout, dout_l): (&CpuStorage, &Layout),
+    (lse, lse_l): (&CpuStorage, &Layout),
+) -> Result<Vec<f32>> {
+    let host = shape.host()?;
+    let (out, dout, lse) = (dense_f32(out, out_l)?, dense_f32(dout, dout_l)?, dense_f32(lse, lse_l)?);
+    let (h, d) = (shape.num_heads, shape.head_dim);
+    Ok((0..h)
+        .map(|head| {
+            let Some(sink) = host.sink(head) else { return 0.0 };
+            let mut total = 0f64;
+            for seq in &host.seqs {
+                for i in 0..seq.q_len {
+                    let at = ((seq.q_start + i) * h + head) * d;
+                    let dot: f32 = out[at..at + d].iter().zip(&dout[at..at + d]).map(|(o, g)| o * g).sum();
+                    total += ((sink - lse[shape.lse_index(seq, head, i)]).exp() * dot) as f64;
+                }
+            }
+            -total as f32
+        })
+        .collect())
+}
+
 /// Query rows per backward tile: the configured tile kept even, so that tiles start at even
 /// rows (row pairs are slices of the task's).
 fn query_tile(tiles: CpuTiles, amx: bool, max_q: usize) -> usize {

@@ -442,11 +442,12 @@ unsafe fn forward_task(
             let (head, i) = row_of(t, r);
             let (sum, max) = (t.row_sum[r], t.row_max[r]);
             let at = (seq.q_start + i) * q_rs + head * d;
+            let (scale, row_lse) = super::finish_row(max, sum, host.sink(head));
+            *lse.0.add(shape.lse_index(seq, head, i)) = row_lse;
             if sum > 0.0 {
-                out.write_scaled(isa, at, &acc[r * d..(r + 1) * d], 1.0 / sum);
-                *lse.0.add(shape.lse_index(seq, head, i)) = max + sum.ln();
+                out.write_scaled(isa, at, &acc[r * d..(r + 1) * d], scale);
             } else {
-                // A row that sees no key: output 0, lse -inf (already filled).
+                // A row that sees no key: output 0 (lse -inf, or the sink's logit).
                 out.write_zeros(at, d);
             }
         }

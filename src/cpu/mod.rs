@@ -19,7 +19,7 @@ mod fwd;
 mod kv;
 pub mod simd;
 
-pub(crate) use bwd::backward;
+pub(crate) use bwd::{backward, sink_grads};
 pub(crate) use fwd::forward;
 pub use simd::{with_cpu_isa, CpuIsa};
 
@@ -657,6 +657,24 @@ pub(crate) fn exp_poly<const FMA: bool>(x: f32) -> f32 {
 
 /// Sum of a row with 8 independent partial sums (vectorisable, unlike a sequential fold).
 #[inline(always)]
+/// The end of a row's online softmax (running max `max` and sum `sum` of e^(x - max), natural
+/// units): the factor that normalises the accumulated output and the row's lse. An attention
+/// sink's logit `sink` joins the denominator as one more term without a value (so a row that saw
+/// no key, `sum == 0`, gets lse = sink and a zero output). Without a sink and keys: (0, -inf).
+pub(crate) fn finish_row(max: f32, sum: f32, sink: Option<f32>) -> (f32, f32) {
+    match sink {
+        None if sum > 0.0 => (1.0 / sum, max + sum.ln()),
+        None => (0.0, f32::NEG_INFINITY),
+        Some(s) => {
+            // Shift by the larger of the two maxima, so neither exponent overflows.
+            let m = if sum > 0.0 { max.max(s) } else { s };
+            let kept = if sum > 0.0 { (max - m).exp() } else { 0.0 };
+            let l = sum * kept + (s - m).exp();
+            (kept / l, m + l.ln())
+        }
+    }
+}
+
 pub(crate) fn row_sum(row: &[f32]) -> f32 {
     let mut partial = [0f32; 8];
     let mut chunks = row.chunks_exact(8);

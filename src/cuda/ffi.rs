@@ -74,6 +74,8 @@ pub struct CfFwdParams {
     pub q_descale: CfDescale,
     pub k_descale: CfDescale,
     pub v_descale: CfDescale,
+    /// f32 `[h]` sink logits, or null.
+    pub sinks: *const f32,
 }
 
 #[repr(C)]
@@ -97,12 +99,14 @@ pub struct CfBwdParams {
     pub dv_row_stride: i64,
     pub dv_head_stride: i64,
     pub deterministic: i32,
+    /// f32 `[h]`: receives the sinks' gradient (with `fwd.sinks`), or null.
+    pub dsinks: *mut f32,
 }
 
 // The sizes that flash_api.h's field order gives on LP64 (8-byte pointers and int64_t): a
 // field added or dropped on one side only shows up here at compile time.
-const _: () = assert!(std::mem::size_of::<CfFwdParams>() == 344);
-const _: () = assert!(std::mem::size_of::<CfBwdParams>() == 480);
+const _: () = assert!(std::mem::size_of::<CfFwdParams>() == 352);
+const _: () = assert!(std::mem::size_of::<CfBwdParams>() == 496);
 
 /// `CfRopeKvParams`: the fused rotary embedding and paged cache write.
 #[repr(C)]
@@ -198,5 +202,7 @@ extern "C" {
     pub fn cf_fwd(p: *const CfFwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;
     pub fn cf_bwd_workspace_size(p: *const CfBwdParams) -> usize;
     pub fn cf_bwd(p: *const CfBwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;
+    pub fn cf_sink_grad_workspace_size(p: *const CfBwdParams) -> usize;
+    pub fn cf_sink_grad(p: *const CfBwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;
     pub fn cf_error_string(status: c_int) -> *const c_char;
 }

@@ -131,14 +131,17 @@ struct FwdArgs<'a> {
     v: TensorArg<'a>,
     o: TensorArg<'a>,
     lse: TensorArg<'a>,
-    /// ALiBi slopes, cu_seqlens_q, cu_seqlens_k, block_table, where the options have them.
-    options: [Option<TensorArg<'a>>; 4],
+    /// [`OPTION_TENSORS`], where the options have them.
+    options: [Option<TensorArg<'a>>; 5],
 }
 
-/// The option tensors the kernels read (ALiBi slopes, cu_seqlens_q, cu_seqlens_k, the paged
-/// block table), contiguous (usually the tensors themselves), to be kept alive until the launch
-/// is enqueued.
-fn option_tensors(opts: &FlashAttnOptions) -> Result<[Option<Tensor>; 4]> {
+/// The option tensors the kernels read, in the order of [`option_tensors`].
+const OPTION_TENSORS: [&str; 5] = ["alibi_slopes", "seqlens_q", "seqlens_k", "block_table", "sinks"];
+
+/// The option tensors the kernels read ([`OPTION_TENSORS`]: ALiBi slopes, cu_seqlens_q,
+/// cu_seqlens_k, the paged block table, the sinks), contiguous (usually the tensors
+/// themselves), to be kept alive until the launch is enqueued.
+fn option_tensors(opts: &FlashAttnOptions) -> Result<[Option<Tensor>; 5]> {
     let vl = opts.varlen.as_ref();
     let contiguous = |t: Option<&Tensor>| t.map(Tensor::contiguous).transpose();
     Ok([
@@ -146,27 +149,24 @@ fn option_tensors(opts: &FlashAttnOptions) -> Result<[Option<Tensor>; 4]> {
         contiguous(vl.map(|v| &v.seqlens_q))?,
         contiguous(vl.map(|v| &v.seqlens_k))?,
         contiguous(opts.paged.as_ref().map(|p| &p.block_table))?,
+        contiguous(opts.sinks.as_ref())?,
     ])
 }
 
 /// The storage guards of [`option_tensors`]: read them as [`option_args`].
-fn option_guards(tensors: &[Option<Tensor>; 4]) -> [Option<StorageGuard<'_>>; 4] {
+fn option_guards(tensors: &[Option<Tensor>; 5]) -> [Option<StorageGuard<'_>>; 5] {
     tensors.each_ref().map(|t| t.as_ref().map(Tensor::storage_and_layout))
 }
 
 fn option_args<'a>(
-    guards: &'a [Option<StorageGuard<'_>>; 4],
+    guards: &'a [Option<StorageGuard<'_>>; 5],
     stream: &'a CudaStream,
-) -> Result<[Option<TensorArg<'a>>; 4]> {
-    let arg = |name: &str, g: &'a Option<StorageGuard<'_>>| -> Result<Option<TensorArg<'a>>> {
-        g.as_ref().map(|g| TensorArg::read(device_storage::<CudaStorage>(name, g)?, stream)).transpose()
-    };
-    Ok([
-        arg("alibi_slopes", &guards[0])?,
-        arg("seqlens_q", &guards[1])?,
-        arg("seqlens_k", &guards[2])?,
-        arg("block_table", &guards[3])?,
-    ])
+) -> Result<[Option<TensorArg<'a>>; 5]> {
+    let mut args: [Option<TensorArg<'a>>; 5] = Default::default();
+    for ((arg, name), g) in args.iter_mut().zip(OPTION_TENSORS).zip(guards) {
+        *arg = g.as_ref().map(|g| TensorArg::read(device_storage::<CudaStorage>(name, g)?, stream)).transpose()?;
+    }
+    Ok(args)
 }
 
 fn window(w: Option<usize>) -> i32 {
@@ -183,7 +183,8 @@ fn fwd_params(shape: &AttnShape, opts: &FlashAttnOptions, a: &FwdArgs) -> Result
     let lse_dims = shape.lse_dims();
     let (lse_batch_stride, lse_head_stride) =
         if varlen { (0, lse_dims[1] as i64) } else { ((lse_dims[1] * lse_dims[2]) as i64, lse_dims[2] as i64) };
-    let [alibi, cu_q, cu_k, table] = a.options.each_ref().map(|t| t.as_ref().map_or(std::ptr::null(), const_ptr));
+    let [alibi, cu_q, cu_k, table, sinks] =
+        a.options.each_ref().map(|t| t.as_ref().map_or(std::ptr::null(), const_ptr));
     // The table as int32 (a u32 table is passed as is, flash_api.h); sizes fit i32 (validate).
     let (table_stride, page_block_size, num_blocks, max_blocks) = match (&a.options[3], &opts.paged) {
         (Some(t), Some(paged)) => {
@@ -238,6 +239,7 @@ fn fwd_params(shape: &AttnShape, opts: &FlashAttnOptions, a: &FwdArgs) -> Result
         q_descale: ffi::CfDescale::NONE,
         k_descale: ffi::CfDescale::NONE,
         v_descale: ffi::CfDescale::NONE,
+        sinks: sinks as *const f32,
     })
 }
 
@@ -422,38 +424,87 @@ fn forward_t<T: CudaDType + DeviceRepr>(
 }
 
 /// Backward on CUDA (contiguous inputs): dq (q's dims), dk, dv (k's dims), contiguous, in the
-/// inputs' dtype.
+/// inputs' dtype; and, with sinks and `want_dsinks`, the sinks' gradient (f32 `[H]`).
 pub(crate) fn backward(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
     x: BwdInputs<(&CudaStorage, &Layout)>,
-) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    want_dsinks: bool,
+) -> Result<BwdOutputs> {
     match shape.dtype {
-        DType::F32 => backward_t::<f32>(shape, opts, x),
-        DType::F16 => backward_t::<f16>(shape, opts, x),
-        DType::BF16 => backward_t::<bf16>(shape, opts, x),
+        DType::F32 => backward_t::<f32>(shape, opts, x, want_dsinks),
+        DType::F16 => backward_t::<f16>(shape, opts, x, want_dsinks),
+        DType::BF16 => backward_t::<bf16>(shape, opts, x, want_dsinks),
         dt => bail!("candle-flash: unsupported dtype {dt:?} on cuda"),
     }
+}
+
+/// dq, dk, dv and the sinks' gradient (when asked for) of a CUDA backward.
+pub(crate) type BwdOutputs = (CudaStorage, CudaStorage, CudaStorage, Option<CudaStorage>);
+
+/// The backward's parameters: the forward's (`fwd`), dout, and the gradients it writes (dq, dk,
+/// dv: null for [`sink_grad`], which writes only dsinks).
+fn bwd_params(
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    fwd: &FwdArgs,
+    dout: &TensorArg,
+    grads: Option<[&TensorArg; 3]>,
+    dsinks: Option<&TensorArg>,
+) -> Result<ffi::CfBwdParams> {
+    let varlen = shape.is_varlen;
+    let dout_s = dout.strides(varlen);
+    let none = (0, 0, 0);
+    let [dq_s, dk_s, dv_s] = grads.map_or([none; 3], |g| g.map(|t| t.strides(varlen)));
+    let [dq, dk, dv] = grads.map_or([std::ptr::null_mut(); 3], |g| g.map(mut_ptr));
+    Ok(ffi::CfBwdParams {
+        fwd: fwd_params(shape, opts, fwd)?,
+        dout: const_ptr(dout),
+        do_batch_stride: dout_s.0,
+        do_row_stride: dout_s.1,
+        do_head_stride: dout_s.2,
+        dq,
+        dk,
+        dv,
+        dq_batch_stride: dq_s.0,
+        dq_row_stride: dq_s.1,
+        dq_head_stride: dq_s.2,
+        dk_batch_stride: dk_s.0,
+        dk_row_stride: dk_s.1,
+        dk_head_stride: dk_s.2,
+        dv_batch_stride: dv_s.0,
+        dv_row_stride: dv_s.1,
+        dv_head_stride: dv_s.2,
+        deterministic: opts.deterministic as i32,
+        dsinks: dsinks.map_or(std::ptr::null_mut(), |t| mut_ptr(t) as *mut f32),
+    })
 }
 
 fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
     x: BwdInputs<(&CudaStorage, &Layout)>,
-) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    want_dsinks: bool,
+) -> Result<BwdOutputs> {
     let dev = x.q.0.device.clone();
     let stream = dev.cuda_stream();
     let (q_dims, k_dims) = (x.q.1.dims().to_vec(), x.k.1.dims().to_vec());
     let (q_len, k_len): (usize, usize) = (q_dims.iter().product(), k_dims.iter().product());
+    let with_dsinks = want_dsinks && opts.sinks.is_some();
+    let h = shape.num_heads;
     if q_len == 0 || k_len == 0 {
-        // Nothing to differentiate: zero gradients without a launch.
-        let zeros =
-            |n: usize| -> Result<CudaStorage> { Ok(T::wrap_cuda_slice(dev.alloc_zeros::<T>(n.max(1))?, dev.clone())) };
-        return Ok((zeros(q_len)?, zeros(k_len)?, zeros(k_len)?));
+        // Nothing to differentiate: zero gradients without a launch (a row without keys puts
+        // all its mass on the sink, whose gradient -P_sink * rowsum(dO * 0) is 0 too).
+        let zeros = |n: usize| -> Result<CudaSlice<T>> { Ok(dev.alloc_zeros::<T>(n.max(1))?) };
+        let wrap = |s: CudaSlice<T>| T::wrap_cuda_slice(s, dev.clone());
+        let dsinks =
+            if with_dsinks { Some(f32::wrap_cuda_slice(dev.alloc_zeros::<f32>(h)?, dev.clone())) } else { None };
+        return Ok((wrap(zeros(q_len)?), wrap(zeros(k_len)?), wrap(zeros(k_len)?), dsinks));
     }
     let mut dq = alloc_output::<T>(&dev, &stream, q_len)?;
     let mut dk = alloc_output::<T>(&dev, &stream, k_len)?;
     let mut dv = alloc_output::<T>(&dev, &stream, k_len)?;
+    let mut dsinks = if with_dsinks { Some(alloc_output::<f32>(&dev, &stream, h)?) } else { None };
     {
         let options = option_tensors(opts)?;
         let guards = option_guards(&options);
@@ -464,28 +515,8 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             TensorArg::write(&mut dk, &k_dims, &stream),
             TensorArg::write(&mut dv, &k_dims, &stream),
         );
-        let varlen = shape.is_varlen;
-        let [dout_s, dq_s, dk_s, dv_s] = [&a.grad_out, &dq, &dk, &dv].map(|t| t.strides(varlen));
-        let p = ffi::CfBwdParams {
-            fwd: fwd_params(shape, opts, &fwd)?,
-            dout: const_ptr(&a.grad_out),
-            do_batch_stride: dout_s.0,
-            do_row_stride: dout_s.1,
-            do_head_stride: dout_s.2,
-            dq: mut_ptr(&dq),
-            dk: mut_ptr(&dk),
-            dv: mut_ptr(&dv),
-            dq_batch_stride: dq_s.0,
-            dq_row_stride: dq_s.1,
-            dq_head_stride: dq_s.2,
-            dk_batch_stride: dk_s.0,
-            dk_row_stride: dk_s.1,
-            dk_head_stride: dk_s.2,
-            dv_batch_stride: dv_s.0,
-            dv_row_stride: dv_s.1,
-            dv_head_stride: dv_s.2,
-            deterministic: opts.deterministic as i32,
-        };
+        let dsinks = dsinks.as_mut().map(|s| TensorArg::write(s, &[h], &stream));
+        let p = bwd_params(shape, opts, &fwd, &a.grad_out, Some([&dq, &dk, &dv]), dsinks.as_ref())?;
         // SAFETY: reads only the params struct.
         let mut ws = workspace(&dev, unsafe { ffi::cf_bwd_workspace_size(&p) })?;
         let ws = workspace_arg(&mut ws, &stream);
@@ -494,7 +525,37 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         let status = unsafe { ffi::cf_bwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
         check(status, "cf_bwd")?;
     }
-    Ok((T::wrap_cuda_slice(dq, dev.clone()), T::wrap_cuda_slice(dk, dev.clone()), T::wrap_cuda_slice(dv, dev)))
+    let dsinks = dsinks.map(|s| f32::wrap_cuda_slice(s, dev.clone()));
+    Ok((T::wrap_cuda_slice(dq, dev.clone()), T::wrap_cuda_slice(dk, dev.clone()), T::wrap_cuda_slice(dv, dev), dsinks))
+}
+
+/// The sinks' gradient alone (f32 `[H]`), from the forward's inputs, output and LSE and the
+/// output's gradient (contiguous): `cf_sink_grad`, for autograd's sink node.
+pub(crate) fn sink_grad(
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    x: BwdInputs<(&CudaStorage, &Layout)>,
+) -> Result<CudaStorage> {
+    let dev = x.q.0.device.clone();
+    let stream = dev.cuda_stream();
+    let h = shape.num_heads;
+    let mut dsinks = alloc_output::<f32>(&dev, &stream, h)?;
+    {
+        let options = option_tensors(opts)?;
+        let guards = option_guards(&options);
+        let a = x.try_map(|_, t| TensorArg::read(t, &stream))?;
+        let fwd = FwdArgs { q: a.q, k: a.k, v: a.v, o: a.out, lse: a.lse, options: option_args(&guards, &stream)? };
+        let out = TensorArg::write(&mut dsinks, &[h], &stream);
+        let p = bwd_params(shape, opts, &fwd, &a.grad_out, None, Some(&out))?;
+        // SAFETY: reads only the params struct.
+        let mut ws = workspace(&dev, unsafe { ffi::cf_sink_grad_workspace_size(&p) })?;
+        let ws = workspace_arg(&mut ws, &stream);
+        // SAFETY: live buffers of the described extents (o, dout, lse, sinks, dsinks), enqueued
+        // on candle's stream.
+        let status = unsafe { ffi::cf_sink_grad(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
+        check(status, "cf_sink_grad")?;
+    }
+    Ok(f32::wrap_cuda_slice(dsinks, dev))
 }
 
 /// Lets the device's default memory pool keep freed memory instead of returning it to the

@@ -112,6 +112,9 @@ pub struct Case {
     /// q, k and v reach the flash op as views into rows one element longer (odd row strides, so
     /// not 16-byte aligned): f32 on CUDA then runs the SIMT kernels instead of tensor cores.
     pub odd_strides: bool,
+    /// Learnable sinks, one per query head drawn uniformly from this range (a `Var`, so the
+    /// gradient check covers dsinks too).
+    pub sinks: Option<(f32, f32)>,
 }
 
 impl Case {
@@ -130,7 +133,12 @@ impl Case {
             varlen: vec![],
             deterministic: false,
             odd_strides: false,
+            sinks: None,
         }
+    }
+    pub fn sinks(mut self, lo: f32, hi: f32) -> Self {
+        self.sinks = Some((lo, hi));
+        self
     }
     pub fn causal(mut self) -> Self {
         self.window = (None, Some(0));
@@ -171,6 +179,8 @@ pub struct Inputs {
     pub dout: Tensor,
     pub alibi: Option<Tensor>,
     pub seqlens: Option<(Vec<u32>, Vec<u32>)>,
+    /// f32 `[H]` sink logits.
+    pub sinks: Option<Tensor>,
 }
 
 pub fn make_inputs(case: &Case, rng: &mut StdRng) -> Result<Inputs> {
@@ -192,6 +202,13 @@ pub fn make_inputs(case: &Case, rng: &mut StdRng) -> Result<Inputs> {
         1 => Some(Tensor::from_vec(slopes(case.h), case.h, &Device::Cpu)?),
         _ => Some(Tensor::from_vec(slopes(case.batch * case.h), (case.batch, case.h), &Device::Cpu)?),
     };
+    let sinks = match case.sinks {
+        Some((lo, hi)) => {
+            let values: Vec<f32> = (0..case.h).map(|_| lo + (hi - lo) * rng.random::<f32>()).collect();
+            Some(Tensor::from_vec(values, case.h, &Device::Cpu)?)
+        }
+        None => None,
+    };
     let seqlens = (!case.varlen.is_empty()).then(|| {
         let cum = |f: fn(&(usize, usize)) -> usize| {
             std::iter::once(0u32)
@@ -203,7 +220,7 @@ pub fn make_inputs(case: &Case, rng: &mut StdRng) -> Result<Inputs> {
         };
         (cum(|s| s.0), cum(|s| s.1))
     });
-    Ok(Inputs { q, k, v, dout, alibi, seqlens })
+    Ok(Inputs { q, k, v, dout, alibi, seqlens, sinks })
 }
 
 pub fn options(case: &Case, inputs: &Inputs, device: &Device) -> Result<FlashAttnOptions> {
@@ -213,6 +230,9 @@ pub fn options(case: &Case, inputs: &Inputs, device: &Device) -> Result<FlashAtt
         .deterministic(case.deterministic);
     if let Some(a) = &inputs.alibi {
         opts = opts.alibi(Some(&a.to_device(device)?));
+    }
+    if let Some(s) = &inputs.sinks {
+        opts = opts.sinks(Some(&s.to_device(device)?));
     }
     if let Some((sq, sk)) = &inputs.seqlens {
         opts = opts.varlen(Some(VarLen {
@@ -230,10 +250,14 @@ pub struct Run {
     pub out: Tensor,
     pub lse: Tensor,
     pub grads: Option<[Tensor; 3]>,
+    /// The sinks' gradient (with sinks and gradients).
+    pub dsinks: Option<Tensor>,
 }
 
 pub fn run(flash: bool, inputs: &Inputs, case: &Case, dtype: DType, device: &Device, with_grad: bool) -> Result<Run> {
-    let opts = options(case, inputs, device)?;
+    // The sinks as a Var (options() gives them as a plain tensor), so that dsinks is checked.
+    let sinks = inputs.sinks.as_ref().map(|s| Var::from_tensor(&s.to_device(device)?)).transpose()?;
+    let opts = options(case, inputs, device)?.sinks(sinks.as_ref().map(|s| s.as_tensor()));
     let to = |t: &Tensor| t.to_dtype(dtype)?.to_device(device);
     let (q, k, v) =
         (Var::from_tensor(&to(&inputs.q)?)?, Var::from_tensor(&to(&inputs.k)?)?, Var::from_tensor(&to(&inputs.v)?)?);
@@ -251,15 +275,15 @@ pub fn run(flash: bool, inputs: &Inputs, case: &Case, dtype: DType, device: &Dev
     } else {
         reference::attention_with_lse(&q, &k, &v, &opts)?
     };
-    let grads = if with_grad {
+    let (grads, dsinks) = if with_grad {
         let loss = (&out * to(&inputs.dout)?)?.sum_all()?;
         let g = loss.backward()?;
         let get = |x: &Var| g.get(x).cloned().unwrap_or_else(|| x.zeros_like().unwrap());
-        Some([get(&q), get(&k), get(&v)])
+        (Some([get(&q), get(&k), get(&v)]), sinks.as_ref().map(get))
     } else {
-        None
+        (None, None)
     };
-    Ok(Run { out, lse, grads })
+    Ok(Run { out, lse, grads, dsinks })
 }
 
 /// Forward (and backward when `with_grad`) parity of the flash path on `device` against the
@@ -289,6 +313,15 @@ pub fn check_case(case: &Case, device: &Device, with_grad: bool) -> Result<Strin
             let tol = 3.0 * en + floor(case.dtype, true);
             assert!(ef <= tol, "{name} error {ef:.3e} > {tol:.3e} (naive {en:.3e}): {ctx}");
             summary += &format!(", {name} {ef:.1e} (naive {en:.1e})");
+        }
+        if let (Some(df), Some(dt), Some(dn)) = (&flash.dsinks, &truth.dsinks, &naive.dsinks) {
+            assert_eq!(df.dims(), dt.dims(), "dsinks: {ctx}");
+            let (ef, en) = (max_err(df, dt), max_err(dn, dt));
+            // dsinks sums a row term over every row of a head: scale the floor by the rows.
+            let rows = (flash.lse.elem_count() / case.h).max(1) as f64;
+            let tol = 3.0 * en + floor(case.dtype, true) * rows.sqrt();
+            assert!(ef <= tol, "dsinks error {ef:.3e} > {tol:.3e} (naive {en:.3e}): {ctx}");
+            summary += &format!(", dsinks {ef:.1e} (naive {en:.1e})");
         }
     }
     if device.is_cuda() {
