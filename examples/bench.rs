@@ -1,15 +1,15 @@
 //! Attention benchmark: flash vs the naive reference, forward, backward and both.
 //!
 //! `cargo run --release --example bench -- --device cpu` prints one JSON object per line
-//! (keys: impl, mode, causal, dtype, b, h, hkv, nq, nk, d, ms, tflops, peak_mb) and a table at
-//! the end. TFLOP/s counts 4·B·H·Nq·Nk·D for the forward (halved when causal), 2.5× that for
-//! the backward and 3.5× for forward+backward. peak_mb is the peak of heap memory allocated
+//! (keys: impl, mode, causal, dtype, b, h, hkv, nq, nk, d, dv, ms, tflops, peak_mb) and a table
+//! at the end. TFLOP/s counts 2·B·H·Nq·Nk·(D + Dv) for the forward (4·B·H·Nq·Nk·D when Dv = D;
+//! halved when causal), 2.5× that for the backward and 3.5× for forward+backward. peak_mb is the peak of heap memory allocated
 //! during one call on the CPU (this binary counts allocations), and the growth of used device
 //! memory on CUDA (a lower bound: candle's allocator frees eagerly).
 
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor, Var};
-use candle_flash::{flash_attn_backward, flash_attn_with_lse, reference, FlashAttnOptions};
+use candle_flash::{flash_attn_grads, flash_attn_with_lse, reference, FlashAttnOptions};
 use clap::Parser;
 use std::time::Instant;
 
@@ -27,7 +27,8 @@ struct Args {
     /// cpu or cuda
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Comma-separated: flash, naive
+    /// Comma-separated: flash, flash_sinks (with learnable sinks, logit 0.5 per head; the
+    /// backward also gives their gradient), naive
     #[arg(long = "impl", default_value = "flash,naive")]
     implementation: String,
     /// Comma-separated: fwd, bwd, fwd_bwd
@@ -45,6 +46,10 @@ struct Args {
     /// Head dims, comma-separated
     #[arg(long, default_value = "64")]
     hdim: String,
+    /// v's head dim (MLA), when it differs from q's and k's; TFLOP/s then count
+    /// 2·Nq·Nk·(D + Dv) per head for the forward
+    #[arg(long)]
+    dv: Option<usize>,
     /// Batch sizes, comma-separated
     #[arg(long, default_value = "1")]
     batch: String,
@@ -290,19 +295,25 @@ fn main() -> Result<()> {
                         let hkv = args.hkv.unwrap_or(h);
                         let q = Tensor::randn(0f32, 1., (b, nq, h, d), &device)?.to_dtype(dtype)?;
                         let k = Tensor::randn(0f32, 1., (b, nk, hkv, d), &device)?.to_dtype(dtype)?;
-                        let v = Tensor::randn(0f32, 1., (b, nk, hkv, d), &device)?.to_dtype(dtype)?;
-                        let dout = Tensor::randn(0f32, 1., (b, nq, h, d), &device)?.to_dtype(dtype)?;
-                        let opts = FlashAttnOptions::new(1.0 / (d as f32).sqrt()).causal(causal);
-                        let fwd_flops = 4.0 * (b * h * nq * nk * d) as f64 * if causal { 0.5 } else { 1.0 };
+                        let dv = args.dv.unwrap_or(d);
+                        let v = Tensor::randn(0f32, 1., (b, nk, hkv, dv), &device)?.to_dtype(dtype)?;
+                        let dout = Tensor::randn(0f32, 1., (b, nq, h, dv), &device)?.to_dtype(dtype)?;
+                        let plain_opts = FlashAttnOptions::new(1.0 / (d as f32).sqrt()).causal(causal);
+                        let sinks = Tensor::full(0.5f32, h, &device)?;
+                        let fwd_flops = 2.0 * (b * h * nq * nk * (d + dv)) as f64 * if causal { 0.5 } else { 1.0 };
                         for implementation in &impls {
                             let naive_gib = (b * h * nq * nk * 4) as f64 * 4.0 / (1u64 << 30) as f64;
                             if implementation == "naive" && naive_gib > args.naive_max_gib {
                                 eprintln!("skipping naive at b={b} h={h} n={nk}: ~{naive_gib:.1} GiB of scores");
                                 continue;
                             }
+                            let opts = match implementation.as_str() {
+                                "flash_sinks" => plain_opts.clone().sinks(Some(&sinks)),
+                                _ => plain_opts.clone(),
+                            };
                             for mode in &modes {
                                 let flash = match implementation.as_str() {
-                                    "flash" => true,
+                                    "flash" | "flash_sinks" => true,
                                     "naive" => false,
                                     i => bail!("unknown impl {i}"),
                                 };
@@ -337,7 +348,7 @@ fn main() -> Result<()> {
                                     "bwd" if flash => {
                                         let (out, lse) = attn(&q, &k, &v)?;
                                         time(&device, args.iters, &marks, || {
-                                            flash_attn_backward(&q, &k, &v, &out, &dout, &lse, &opts)?;
+                                            flash_attn_grads(&q, &k, &v, &out, &dout, &lse, &opts)?;
                                             Ok(())
                                         })?
                                     }
@@ -358,7 +369,7 @@ fn main() -> Result<()> {
                                         if args.split {
                                             marks.mark(&device)?;
                                         }
-                                        flash_attn_backward(&q, &k, &v, &out, &dout, &lse, &opts)?;
+                                        flash_attn_grads(&q, &k, &v, &out, &dout, &lse, &opts)?;
                                         Ok(())
                                     })?,
                                     "fwd_bwd" => time(&device, args.iters, &marks, || {
@@ -402,7 +413,8 @@ fn main() -> Result<()> {
                                         "b": b, "h": h, "hkv": hkv, "nq": nq, "nk": nk, "d": d,
                                         "ms": row.ms, "tflops": row.tflops, "peak_mb": row.peak_mb,
                                         // K and V read once: the memory floor of decode shapes.
-                                        "kv_tbps": (2 * b * nk * hkv * d * dtype.size_in_bytes()) as f64 / (ms * 1e-3) / 1e12,
+                                        "dv": dv,
+                                        "kv_tbps": (b * nk * hkv * (d + dv) * dtype.size_in_bytes()) as f64 / (ms * 1e-3) / 1e12,
                                         "host_ms": sample.host_ms, "parts_ms": sample.parts_ms,
                                     })
                                 );

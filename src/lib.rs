@@ -8,7 +8,9 @@
 //! `(total_q, H, D)`, k/v `(total_k, Hkv, D)` and cumulative u32 seqlens of length B+1.
 //! `H % Hkv == 0` (GQA/MQA without repeating K/V). Causal masks are aligned bottom-right when
 //! Sq ≠ Sk: query i sees key j iff `j <= i + Sk - Sq`. A row that sees no key gives 0 (and an
-//! LSE of -inf), never NaN. dtypes f32, f16, bf16 (f32 accumulation); head dims up to 256.
+//! LSE of -inf), never NaN. dtypes f32, f16, bf16 (f32 accumulation); head dims up to 576 on the
+//! CPU and 256 on CUDA ([`MAX_HEAD_DIM`], [`MAX_CUDA_HEAD_DIM`]); v may have a head dim of its own
+//! (MLA: out and dv then have v's). Learnable sinks: [`FlashAttnOptions::sinks`].
 //!
 //! Bad arguments are a `candle_core::Error`. The values of the varlen offsets and ALiBi slopes
 //! are checked on the CPU always, on CUDA only with [`FlashAttnOptions::check_device_data()`] or
@@ -51,7 +53,8 @@ pub mod reference;
 
 pub use paged::{rope_write_paged_kv, write_paged_kv};
 pub use params::{
-    FlashAttnOptions, PagedKv, VarLen, CHECK_DEVICE_DATA_ENV, MAX_CUDA_GRID_YZ, MAX_CUDA_SEQLEN_SUM, MAX_HEAD_DIM,
+    FlashAttnOptions, PagedKv, VarLen, CHECK_DEVICE_DATA_ENV, MAX_CUDA_GRID_YZ, MAX_CUDA_HEAD_DIM, MAX_CUDA_SEQLEN_SUM,
+    MAX_HEAD_DIM,
 };
 
 use candle_core::{Result, Tensor};
@@ -77,6 +80,11 @@ pub fn flash_attn_with_options(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashA
 /// The output is differentiable; the LSE is a plain tensor (no gradient).
 pub fn flash_attn_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<(Tensor, Tensor)> {
     let shape = params::validate(q, k, v, opts)?;
+    if shape.head_dim != shape.head_dim_v {
+        let d = shape.head_dim.max(shape.head_dim_v);
+        let (out, lse) = flash_attn_with_lse(&pad_head_dim(q, d)?, &pad_head_dim(k, d)?, &pad_head_dim(v, d)?, opts)?;
+        return Ok((out.narrow(out.rank() - 1, 0, shape.head_dim_v)?, lse));
+    }
     let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
     let lse = LseSlot::default();
     let op = FlashAttnOp { opts: opts.clone(), shape: shape.clone(), lse: lse.clone(), forward_only: None, fp8: None };
@@ -90,6 +98,19 @@ pub fn flash_attn_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnO
         _ => out,
     };
     Ok((out, lse.get()?))
+}
+
+/// `t` with zero columns appended to head dim `d`. A value head dim of its own (Dv ≠ Dqk, MLA)
+/// runs the kernels of one head dim, the wider of the two, on zero-padded copies: zero columns
+/// add nothing to q·k and give zero output columns (and zero gradients), so narrowing the
+/// results back is exact. The cost is the padded copies (of a paged cache, the whole cache) and
+/// the padded columns' products.
+fn pad_head_dim(t: &Tensor, d: usize) -> Result<Tensor> {
+    let last = t.rank() - 1;
+    match d - t.dim(last)? {
+        0 => Ok(t.clone()),
+        extra => t.pad_with_zeros(last, 0, extra),
+    }
 }
 
 /// The GPU kernels load 16 bytes at a time, so on CUDA every row/head/batch stride and the
@@ -149,6 +170,21 @@ fn flash_attn_grads_inner(
     want_dsinks: bool,
 ) -> Result<AttnGrads> {
     let shape = params::validate(q, k, v, opts)?;
+    if shape.head_dim != shape.head_dim_v {
+        // As the forward: zero-padded to the wider head dim, the gradients narrowed back.
+        params::validate_backward(&shape, opts, &op::BwdInputs { q, k, v, out, grad_out, lse })?;
+        let d = shape.head_dim.max(shape.head_dim_v);
+        let [q, k, v, out, grad_out] = [q, k, v, out, grad_out].map(|t| pad_head_dim(t, d));
+        let g = flash_attn_grads_inner(&q?, &k?, &v?, &out?, &grad_out?, lse, opts, want_dsinks)?;
+        let narrow = |t: Tensor, n: usize| t.narrow(t.rank() - 1, 0, n);
+        let (dqk, dv) = (shape.head_dim, shape.head_dim_v);
+        return Ok(AttnGrads {
+            dq: narrow(g.dq, dqk)?,
+            dk: narrow(g.dk, dqk)?,
+            dv: narrow(g.dv, dv)?,
+            dsinks: g.dsinks,
+        });
+    }
     op::backward(&shape, opts, op::BwdInputs { q, k, v, out, grad_out, lse }, want_dsinks)
 }
 

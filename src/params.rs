@@ -25,8 +25,11 @@ pub const MAX_CUDA_SEQLEN_SUM: usize = 1 << 29;
 /// On CUDA, batch and query heads are at most this (the launch grids' y and z dimensions).
 pub const MAX_CUDA_GRID_YZ: usize = 65535;
 
-/// Largest head dimension any path supports.
-pub const MAX_HEAD_DIM: usize = 256;
+/// Largest head dimension (of q/k and of v) the CPU path and the reference support.
+pub const MAX_HEAD_DIM: usize = 576;
+
+/// Largest head dimension the CUDA kernels support (of q/k and of v alike).
+pub const MAX_CUDA_HEAD_DIM: usize = 256;
 
 /// Variable-length batching: sequences packed along the first axis, `seqlens_*` are the
 /// cumulative offsets (u32, length B+1, starting at 0 and ending at the packed total).
@@ -222,7 +225,10 @@ pub struct AttnShape {
     pub batch: usize,
     pub num_heads: usize,
     pub num_kv_heads: usize,
+    /// Head dim of q and k.
     pub head_dim: usize,
+    /// Head dim of v and the output (MLA's value dim; usually `head_dim`).
+    pub head_dim_v: usize,
     /// Batched: Sq and Sk. Varlen: max_seqlen_q and max_seqlen_k, capped at the totals (no
     /// sequence can be longer than its packed tensor).
     pub max_seqlen_q: usize,
@@ -488,6 +494,9 @@ pub fn validate_fp8(
         bail!("candle-flash fp8: paged K/V is not supported with FP8 inputs")
     }
     let mut shape = validate_inner(q, k, v, opts, Inputs::Fp8, read_device_data(q, opts))?;
+    if shape.head_dim_v != shape.head_dim {
+        bail!("candle-flash fp8: v's head dim {} must equal q's {}", shape.head_dim_v, shape.head_dim)
+    }
     shape.dtype = out_dtype; // what runs: the regular kernels on the dequantized inputs
     Ok(shape)
 }
@@ -553,19 +562,35 @@ fn validate_inner(
             bail!("candle-flash: {name} must have rank {rank} {layout}, got shape {:?}", t.dims())
         }
     }
-    if k.dims() != v.dims() {
-        bail!("candle-flash: k and v must have the same shape, got k {:?} and v {:?}", k.dims(), v.dims())
+    // v may have a head dim of its own (MLA); every other axis is k's.
+    if k.dims()[..kv_rank - 1] != v.dims()[..kv_rank - 1] {
+        bail!(
+            "candle-flash: k and v must have the same shape but for the head dim, got k {:?} and v {:?}",
+            k.dims(),
+            v.dims()
+        )
     }
     let (num_heads, head_dim) = (q.dims()[q_rank - 2], q.dims()[q_rank - 1]);
     let (num_kv_heads, kv_head_dim) = (k.dims()[kv_rank - 2], k.dims()[kv_rank - 1]);
+    let head_dim_v = v.dims()[kv_rank - 1];
+    if head_dim_v != head_dim && opts.paged.is_some() {
+        bail!(
+            "candle-flash: a value head dim of its own ({head_dim_v}, q/k {head_dim}) is not supported with paged K/V"
+        )
+    }
     if kv_head_dim != head_dim {
-        bail!("candle-flash: head dims differ: q has {head_dim}, k and v have {kv_head_dim}")
+        bail!("candle-flash: head dims differ: q has {head_dim}, k has {kv_head_dim}")
     }
-    if head_dim == 0 || head_dim > MAX_HEAD_DIM {
-        bail!("candle-flash: head dim {head_dim} is not supported (1..={MAX_HEAD_DIM})")
-    }
-    if kernels_on_cuda && head_dim % 8 != 0 {
-        bail!("candle-flash: head dim {head_dim} is not supported on CUDA (multiple of 8 up to {MAX_HEAD_DIM})")
+    for (what, d) in [("head dim", head_dim), ("value head dim", head_dim_v)] {
+        if d == 0 || d > MAX_HEAD_DIM {
+            bail!("candle-flash: {what} {d} is not supported (1..={MAX_HEAD_DIM})")
+        }
+        if kernels_on_cuda && (d % 8 != 0 || d > MAX_CUDA_HEAD_DIM) {
+            bail!(
+                "candle-flash: {what} {d} is not supported on CUDA (multiples of 8 up to {MAX_CUDA_HEAD_DIM}; \
+                 the CPU takes up to {MAX_HEAD_DIM})"
+            )
+        }
     }
     if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
         bail!("candle-flash: q has {num_heads} heads, which is not a multiple of k/v's {num_kv_heads} heads")
@@ -691,6 +716,7 @@ fn validate_inner(
         num_heads,
         num_kv_heads,
         head_dim,
+        head_dim_v,
         max_seqlen_q,
         max_seqlen_k,
         total_q,
@@ -848,10 +874,12 @@ pub fn validate_backward(
         bail!("candle-flash: mm_prefix_ranges is forward only: no backward (autograd or flash_attn_backward) with it")
     }
     let q = x.q;
+    let mut out_dims = q.dims().to_vec();
+    *out_dims.last_mut().expect("q has rank 3 or 4") = shape.head_dim_v;
     for (name, t) in [("out", x.out), ("grad_out", x.grad_out)] {
         check_same_device(name, t, q.device())?;
-        if t.dims() != q.dims() {
-            bail!("candle-flash: {name} has shape {:?}, expected q's {:?}", t.dims(), q.dims())
+        if t.dims() != out_dims.as_slice() {
+            bail!("candle-flash: {name} has shape {:?}, expected {out_dims:?} (q's, with v's head dim)", t.dims())
         }
         if t.dtype() != q.dtype() {
             bail!("candle-flash: {name} has dtype {:?}, expected q's {:?}", t.dtype(), q.dtype())

@@ -81,11 +81,11 @@ fn attention_impl(
         Some(r) => Some(r.to_vec3::<i32>()?),
         None => None,
     };
-    let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+    let (h, hkv, d, dv) = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v);
     // Packed row views: (total, heads, D) for both layouts.
     let qp = q.reshape((shape.total_q, h, d))?;
     let kp = k.reshape((shape.total_k, hkv, d))?;
-    let vp = v.reshape((shape.total_k, hkv, d))?;
+    let vp = v.reshape((shape.total_k, hkv, dv))?;
     let mut outs = Vec::with_capacity(shape.batch);
     let mut lses = Vec::with_capacity(shape.batch);
     for (b, seq) in host.seqs.iter().enumerate() {
@@ -97,7 +97,9 @@ fn attention_impl(
         outs.push(o);
         lses.extend(lse);
     }
-    let out = Tensor::cat(&outs, 0)?.reshape(q.dims())?;
+    let mut out_dims = q.dims().to_vec();
+    *out_dims.last_mut().expect("rank 3 or 4") = dv;
+    let out = Tensor::cat(&outs, 0)?.reshape(out_dims)?;
     if !want_lse {
         return Ok((out, None));
     }
@@ -173,7 +175,7 @@ fn sequence_attention(
     (want_lse, p_e4m3): (bool, bool),
 ) -> Result<(Tensor, Option<Tensor>)> {
     let seq = visible.seq;
-    let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+    let (h, hkv, d, dv) = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v);
     let (sq, sk) = (seq.q_len, seq.k_len);
     let dtype = q.dtype();
     // The sink logits as (H, 1, 1), in the computation's dtype (autograd reaches a `Var`).
@@ -182,7 +184,7 @@ fn sequence_attention(
     if sk == 0 || sq == 0 {
         // No key at all: every row is fully masked (output 0, lse -inf, or the sink's logit).
         // Multiplying by zero keeps q in the graph so that autograd still returns (zero) gradients.
-        let out = (q.zeros_like()? + (q * 0.0)?)?;
+        let out = Tensor::zeros((sq, h, dv), dtype, q.device())?.broadcast_add(&(q * 0.0)?.sum_keepdim(2)?)?;
         let lse = match &sinks {
             Some(s) => s.to_dtype(DType::F32)?.reshape((h, 1))?.broadcast_as((h, sq))?.contiguous()?.detach(),
             None => Tensor::full(f32::NEG_INFINITY, (h, sq), q.device())?,
@@ -192,10 +194,10 @@ fn sequence_attention(
     let group = h / hkv;
     let qh = q.transpose(0, 1)?.contiguous()?; // (H, Sq, D)
                                                // Repeat each KV head for its group of query heads (fine here: this is the reference).
-    let expand = |t: &Tensor| -> Result<Tensor> {
+    let expand = |t: &Tensor, d: usize| -> Result<Tensor> {
         t.transpose(0, 1)?.unsqueeze(1)?.expand((hkv, group, sk, d))?.reshape((h, sk, d))
     };
-    let (kh, vh) = (expand(k)?, expand(v)?);
+    let (kh, vh) = (expand(k, d)?, expand(v, dv)?);
     let mut s = (qh.matmul(&kh.t()?.contiguous()?)? * opts.softmax_scale as f64)?; // (H, Sq, Sk)
     if let Some(c) = opts.softcap {
         s = ((s / c as f64)?.tanh()? * c as f64)?;

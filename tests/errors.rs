@@ -87,8 +87,12 @@ fn bad_rank_dtype_and_dims() {
         &["k and v", "[2, 9, 4, 16]"],
     );
     expect(
-        flash_attn(&t(&[2, 8, 4, 300], f), &t(&[2, 8, 4, 300], f), &t(&[2, 8, 4, 300], f), 1.0, false),
-        &["head dim 300"],
+        flash_attn(&t(&[2, 8, 4, 600], f), &t(&[2, 8, 4, 600], f), &t(&[2, 8, 4, 600], f), 1.0, false),
+        &["head dim 600", "576"],
+    );
+    expect(
+        flash_attn(&t(&[2, 8, 4, 64], f), &t(&[2, 8, 4, 64], f), &t(&[2, 8, 4, 640], f), 1.0, false),
+        &["value head dim 640"],
     );
     expect(
         flash_attn(&t(&[2, 8, 6, 16], f), &t(&[2, 8, 4, 16], f), &t(&[2, 8, 4, 16], f), 1.0, false),

@@ -15,7 +15,9 @@
 //!   decode       split-KV with GQA packing and its combine (head-dim tiles 64 and 128);
 //!   varlen       packed sequences, one of them empty on the query side and one on the key side
 //!                (sm_90a: key blocks that cross a sequence end load with cp.async, the rest by TMA);
-//! and the sm_90a 192 x 96 forward for head dim 64 past 2048 query rows.
+//! and the sm_90a 192 x 96 forward for head dim 64 past 2048 query rows. Learnable sinks ride on
+//! deterministic, decode (the combine adds them), varlen (rows without keys: lse = the sink; the
+//! sinks' gradient kernel) and the f32 SIMT cases; prefill runs without them.
 
 mod common;
 use candle_core::DType;
@@ -43,17 +45,19 @@ fn prefill() {
 
 #[test]
 fn deterministic_backward() {
-    sweep(|dtype, d| Case::new(dtype, (33, 65), (4, 2), d).window(Some(20), Some(3)).deterministic());
+    sweep(|dtype, d| Case::new(dtype, (33, 65), (4, 2), d).window(Some(20), Some(3)).deterministic().sinks(-8.0, 6.0));
 }
 
 #[test]
 fn decode() {
-    sweep(|dtype, d| Case::new(dtype, (1, 700), (8, 2), d).softcap(15.0));
+    sweep(|dtype, d| Case::new(dtype, (1, 700), (8, 2), d).softcap(15.0).sinks(-8.0, 6.0));
 }
 
 #[test]
 fn varlen_with_empty_sequences() {
-    sweep(|dtype, d| Case::new(dtype, (0, 0), (2, 1), d).varlen(&[(30, 40), (0, 20), (17, 0)]).causal());
+    sweep(|dtype, d| {
+        Case::new(dtype, (0, 0), (2, 1), d).varlen(&[(30, 40), (0, 20), (17, 0)]).causal().sinks(-8.0, 6.0)
+    });
 }
 
 #[test]
@@ -61,7 +65,7 @@ fn f32_simt_kernels() {
     for device in common::devices() {
         for d in HEAD_DIMS {
             for case in [
-                Case::new(DType::F32, (70, 90), (4, 2), d).causal().odd_strides(),
+                Case::new(DType::F32, (70, 90), (4, 2), d).causal().odd_strides().sinks(-8.0, 6.0),
                 Case::new(DType::F32, (33, 65), (4, 2), d).window(Some(20), Some(3)).deterministic().odd_strides(),
             ] {
                 let summary = common::check_case(&case, &device, true).unwrap();

@@ -267,6 +267,57 @@ fn attention_block_output_and_gradients_match_reference() -> Result<()> {
     Ok(())
 }
 
+/// The block with learnable sinks: flash and naive agree on the output and on the sinks'
+/// gradient (a `Var`), and the cached path (prefill, then one-token decodes) on the output.
+#[test]
+fn attention_block_with_sinks_matches_reference() -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(9);
+    let (b, s, hidden, h, hkv, d) = (2, 11, 32, 4, 2, 8);
+    let mk = |rng: &mut StdRng, out: usize, inp: usize| randn(rng, &[out, inp], 2.0 / (inp as f32).sqrt());
+    let (wq, wk, wv, wo) = (
+        mk(&mut rng, h * d, hidden),
+        mk(&mut rng, hkv * d, hidden),
+        mk(&mut rng, hkv * d, hidden),
+        mk(&mut rng, hidden, h * d),
+    );
+    let x = randn(&mut rng, &[b, s, hidden], 1.0);
+    let probe = randn(&mut rng, &[b, s, hidden], 1.0);
+    let sinks = Var::from_tensor(&Tensor::new(&[-6f32, -0.5, 1.5, 5.0], &DEV)?)?;
+    let rot = RotaryEmbedding::from_parts(d, 10_000.0, &RopeScaling::None)?;
+    let block = |attn| -> Result<LlamaAttention> {
+        let lin = |w: &Tensor| Linear::new(w.clone(), None);
+        LlamaAttention::new(lin(&wq), lin(&wk), lin(&wv), lin(&wo), h, hkv, attn)?
+            .with_sinks(Some(sinks.as_tensor().clone()))
+    };
+    let rope = rot.rope(0, s, DType::F32, &DEV)?;
+    let mut results = vec![];
+    for attn in [AttnImpl::Flash, AttnImpl::Naive] {
+        let y = block(attn)?.forward(&x, &rope, None)?;
+        let grads = (&y * &probe)?.sum_all()?.backward()?;
+        results.push((y, grads.get(sinks.as_tensor()).cloned().expect("the sinks' gradient")));
+    }
+    let ((yf, gf), (yn, gn)) = (&results[0], &results[1]);
+    assert!(max_abs_diff(yf, yn) <= 1e-5 * max_abs(yn).max(1.0), "block output with sinks");
+    assert!(max_abs(gn) > 1e-3, "the sinks' gradient is zero");
+    assert!(max_abs_diff(gf, gn) <= 1e-4 * max_abs(gn), "sinks' gradient: flash {gf} vs naive {gn}");
+    // Without the sinks the output differs (the sinks are used), and the cached path agrees.
+    let plain = block(AttnImpl::Flash)?.with_sinks(None)?.forward(&x, &rope, None)?;
+    assert!(max_abs_diff(&plain, yf) > 1e-3);
+    assert!(block(AttnImpl::Flash)?.with_sinks(Some(Tensor::zeros(3, DType::F32, &DEV)?)).is_err());
+    let block = block(AttnImpl::Flash)?;
+    let mut cache = KvCache::new(4);
+    let mut parts = vec![];
+    let mut pos = 0;
+    for chunk in [7, 1, 1, 1, 1] {
+        let rope = rot.rope(pos, chunk, DType::F32, &DEV)?;
+        parts.push(block.forward(&x.narrow(1, pos, chunk)?, &rope, Some(&mut cache))?);
+        pos += chunk;
+    }
+    let diff = max_abs_diff(&Tensor::cat(&parts, 1)?, yf);
+    assert!(diff < 1e-5 * max_abs(yf).max(1.0), "cached block output with sinks differs by {diff}");
+    Ok(())
+}
+
 #[test]
 fn bad_model_inputs_are_errors() -> Result<()> {
     let mut cfg = tiny_config(false);

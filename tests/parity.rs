@@ -177,6 +177,44 @@ fn sinks() {
     sweep(&cases, true);
 }
 
+/// A value head dim of its own (MLA's (192, 128), and narrower or wider v): forward and gradients,
+/// GQA, masks, sinks, varlen with an empty sequence. Every device (CUDA: both dims up to 256).
+#[test]
+fn value_head_dims() {
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        cases.push(Case::new(dtype, (33, 47), (4, 2), 192).dv(128).causal());
+        cases.push(Case::new(dtype, (17, 113), (4, 1), 64).dv(128));
+        cases.push(Case::new(dtype, (113, 17), (4, 2), 128).dv(64).causal().sinks(-8.0, 6.0));
+        cases.push(Case::new(dtype, (1, 300), (8, 1), 192).dv(128).causal());
+        let seqs = [(17, 30), (0, 5), (40, 40)];
+        cases.push(Case::new(dtype, (0, 0), (4, 2), 96).dv(32).varlen(&seqs).causal().softcap(5.0));
+    }
+    sweep(&cases, true);
+}
+
+/// Head dims past the CUDA kernels' 256 (Gemma's 512; MLA decode's (576, 512) with one KV head):
+/// the CPU path against the reference, forward and gradients; on CUDA a clear error.
+#[test]
+fn wide_head_dims() {
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        cases.push(Case::new(dtype, (33, 47), (4, 2), 512).causal());
+        cases.push(Case::new(dtype, (17, 40), (2, 1), 512).window(Some(9), Some(2)).softcap(8.0).sinks(-8.0, 6.0));
+        cases.push(Case::new(dtype, (1, 113), (16, 1), 576).dv(512).causal());
+        cases.push(Case::new(dtype, (0, 0), (4, 1), 576).dv(512).varlen(&[(3, 40), (0, 9), (1, 17)]).causal());
+    }
+    for case in &cases {
+        let summary = check_case(case, &candle_core::Device::Cpu, true).unwrap_or_else(|e| panic!("{case:?}: {e}"));
+        println!("Cpu {case:?}: {summary}");
+    }
+    if let Some(gpu) = common::cuda_device() {
+        let case = Case::new(DType::BF16, (8, 8), (2, 1), 512);
+        let e = check_case(&case, &gpu, false).unwrap_err().to_string();
+        assert!(e.contains("512") && e.contains("CUDA"), "{e}");
+    }
+}
+
 /// Deterministic backward: the same inputs give the same bits on every run, on every device.
 #[test]
 fn deterministic_backward_is_bitwise_stable() {

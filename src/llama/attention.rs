@@ -53,6 +53,8 @@ pub struct LlamaAttention {
     head_dim: usize,
     softmax_scale: f32,
     attn_impl: AttnImpl,
+    /// Learnable attention sinks (gpt-oss), f32 `[num_heads]`: [`FlashAttnOptions::sinks`].
+    sinks: Option<Tensor>,
 }
 
 impl LlamaAttention {
@@ -89,7 +91,29 @@ impl LlamaAttention {
         }
         let softmax_scale = 1.0 / (head_dim as f32).sqrt();
         let proj = Projections::new(q_proj, k_proj, v_proj)?;
-        Ok(Self { proj, o_proj, num_heads, num_kv_heads, head_dim, softmax_scale, attn_impl })
+        Ok(Self { proj, o_proj, num_heads, num_kv_heads, head_dim, softmax_scale, attn_impl, sinks: None })
+    }
+
+    /// The block with learnable attention sinks (f32 `[num_heads]`, one logit per query head that
+    /// joins every row's softmax denominator: [`FlashAttnOptions::sinks`]); `None` removes them.
+    /// A `Var` is trained through `Tensor::backward()` like the projections.
+    pub fn with_sinks(mut self, sinks: Option<Tensor>) -> Result<Self> {
+        if let Some(s) = &sinks {
+            if s.dtype() != candle_core::DType::F32 || s.dims() != [self.num_heads] {
+                bail!("llama attention: sinks must be f32 [{}], got {:?} {:?}", self.num_heads, s.dtype(), s.dims())
+            }
+        }
+        self.sinks = sinks;
+        Ok(self)
+    }
+
+    pub fn sinks(&self) -> Option<&Tensor> {
+        self.sinks.as_ref()
+    }
+
+    /// The causal attention options of this block (scale, sinks).
+    fn attn_options(&self) -> FlashAttnOptions {
+        FlashAttnOptions::new(self.softmax_scale).causal(true).sinks(self.sinks.as_ref())
     }
 
     /// From Hugging Face names under `vb` (`q_proj.weight`, ...).
@@ -141,16 +165,17 @@ impl LlamaAttention {
             }
             None => (k, v),
         };
+        let opts = self.attn_options();
         let y = match self.attn_impl {
+            // With sinks, the attention op (the decode kernel knows none).
+            AttnImpl::Flash if self.sinks.is_some() => crate::flash_attn_with_options(&q, &k, &v, &opts)?,
             // One query position on the CPU (decode): see `decode_attn` for why not the tiled kernel.
             AttnImpl::Flash => match super::decode_attn::decode_attention(&q, &k, &v, self.softmax_scale)? {
                 Some(y) => y,
-                None => crate::flash_attn(&q, &k, &v, self.softmax_scale, true)?,
+                None => crate::flash_attn_with_options(&q, &k, &v, &opts)?,
             },
-            AttnImpl::Naive => {
-                reference::attention(&q, &k, &v, &FlashAttnOptions::new(self.softmax_scale).causal(true))?
-            }
-            AttnImpl::Fp8 => fp8_attention(&q, &k, &v, &FlashAttnOptions::new(self.softmax_scale).causal(true))?,
+            AttnImpl::Naive => reference::attention(&q, &k, &v, &opts)?,
+            AttnImpl::Fp8 => fp8_attention(&q, &k, &v, &opts)?,
         };
         self.o_proj.forward(&y.reshape((b, s, h * d))?)
     }
@@ -192,9 +217,11 @@ impl LlamaAttention {
         // kernel rotates q and k and writes k and v into their slots.
         let tables = (&rope.cos, &rope.sin);
         let q = crate::rope_write_paged_kv(&q, &k, &v, tables, (k_cache, v_cache), &step.slots)?;
-        let opts = step.attn_options(self.softmax_scale);
+        let opts = step.attn_options(self.softmax_scale).sinks(self.sinks.as_ref());
         let y = match self.attn_impl {
-            AttnImpl::Flash if step.single > 0 => self.attend_split(&q, k_cache, v_cache, step, &opts)?,
+            AttnImpl::Flash if step.single > 0 && self.sinks.is_none() => {
+                self.attend_split(&q, k_cache, v_cache, step, &opts)?
+            }
             AttnImpl::Flash => crate::flash_attn_with_options(&q, k_cache, v_cache, &opts)?,
             AttnImpl::Naive => reference::attention(&q, k_cache, v_cache, &opts)?,
             AttnImpl::Fp8 => {

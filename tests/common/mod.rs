@@ -115,6 +115,8 @@ pub struct Case {
     /// Learnable sinks, one per query head drawn uniformly from this range (a `Var`, so the
     /// gradient check covers dsinks too).
     pub sinks: Option<(f32, f32)>,
+    /// v's head dim when it differs from q's and k's (MLA).
+    pub dv: Option<usize>,
 }
 
 impl Case {
@@ -134,7 +136,15 @@ impl Case {
             deterministic: false,
             odd_strides: false,
             sinks: None,
+            dv: None,
         }
+    }
+    pub fn dv(mut self, dv: usize) -> Self {
+        self.dv = Some(dv);
+        self
+    }
+    pub fn head_dim_v(&self) -> usize {
+        self.dv.unwrap_or(self.d)
     }
     pub fn sinks(mut self, lo: f32, hi: f32) -> Self {
         self.sinks = Some((lo, hi));
@@ -191,11 +201,17 @@ pub fn make_inputs(case: &Case, rng: &mut StdRng) -> Result<Inputs> {
         let tk = case.varlen.iter().map(|s| s.1).sum();
         (vec![tq, case.h, case.d], vec![tk, case.hkv, case.d])
     };
+    // v and the output have v's head dim.
+    let with_dv = |dims: &[usize]| -> Vec<usize> {
+        let mut dims = dims.to_vec();
+        *dims.last_mut().unwrap() = case.head_dim_v();
+        dims
+    };
     let round = |t: Tensor| t.to_dtype(case.dtype)?.to_dtype(DType::F32);
     let q = round(randn(rng, &qd, 1.0)?)?;
     let k = round(randn(rng, &kd, 1.0)?)?;
-    let v = round(randn(rng, &kd, 1.0)?)?;
-    let dout = round(randn(rng, &qd, 1.0)?)?;
+    let v = round(randn(rng, &with_dv(&kd), 1.0)?)?;
+    let dout = round(randn(rng, &with_dv(&qd), 1.0)?)?;
     let mut slopes = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(0.05f32..0.5)).collect() };
     let alibi = match case.alibi {
         0 => None,
@@ -267,7 +283,7 @@ pub fn run(flash: bool, inputs: &Inputs, case: &Case, dtype: DType, device: &Dev
             let last = x.rank() - 1;
             let mut dims = x.dims().to_vec();
             dims[last] = 1;
-            Tensor::cat(&[x.as_tensor(), &Tensor::zeros(dims, dtype, device)?], last)?.narrow(last, 0, case.d)
+            Tensor::cat(&[x.as_tensor(), &Tensor::zeros(dims, dtype, device)?], last)?.narrow(last, 0, x.dim(last)?)
         };
         candle_flash::flash_attn_with_lse(&view(&q)?, &view(&k)?, &view(&v)?, &opts)?
     } else if flash {
