@@ -64,8 +64,8 @@ fn sinks_on_empty_and_single_key_rows() -> Result<()> {
         let lse = lse.to_vec3::<f32>()?;
         let (qc, kc, vc) = (q.to_device(&Device::Cpu)?, k.to_device(&Device::Cpu)?, v.to_device(&Device::Cpu)?);
         for (h, &sink) in s.iter().enumerate() {
-            for i in 0..3 {
-                assert_eq!(lse[0][h][i], sink, "row {i} head {h} on {:?}", device.location());
+            for (i, &row_lse) in lse[0][h][..3].iter().enumerate() {
+                assert_eq!(row_lse, sink, "row {i} head {h} on {:?}", device.location());
                 let row = out.narrow(1, i, 1)?.narrow(2, h, 1)?;
                 assert!(max_err(&row, &row.zeros_like()?) == 0.0, "row {i} head {h}: output not 0");
             }

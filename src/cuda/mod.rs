@@ -495,7 +495,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     if q_len == 0 || k_len == 0 {
         // Nothing to differentiate: zero gradients without a launch (a row without keys puts
         // all its mass on the sink, whose gradient -P_sink * rowsum(dO * 0) is 0 too).
-        let zeros = |n: usize| -> Result<CudaSlice<T>> { Ok(dev.alloc_zeros::<T>(n.max(1))?) };
+        let zeros = |n: usize| -> Result<CudaSlice<T>> { dev.alloc_zeros::<T>(n.max(1)) };
         let wrap = |s: CudaSlice<T>| T::wrap_cuda_slice(s, dev.clone());
         let dsinks =
             if with_dsinks { Some(f32::wrap_cuda_slice(dev.alloc_zeros::<f32>(h)?, dev.clone())) } else { None };
