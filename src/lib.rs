@@ -130,7 +130,8 @@ fn aligned(t: &Tensor) -> Result<Tensor> {
 
 /// Explicit backward for callers with their own autograd: `(dq, dk, dv)` from the forward's
 /// inputs, output, output gradient and LSE (as returned by [`flash_attn_with_lse`]).
-/// dk and dv are summed over the query heads that share each KV head.
+/// dk and dv are summed over the query heads that share each KV head. With sinks, see
+/// [`flash_attn_grads`] for their gradient too.
 pub fn flash_attn_backward(
     q: &Tensor,
     k: &Tensor,
@@ -140,7 +141,7 @@ pub fn flash_attn_backward(
     lse: &Tensor,
     opts: &FlashAttnOptions,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let g = flash_attn_grads_inner(q, k, v, out, grad_out, lse, opts, false)?;
+    let g = flash_attn_grads(q, k, v, out, grad_out, lse, opts)?;
     Ok((g.dq, g.dk, g.dv))
 }
 
@@ -155,27 +156,13 @@ pub fn flash_attn_grads(
     lse: &Tensor,
     opts: &FlashAttnOptions,
 ) -> Result<AttnGrads> {
-    flash_attn_grads_inner(q, k, v, out, grad_out, lse, opts, true)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn flash_attn_grads_inner(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    grad_out: &Tensor,
-    lse: &Tensor,
-    opts: &FlashAttnOptions,
-    want_dsinks: bool,
-) -> Result<AttnGrads> {
     let shape = params::validate(q, k, v, opts)?;
     if shape.head_dim != shape.head_dim_v {
         // As the forward: zero-padded to the wider head dim, the gradients narrowed back.
         params::validate_backward(&shape, opts, &op::BwdInputs { q, k, v, out, grad_out, lse })?;
         let d = shape.head_dim.max(shape.head_dim_v);
         let [q, k, v, out, grad_out] = [q, k, v, out, grad_out].map(|t| pad_head_dim(t, d));
-        let g = flash_attn_grads_inner(&q?, &k?, &v?, &out?, &grad_out?, lse, opts, want_dsinks)?;
+        let g = flash_attn_grads(&q?, &k?, &v?, &out?, &grad_out?, lse, opts)?;
         let narrow = |t: Tensor, n: usize| t.narrow(t.rank() - 1, 0, n);
         let (dqk, dv) = (shape.head_dim, shape.head_dim_v);
         return Ok(AttnGrads {
@@ -185,7 +172,7 @@ fn flash_attn_grads_inner(
             dsinks: g.dsinks,
         });
     }
-    op::backward(&shape, opts, op::BwdInputs { q, k, v, out, grad_out, lse }, want_dsinks)
+    op::backward(&shape, opts, op::BwdInputs { q, k, v, out, grad_out, lse }, true)
 }
 
 /// Flash attention. q `(B, Sq, H, D)`, k/v `(B, Sk, Hkv, D)` → `(B, Sq, H, D)`.
