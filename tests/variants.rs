@@ -1,7 +1,8 @@
-//! Learnable attention sinks beyond the parity matrix (tests/parity.rs `sinks`, tests/paged.rs):
-//! the explicit backward's dsinks equals autograd's, a row that sees no key puts all its mass on
-//! the sink, the sinks' effect matches its definition on a row that sees one key, and bad sinks
-//! are errors. Every device present.
+//! The attention variants of current models beyond the parity matrix (tests/parity.rs `sinks`,
+//! `value_head_dims`, `wide_head_dims`; tests/paged.rs): learnable sinks (the explicit backward's
+//! dsinks equals autograd's, a row that sees no key puts all its mass on the sink, the sink's
+//! effect on a row that sees one key matches its definition, bad sinks are errors) and MLA's v
+//! as a view of the key cache. Every device present.
 
 mod common;
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -126,6 +127,33 @@ fn bad_sinks_are_errors() -> Result<()> {
             assert!(e.contains("finite"), "{e}");
             let e = err_text(call(&Tensor::zeros(4, DType::F32, &Device::Cpu)?));
             assert!(e.contains("sinks"), "{e}");
+        }
+    }
+    Ok(())
+}
+
+/// MLA's absorbed decode reads v as the first Dv columns of the same latent cache as k: v a
+/// (strided) view of k. Against the reference on the same views; CUDA up to its 256 columns.
+#[test]
+fn value_as_a_view_of_the_key_cache() -> Result<()> {
+    for device in devices() {
+        let (dqk, dv) = if device.is_cpu() { (576, 512) } else { (192, 128) };
+        let (mut rng, seed) = common::rng();
+        for dtype in [DType::F32, DType::BF16] {
+            let q = randn(&mut rng, &[2, 3, 16, dqk], 1.0)?.to_dtype(dtype)?.to_device(&device)?;
+            let kv = randn(&mut rng, &[2, 100, 1, dqk], 1.0)?.to_dtype(dtype)?.to_device(&device)?;
+            let v = kv.narrow(3, 0, dv)?;
+            let opts = FlashAttnOptions::new(0.05).causal(true);
+            let (out, _) = flash_attn_with_lse(&q, &kv, &v, &opts)?;
+            assert_eq!(out.dims(), &[2, 3, 16, dv]);
+            let f64_on_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
+            let truth =
+                candle_flash::reference::attention(&f64_on_cpu(&q)?, &f64_on_cpu(&kv)?, &f64_on_cpu(&v)?, &opts)?;
+            let cpu = |t: &Tensor| t.to_device(&Device::Cpu);
+            let naive = candle_flash::reference::attention(&cpu(&q)?, &cpu(&kv)?, &cpu(&v)?, &opts)?;
+            let (ef, en) = (max_err(&out, &truth), max_err(&naive, &truth));
+            let tol = 2.0 * en + common::floor(dtype, false);
+            assert!(ef <= tol, "{dtype:?} on {:?}: error {ef:.2e} > {tol:.2e} (seed {seed})", device.location());
         }
     }
     Ok(())
