@@ -1,7 +1,7 @@
 //! # candle-flash-attn (candle-flash)
 //!
 //! candle-flash's FlashAttention (the root crate of this repository) under the name and the API
-//! of candle-flash-attn 0.11.1: the same twelve public functions with the same signatures,
+//! of candle-flash-attn 0.11.1: the same eleven public functions with the same signatures,
 //! computed by candle-flash (its CUDA kernels with the `cuda` feature, on by default, and its
 //! tiled CPU path on `Device::Cpu`). A crate that calls `candle_flash_attn::flash_attn` (all of
 //! candle-transformers' models with the `flash-attn` feature) uses candle-flash once the
