@@ -303,7 +303,7 @@ pub(crate) fn sink_grads(shape: &AttnShape, opts: &FlashAttnOptions, x: BwdInput
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
             let inputs = guards.as_ref().try_map(|name, g| device_storage::<candle_core::CudaStorage>(name, g))?;
-            Storage::Cuda(crate::cuda::sink_grad(shape, opts, inputs)?)
+            Storage::Cuda(crate::cuda::sink_grads(shape, opts, inputs)?)
         }
         dev => bail!("candle-flash: backward is not implemented on {:?}", dev.location()),
     };

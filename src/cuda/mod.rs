@@ -443,7 +443,7 @@ pub(crate) fn backward(
 pub(crate) type BwdOutputs = (CudaStorage, CudaStorage, CudaStorage, Option<CudaStorage>);
 
 /// The backward's parameters: the forward's (`fwd`), dout, and the gradients it writes (dq, dk,
-/// dv: null for [`sink_grad`], which writes only dsinks).
+/// dv: null for [`sink_grads`], which writes only dsinks).
 fn bwd_params(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
@@ -531,7 +531,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
 
 /// The sinks' gradient alone (f32 `[H]`), from the forward's inputs, output and LSE and the
 /// output's gradient (contiguous): `cf_sink_grad`, for autograd's sink node.
-pub(crate) fn sink_grad(
+pub(crate) fn sink_grads(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
     x: BwdInputs<(&CudaStorage, &Layout)>,
