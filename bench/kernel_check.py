@@ -216,7 +216,7 @@ class CfFwdParams(ctypes.Structure):
                [("block_table", vp), ("block_table_batch_stride", i64)] + \
                [(n, i32) for n in ("page_block_size", "num_blocks", "max_blocks")] + \
                [("o_dtype", i32), ("q_descale", CfDescale), ("k_descale", CfDescale), ("v_descale", CfDescale),
-                ("sinks", vp)]
+                ("sinks", vp), ("prefix_ranges", vp), ("dv", i32), ("prefix_max_ranges", i32)]
 
 
 class CfBwdParams(ctypes.Structure):
@@ -225,6 +225,11 @@ class CfBwdParams(ctypes.Structure):
                [("dq", vp), ("dk", vp), ("dv", vp)] + \
                [(f"{t}_{s}_stride", i64) for t in ("dq", "dk", "dv") for s in ("batch", "row", "head")] + \
                [("deterministic", i32), ("dsinks", vp)]
+
+
+# flash_api.h's sizes (dispatch.cu and src/cuda/ffi.rs assert the same): a field added on one side
+# only fails here rather than passing garbage.
+assert ctypes.sizeof(CfFwdParams) == 368 and ctypes.sizeof(CfBwdParams) == 512, "mirror of flash_api.h"
 
 
 lib = None

@@ -2,7 +2,8 @@
 """PyTorch SDPA (flash / cuDNN / efficient backends) on the same grid as examples/bench.rs,
 printing the same JSON keys, with impl = torch-flash, torch-cudnn, torch-efficient.
 
-TFLOP/s = 4*B*H*Nq*Nk*D / time (halved for causal); bwd counts 2.5x, fwd_bwd 3.5x.
+TFLOP/s = 4*B*H*Nq*Nk*D / time (2*B*H*Nq*Nk*(D + Dv) with --dv; halved for causal); bwd counts
+2.5x, fwd_bwd 3.5x.
 Timing: CUDA events, warm-up first, median of --iters runs.
 """
 import argparse
@@ -55,6 +56,7 @@ def main():
     ap.add_argument("--hdim", default="64,128")
     ap.add_argument("--heads", default="16")
     ap.add_argument("--hkv", type=int)
+    ap.add_argument("--dv", type=int, help="v's head dim (MLA), when it differs from q's and k's")
     ap.add_argument("--batch", default="1")
     ap.add_argument("--tokens", type=int)
     ap.add_argument("--hidden", type=int)
@@ -80,12 +82,13 @@ def main():
                         # SDPA wants (B, H, N, D); GQA through enable_gqa.
                         q = torch.randn(b, h, nq, d, device="cuda", dtype=dtype, requires_grad=True)
                         k = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype, requires_grad=True)
-                        v = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype, requires_grad=True)
-                        dout = torch.randn(b, h, nq, d, device="cuda", dtype=dtype)
+                        dv = a.dv or d
+                        v = torch.randn(b, hkv, nk, dv, device="cuda", dtype=dtype, requires_grad=True)
+                        dout = torch.randn(b, h, nq, dv, device="cuda", dtype=dtype)
                         # SDPA's is_causal is top-left aligned; ours is bottom-right. They agree
                         # when nq == nk, the only causal shapes of this grid.
                         is_causal = causal and nq == nk
-                        flops = 4.0 * b * h * nq * nk * d * (0.5 if causal else 1.0)
+                        flops = 2.0 * b * h * nq * nk * (d + dv) * (0.5 if causal else 1.0)
                         for impl in a.impl.split(","):
                             for mode in a.mode.split(","):
                                 if a.rest_ms:
@@ -117,10 +120,10 @@ def main():
                                     print(json.dumps({"impl": impl, "mode": mode, "error": str(e)[:200]}), flush=True)
                                     continue
                                 mult = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
-                                kv_bytes = 2 * b * nk * hkv * d * q.element_size()
+                                kv_bytes = b * nk * hkv * (d + dv) * q.element_size()
                                 print(json.dumps({
                                     "impl": impl, "mode": mode, "causal": causal, "dtype": a.dtype,
-                                    "b": b, "h": h, "hkv": hkv, "nq": nq, "nk": nk, "d": d,
+                                    "b": b, "h": h, "hkv": hkv, "nq": nq, "nk": nk, "d": d, "dv": dv,
                                     "ms": ms, "tflops": flops * mult / (ms * 1e-3) / 1e12, "peak_mb": peak,
                                     "kv_tbps": kv_bytes / (ms * 1e-3) / 1e12,
                                 }), flush=True)

@@ -552,28 +552,52 @@ struct BwdSm90WideTraits {
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 shared memory");
 };
 
-// ------------------------------------------------------------------ f32 (SIMT)
-struct F32FwdTraits {  // 16 query rows x 32 keys, 8 threads per row
-    static constexpr int kBlockM = 16, kBlockN = 32, kNThreads = 128;
-    static size_t smem_bytes(int d) {
-        return size_t(4) * ((kBlockM + 2 * kBlockN) * (d + 1) + kBlockM * (kBlockN + 1));
+// ------------------------------------------------------------------ SIMT (simt/)
+// f32 arithmetic on CUDA cores, any element type in memory (converted as tiles are loaded), any
+// stride. Two shapes of every kernel: kNarrow for head dims up to 256 (f32 calls whose layout
+// the tensor-core tiles do not take), kWide for what only these kernels run (flash_api.h: a head
+// dim up to 576, a value head dim of its own, prefix ranges). A row's (or key's) columns are
+// spread over kThreads threads; the wide shape gives it twice the threads (576 columns: 36 per
+// thread, all in registers) and holds half the rows and keys, so that its f32 tiles at (576,
+// 512) fit an A100's 163 KB and at d = 512 an sm_86's 99 KB. Every tile row is padded by one
+// float: row-parallel dot products then read different banks.
+enum class SimtShape { kNarrow, kWide };
+constexpr int simt_max_head_dim(SimtShape s) { return s == SimtShape::kWide ? 576 : 256; }
+
+// Forward and dQ: CTA = kBlockM query rows x kBlockN keys per step, kThreads threads per row.
+template <SimtShape kShape>
+struct SimtRowTraits {
+    static constexpr bool kWide = kShape == SimtShape::kWide;
+    static constexpr int kBlockM = kWide ? 8 : 16, kBlockN = kWide ? 16 : 32, kThreads = kWide ? 16 : 8;
+    static constexpr int kNThreads = 128;
+    static constexpr int kScores = kBlockN / kThreads;                     // scores per thread per step
+    static constexpr int kCols = simt_max_head_dim(kShape) / kThreads;     // output columns per thread
+    // Forward: Q [kBlockM][d], K [kBlockN][d], V [kBlockN][dv] (none when v is read from K's
+    // tile: simt/fwd.cu v_is_view_of_k), P [kBlockM][kBlockN].
+    static size_t fwd_smem_bytes(int d, int dv, bool v_in_k) {
+        return size_t(4) * (kBlockM * (d + 1) + kBlockN * (d + 1) + (v_in_k ? 0 : kBlockN * (dv + 1)) +
+                            kBlockM * (kBlockN + 1));
     }
-};
-struct F32BwdTraits {  // dK/dV: 16 keys per CTA, 32 query rows per step
-    static constexpr int kBlockN = 16, kBlockM = 32, kNThreads = 128;
-    static size_t smem_bytes(int d) {
-        return size_t(4) * ((2 * kBlockN + 2 * kBlockM) * (d + 1) + 2 * kBlockM * (kBlockN + 1) +
-                            2 * kBlockM);
+    // dQ: Q, dO [kBlockM][d / dv], K, V [kBlockN][d / dv], dS [kBlockM][kBlockN].
+    static size_t dq_smem_bytes(int d, int dv) {
+        return size_t(4) * ((kBlockM + kBlockN) * (d + 1 + dv + 1) + kBlockM * (kBlockN + 1));
     }
+    static_assert(kNThreads == kBlockM * kThreads && kBlockN % kThreads == 0, "whole rows, whole score sets");
 };
-struct F32DqTraits {  // dQ: 16 query rows x 32 keys
-    static constexpr int kBlockM = 16, kBlockN = 32, kNThreads = 128;
-    static size_t smem_bytes(int d) {
-        return size_t(4) * ((2 * kBlockM + 2 * kBlockN) * (d + 1) + kBlockM * (kBlockN + 1));
+// dK / dV: CTA = kBlockN keys, kBlockM query rows per step; scores: thread -> key tid % kBlockN,
+// rows tid / kBlockN + kRowStep k; accumulation: kThreads threads per key.
+template <SimtShape kShape>
+struct SimtKeyTraits {
+    static constexpr bool kWide = kShape == SimtShape::kWide;
+    static constexpr int kBlockN = kWide ? 8 : 16, kBlockM = kWide ? 16 : 32, kNThreads = 128;
+    static constexpr int kThreads = kNThreads / kBlockN, kRowStep = kNThreads / kBlockN;
+    static constexpr int kCols = simt_max_head_dim(kShape) / kThreads;
+    // K [kBlockN][d], V [kBlockN][dv], Q [kBlockM][d], dO [kBlockM][dv], P and dS
+    // [kBlockM][kBlockN], lse and D [kBlockM].
+    static size_t smem_bytes(int d, int dv) {
+        return size_t(4) * ((kBlockN + kBlockM) * (d + 1 + dv + 1) + 2 * kBlockM * (kBlockN + 1) + 2 * kBlockM);
     }
+    static_assert(kBlockM % kRowStep == 0, "whole row passes");
 };
-static_assert(F32FwdTraits::kNThreads == F32FwdTraits::kBlockM * 8, "8 threads per query row");
-static_assert(F32DqTraits::kNThreads == F32DqTraits::kBlockM * 8, "8 threads per query row");
-static_assert(F32BwdTraits::kNThreads == F32BwdTraits::kBlockN * 8, "8 threads per key row");
 
 }  // namespace cf

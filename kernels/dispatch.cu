@@ -10,7 +10,7 @@
 
 // The sizes src/cuda/ffi.rs asserts for its mirrors (LP64): a field added on one side only fails
 // to compile on both.
-static_assert(sizeof(CfFwdParams) == 352 && sizeof(CfBwdParams) == 496, "change src/cuda/ffi.rs with flash_api.h");
+static_assert(sizeof(CfFwdParams) == 368 && sizeof(CfBwdParams) == 512, "change src/cuda/ffi.rs with flash_api.h");
 
 namespace cf {
 
@@ -117,13 +117,25 @@ int check_fwd_e4m3(const CfFwdParams* p, bool probe_maps) {
     return CF_OK;
 }
 
+// What only the SIMT kernels run (flash_api.h): a head dim past the tensor-core tiles' 256, a
+// value head dim of its own, mm_prefix_ranges (a second key interval per row, which the
+// tensor-core kernels' one-interval masks do not carry). Their shape: kNarrow up to 256
+// columns, kWide past it (config.cuh SimtShape).
+constexpr int kMaxHeadDim = 576;
+bool simt_only(const CfFwdParams& p) { return p.d > 256 || head_dim_v(p) != p.d || p.prefix_ranges != nullptr; }
+SimtShape simt_shape(const CfFwdParams& p) {
+    return std::max(p.d, head_dim_v(p)) > simt_max_head_dim(SimtShape::kNarrow) ? SimtShape::kWide : SimtShape::kNarrow;
+}
+
 // probe_maps: see check_fwd_e4m3 (e4m3 only).
 int check_fwd(const CfFwdParams* p, bool probe_maps = false) {
     if (p == nullptr) return CF_ERR_BAD_ARGUMENT;
     if (p->dtype != CF_F32 && p->dtype != CF_F16 && p->dtype != CF_BF16 && p->dtype != CF_E4M3)
         return CF_ERR_UNSUPPORTED_DTYPE;
     if (p->dtype != CF_E4M3 && p->o_dtype != p->dtype) return CF_ERR_BAD_ARGUMENT;
-    if (p->d < 8 || p->d > 256 || p->d % 8 != 0) return CF_ERR_UNSUPPORTED_HEAD_DIM;
+    const int dv = head_dim_v(*p);
+    if (p->d < 8 || p->d > kMaxHeadDim || p->d % 8 != 0 || p->dv < 0 || dv < 8 || dv > kMaxHeadDim || dv % 8 != 0)
+        return CF_ERR_UNSUPPORTED_HEAD_DIM;
     if (p->b < 0 || p->h <= 0 || p->hkv <= 0 || p->h % p->hkv != 0 || p->seqlen_q < 0 || p->seqlen_k < 0)
         return CF_ERR_BAD_ARGUMENT;
     if (p->h > 65535 || p->b > 65535) return CF_ERR_BAD_ARGUMENT;  // grid y / z limits
@@ -148,6 +160,12 @@ int check_fwd(const CfFwdParams* p, bool probe_maps = false) {
             (int64_t)p->seqlen_k > (int64_t)p->max_blocks * p->page_block_size ||
             p->total_k != (int64_t)p->num_blocks * p->page_block_size)
             return CF_ERR_BAD_ARGUMENT;
+    }
+    if (p->prefix_ranges != nullptr && p->prefix_max_ranges < 0) return CF_ERR_BAD_ARGUMENT;
+    if (simt_only(*p)) {
+        // the e4m3 kernel has none of these; the SIMT shape's tiles must fit the device
+        if (p->dtype == CF_E4M3) return CF_ERR_UNSUPPORTED_DTYPE;
+        if (!smem_fits((int)simt_fwd_smem_bytes(*p, simt_shape(*p)))) return CF_ERR_UNSUPPORTED_HEAD_DIM;
     }
     if (p->dtype == CF_E4M3) return check_fwd_e4m3(p, probe_maps);
     if (p->dtype != CF_F32) {
@@ -177,7 +195,7 @@ bool f32_simt_forced() {
     return forced;
 }
 bool f32_fwd_tensor_cores(const CfFwdParams& p) {
-    if (p.dtype != CF_F32 || f32_simt_forced()) return false;
+    if (p.dtype != CF_F32 || f32_simt_forced() || simt_only(p)) return false;
     // the 64 x 32 tiles take 96 / 128 KB at d = 192 / 256: the latter more than sm_86 / sm_89 give
     const int rd = round_head_dim(p.d);
     if (rd > 128 && !smem_fits(rd == 192 ? FwdTraits<float, 192>::kSmemBytes : FwdTraits<float, 256>::kSmemBytes))
@@ -204,12 +222,14 @@ bool f32_bwd_tensor_cores(const CfBwdParams& p) {
            tensor_aligned(p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, vk, 4);
 }
 // Whether the backward runs the tensor-core kernels (their workspace plan differs: plan_bwd).
-bool bwd_tensor_cores(const CfBwdParams& p) { return p.fwd.dtype != CF_F32 || f32_bwd_tensor_cores(p); }
+bool bwd_tensor_cores(const CfBwdParams& p) {
+    return simt_only(p.fwd) ? false : p.fwd.dtype != CF_F32 || f32_bwd_tensor_cores(p);
+}
 
-// The split-KV plan of a call (heuristics.cuh), none for f32 on the SIMT kernels: the one
+// The split-KV plan of a call (heuristics.cuh), none on the SIMT kernels: the one
 // decision that both sizes the workspace (cf_fwd_workspace_size) and picks the kernel.
 SplitPlan split_plan(const CfFwdParams& p) {
-    if (p.dtype == CF_F32 && !f32_fwd_tensor_cores(p)) {
+    if (simt_only(p) || (p.dtype == CF_F32 && !f32_fwd_tensor_cores(p))) {
         SplitPlan none{};
         none.nsplit = 1;
         return none;
@@ -254,9 +274,15 @@ cudaError_t fwd_sm80(const CfFwdParams& p, cudaStream_t s) {
                                     : run_fwd_tc<T, D, false, kHopperTile>(p, s);
 }
 
+template <typename T>
+cudaError_t fwd_simt(const CfFwdParams& p, cudaStream_t s) {
+    return simt_shape(p) == SimtShape::kWide ? run_fwd_simt<T, SimtShape::kWide>(p, s)
+                                             : run_fwd_simt<T, SimtShape::kNarrow>(p, s);
+}
+
 // f32 forward: the 3xTF32 mma.sync kernel of the rounded head dim, or the SIMT kernel.
 cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {
-    if (!f32_fwd_tensor_cores(p)) return run_fwd_f32(p, s);
+    if (!f32_fwd_tensor_cores(p)) return fwd_simt<float>(p, s);
     const SplitPlan sp = split_plan(p);
     if (sp.nsplit > 1) return fwd_split<float>(p, sp, ws, s);
     switch (round_head_dim(p.d)) {
@@ -272,10 +298,12 @@ cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {
     }
 }
 
-// Tensor-core forward: split-KV for decode shapes, else the wgmma kernel on Hopper for the
-// head-dim tiles it takes (heuristics.cuh), else the mma.sync kernel.
+// f16 / bf16 forward: split-KV for decode shapes, else the wgmma kernel on Hopper for the
+// head-dim tiles it takes (heuristics.cuh), else the mma.sync kernel; the SIMT kernel for what
+// only it runs.
 template <typename T>
 cudaError_t fwd_tc(const CfFwdParams& p, void* ws, cudaStream_t s) {
+    if (simt_only(p)) return fwd_simt<T>(p, s);
     const SplitPlan sp = split_plan(p);
     if (sp.nsplit > 1) return fwd_split<T>(p, sp, ws, s);
     const int rd = round_head_dim(p.d);
@@ -293,7 +321,7 @@ cudaError_t fwd_tc(const CfFwdParams& p, void* ws, cudaStream_t s) {
 // The head-dim tile of the wgmma backward for this call, 0 when the mma.sync / SIMT kernels run
 // (f32, no sm_90a, or a tile bwd_sm90_tile leaves to mma.sync). cf_bwd's dq_accum layout follows it.
 int bwd_sm90_tile_for(const CfFwdParams& f) {
-    return f.dtype != CF_F32 && sm90a_available() ? bwd_sm90_tile(round_head_dim(f.d)) : 0;
+    return f.dtype != CF_F32 && !simt_only(f) && sm90a_available() ? bwd_sm90_tile(round_head_dim(f.d)) : 0;
 }
 
 // Tensor-core backward: the wgmma dK/dV kernels on Hopper (bwd_sm90_tile_for says which tile),
@@ -314,9 +342,14 @@ cudaError_t bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
 }
 
 
-// f32 backward (after dsum): the 3xTF32 mma.sync kernels, or the SIMT ones.
+template <typename T>
+cudaError_t bwd_simt(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
+    return simt_shape(p.fwd) == SimtShape::kWide ? run_bwd_simt<T, SimtShape::kWide>(p, ws, s)
+                                                 : run_bwd_simt<T, SimtShape::kNarrow>(p, ws, s);
+}
+
+// f32 backward (after dsum) on the 3xTF32 mma.sync kernels.
 cudaError_t bwd_f32(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
-    if (!f32_bwd_tensor_cores(p)) return run_bwd_f32(p, ws, s);
     switch (round_head_dim(p.fwd.d)) {
         case 32: return run_bwd_tc<float, 32>(p, ws, false, s);
         case 64: return run_bwd_tc<float, 64>(p, ws, false, s);
@@ -333,7 +366,17 @@ int check_bwd(const CfBwdParams* p) {
     int st = check_fwd(&p->fwd);
     if (st != CF_OK) return st;
     const CfFwdParams& f = p->fwd;
-    if (f.block_table != nullptr) return CF_ERR_BAD_ARGUMENT;  // paged K/V is forward only
+    if (f.block_table != nullptr || f.prefix_ranges != nullptr) return CF_ERR_BAD_ARGUMENT;  // forward only
+    // the backward's SIMT tiles must fit the device
+    if (simt_only(f)) {
+        const int dv = head_dim_v(f);
+        const size_t need = simt_shape(f) == SimtShape::kWide
+                                ? std::max(SimtKeyTraits<SimtShape::kWide>::smem_bytes(f.d, dv),
+                                           SimtRowTraits<SimtShape::kWide>::dq_smem_bytes(f.d, dv))
+                                : std::max(SimtKeyTraits<SimtShape::kNarrow>::smem_bytes(f.d, dv),
+                                           SimtRowTraits<SimtShape::kNarrow>::dq_smem_bytes(f.d, dv));
+        if (!smem_fits((int)need)) return CF_ERR_UNSUPPORTED_HEAD_DIM;
+    }
     if (f.b > 0 && (p->dout == nullptr || p->dq == nullptr || p->dk == nullptr || p->dv == nullptr))
         return CF_ERR_BAD_ARGUMENT;
     if (f.dtype != CF_F32) {
@@ -422,6 +465,14 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
     if ((e = run_bwd_dot_do_o(*p, ws, stream)) != cudaSuccess) return (int)e;
     if (f.sinks != nullptr && p->dsinks != nullptr && (e = run_bwd_sink_grad(*p, ws, stream)) != cudaSuccess)
         return (int)e;
+    if (!bwd_tensor_cores(*p)) {
+        switch (f.dtype) {
+            case CF_F32: e = bwd_simt<float>(*p, ws, stream); break;
+            case CF_F16: e = bwd_simt<__half>(*p, ws, stream); break;
+            default: e = bwd_simt<__nv_bfloat16>(*p, ws, stream); break;
+        }
+        return (int)e;
+    }
     switch (f.dtype) {
         case CF_F32: e = bwd_f32(*p, ws, stream); break;
         case CF_F16: e = bwd_tc<__half>(*p, ws, stream); break;
@@ -464,7 +515,9 @@ const char* cf_error_string(int status) {
         case CF_ERR_UNSUPPORTED_DTYPE:
             return "candle-flash: unsupported dtype (f32, f16, bf16; e4m3 only on sm_90a with d % 16 == 0, 16-byte "
                    "aligned rows, no paged K/V, f16 / bf16 output)";
-        case CF_ERR_UNSUPPORTED_HEAD_DIM: return "candle-flash: unsupported head dim (need d % 8 == 0, 8 <= d <= 256)";
+        case CF_ERR_UNSUPPORTED_HEAD_DIM:
+            return "candle-flash: unsupported head dim (need d and dv % 8 == 0, 8 <= d, dv <= 576, and, past 256 or "
+                   "with dv != d, tiles that fit the device's shared memory)";
         case CF_ERR_MISALIGNED:
             return "candle-flash: f16/bf16 tensors need 16-byte aligned pointers and strides that are multiples of 8 elements";
         case CF_ERR_BAD_ARGUMENT: return "candle-flash: bad argument";

@@ -111,6 +111,17 @@ typedef struct {
     // A row that sees no key then gets o = 0 and lse = sinks[h]. The backward needs nothing else
     // (its P = e^{x - lse} and D = rowsum(dO * o) already account for the sink); see dsinks.
     const float* sinks;
+    // mm_prefix_ranges (multimodal prefixes): NULL, or int32 [b][prefix_max_ranges][2] key
+    // positions [start, end). Query i of sequence b at position pos = i + sk - sq also sees every
+    // key of each range that holds pos (below sk), whatever the window. Device data the host does
+    // not check: a range with start >= end selects nothing and what a range selects is cut to
+    // [0, sk), so any values give defined rows and no access outside the tensors. Forward only.
+    const int32_t* prefix_ranges;
+    // Head dim of v, o (and dout, dv): 0 means d (MLA's value head dim of its own otherwise).
+    // d <= 256 with dv == d and no prefix_ranges run on the tensor-core kernels; a wider head
+    // (d or dv up to 576), dv != d or prefix ranges run on the SIMT kernels.
+    int32_t dv;
+    int32_t prefix_max_ranges;
 } CfFwdParams;
 
 typedef struct {

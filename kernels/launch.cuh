@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include "common/bwd_work.cuh"
+#include "config.cuh"
 
 namespace cf {
 
@@ -70,8 +71,11 @@ cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);
 // otherwise (may be NULL then).
 template <typename Kt>
 cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t stream);
-// f32 forward on CUDA cores (simt/fwd_f32.cu).
-cudaError_t run_fwd_f32(const CfFwdParams& p, cudaStream_t stream);
+// SIMT forward (simt/fwd.cu), element type T, shape kShape (config.cuh SimtShape), and the
+// dynamic shared memory it asks for a call (dispatch.cu checks it fits before choosing it).
+template <typename T, SimtShape kShape>
+cudaError_t run_fwd_simt(const CfFwdParams& p, cudaStream_t stream);
+size_t simt_fwd_smem_bytes(const CfFwdParams& p, SimtShape shape);
 // Split-KV plan (flash-decoding): the key range cut into nsplit chunks of bps key blocks, `pack`
 // query heads of one KV group per CTA, mblocks query blocks per group, deep = at most one CTA
 // per SM (deeper K/V ring). Partials live in the caller's workspace: opart (f32, [nsplit][b][h]
@@ -85,9 +89,9 @@ struct SplitPlan {
 template <typename T, int D>
 cudaError_t run_fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* workspace, cudaStream_t stream);
 
-// Writes dsum (D = rowsum(dO*O)) into ws.dsum (simt/bwd_f32.cu, every dtype).
+// Writes dsum (D = rowsum(dO*O)) into ws.dsum (simt/bwd.cu, every dtype).
 cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
-// After dsum: the attention sinks' gradient into p.dsinks (simt/bwd_f32.cu; p.fwd.sinks set).
+// After dsum: the attention sinks' gradient into p.dsinks (simt/bwd.cu; p.fwd.sinks set).
 cudaError_t run_bwd_sink_grad(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
 // Tensor-core backward after dsum (sm80/bwd.cuh, instantiated in sm80/bwd_{f16,bf16}.cu): dK/dV
 // (+ dQ accumulation when ws.dq_accum) with the sm_90a wgmma kernels (sm90/bwd.cuh for D = 64 /
@@ -96,6 +100,8 @@ cudaError_t run_bwd_sink_grad(const CfBwdParams& p, const BwdWs& ws, cudaStream_
 // the dQ conversion, then the split reduction (ws.nsplit > 1).
 template <typename T, int D>
 cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaStream_t stream);
-cudaError_t run_bwd_f32(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
+// SIMT backward after dsum (simt/bwd.cu): dK/dV, then dQ, no workspace beyond dsum.
+template <typename T, SimtShape kShape>
+cudaError_t run_bwd_simt(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
 
 }  // namespace cf

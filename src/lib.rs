@@ -8,9 +8,10 @@
 //! `(total_q, H, D)`, k/v `(total_k, Hkv, D)` and cumulative u32 seqlens of length B+1.
 //! `H % Hkv == 0` (GQA/MQA without repeating K/V). Causal masks are aligned bottom-right when
 //! Sq ≠ Sk: query i sees key j iff `j <= i + Sk - Sq`. A row that sees no key gives 0 (and an
-//! LSE of -inf), never NaN. dtypes f32, f16, bf16 (f32 accumulation); head dims up to 576 on the
-//! CPU and 256 on CUDA ([`MAX_HEAD_DIM`], [`MAX_CUDA_HEAD_DIM`]); v may have a head dim of its own
-//! (MLA: out and dv then have v's). Learnable sinks: [`FlashAttnOptions::sinks`].
+//! LSE of -inf), never NaN. dtypes f32, f16, bf16 (f32 accumulation); head dims up to 576 (on
+//! CUDA multiples of 8; past [`MAX_CUDA_TENSOR_CORE_HEAD_DIM`] on the SIMT kernels: see
+//! [`MAX_HEAD_DIM`], [`MAX_CUDA_HEAD_DIM`]); v may have a head dim of its own (MLA: out and dv
+//! then have v's). Learnable sinks: [`FlashAttnOptions::sinks`].
 //!
 //! Bad arguments are a `candle_core::Error`. The values of the varlen offsets and ALiBi slopes
 //! are checked on the CPU always, on CUDA only with [`FlashAttnOptions::check_device_data()`] or
@@ -19,7 +20,7 @@
 //!
 //! Paged K/V caches (serving): [`flash_attn_varlen_paged_windowed`] (candle-flash-attn's
 //! signature) or [`FlashAttnOptions::paged`], and [`write_paged_kv`] to append rows to the
-//! pages; forward only, CPU and CUDA (`mm_prefix_ranges` CPU only). [`compat::v3`] has
+//! pages; forward only, CPU and CUDA (`mm_prefix_ranges` too). [`compat::v3`] has
 //! candle-flash-attn-v3's signatures.
 //!
 //! FP8 (e4m3) inputs: [`fp8`] (quantization with per-tensor, per-head or per-block scales, a
@@ -54,7 +55,7 @@ pub mod reference;
 pub use paged::{rope_write_paged_kv, write_paged_kv};
 pub use params::{
     FlashAttnOptions, PagedKv, VarLen, CHECK_DEVICE_DATA_ENV, MAX_CUDA_GRID_YZ, MAX_CUDA_HEAD_DIM, MAX_CUDA_SEQLEN_SUM,
-    MAX_HEAD_DIM,
+    MAX_CUDA_TENSOR_CORE_HEAD_DIM, MAX_HEAD_DIM,
 };
 
 use candle_core::{Result, Tensor};
@@ -80,7 +81,7 @@ pub fn flash_attn_with_options(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashA
 /// The output is differentiable; the LSE is a plain tensor (no gradient).
 pub fn flash_attn_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<(Tensor, Tensor)> {
     let shape = params::validate(q, k, v, opts)?;
-    if shape.head_dim != shape.head_dim_v {
+    if pads_value_head_dim(q, &shape, opts) {
         let d = shape.head_dim.max(shape.head_dim_v);
         let (out, lse) = flash_attn_with_lse(&pad_head_dim(q, d)?, &pad_head_dim(k, d)?, &pad_head_dim(v, d)?, opts)?;
         return Ok((out.narrow(out.rank() - 1, 0, shape.head_dim_v)?, lse));
@@ -100,11 +101,26 @@ pub fn flash_attn_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnO
     Ok((out, lse.get()?))
 }
 
-/// `t` with zero columns appended to head dim `d`. A value head dim of its own (Dv ≠ Dqk, MLA)
-/// runs the kernels of one head dim, the wider of the two, on zero-padded copies: zero columns
-/// add nothing to q·k and give zero output columns (and zero gradients), so narrowing the
-/// results back is exact. The cost is the padded copies (of a paged cache, the whole cache) and
-/// the padded columns' products.
+/// Whether a call with a value head dim of its own (Dv ≠ Dqk, MLA) runs the kernels of one head
+/// dim, the wider of the two, on zero-padded copies ([`pad_head_dim`]): the CPU kernels, and on
+/// CUDA the tensor-core kernels (both head dims up to [`MAX_CUDA_TENSOR_CORE_HEAD_DIM`],
+/// contiguous K/V), for which the padded copies cost less than the SIMT kernels' CUDA-core
+/// arithmetic. Wider heads and paged caches (whose padded copy would be the whole cache) run the
+/// CUDA SIMT kernels, which read v with its own head dim.
+/// `CANDLE_FLASH_PAD_VALUE_HEAD_DIM=0` turns the padding off on CUDA (every such call on the SIMT
+/// kernels), to compare the two and to test the SIMT kernels' narrow shape.
+fn pads_value_head_dim(q: &Tensor, shape: &params::AttnShape, opts: &FlashAttnOptions) -> bool {
+    static PAD_ON_CUDA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let pad_on_cuda =
+        *PAD_ON_CUDA.get_or_init(|| std::env::var("CANDLE_FLASH_PAD_VALUE_HEAD_DIM").as_deref() != Ok("0"));
+    let wide = shape.head_dim.max(shape.head_dim_v) > MAX_CUDA_TENSOR_CORE_HEAD_DIM;
+    let simt = q.device().is_cuda() && (wide || opts.paged.is_some() || !pad_on_cuda);
+    shape.head_dim != shape.head_dim_v && !simt
+}
+
+/// `t` with zero columns appended to head dim `d`: zero columns add nothing to q·k and give zero
+/// output columns (and zero gradients), so narrowing the results back is exact. The cost is the
+/// padded copies and the padded columns' products.
 fn pad_head_dim(t: &Tensor, d: usize) -> Result<Tensor> {
     let last = t.rank() - 1;
     match d - t.dim(last)? {
@@ -157,7 +173,7 @@ pub fn flash_attn_grads(
     opts: &FlashAttnOptions,
 ) -> Result<AttnGrads> {
     let shape = params::validate(q, k, v, opts)?;
-    if shape.head_dim != shape.head_dim_v {
+    if pads_value_head_dim(q, &shape, opts) {
         // As the forward: zero-padded to the wider head dim, the gradients narrowed back.
         params::validate_backward(&shape, opts, &op::BwdInputs { q, k, v, out, grad_out, lse })?;
         let d = shape.head_dim.max(shape.head_dim_v);
@@ -391,7 +407,7 @@ pub fn flash_attn_varlen_alibi_windowed_softcap(
 /// Forward only (a backward through it is an error). Any page size >= 1 on the CPU and on CUDA;
 /// on CUDA the table's values are not read on the host unless asked
 /// ([`FlashAttnOptions::check_device_data()`]: an entry outside the cache then reads page 0),
-/// and `mm_prefix_ranges` is an error there. The options form is [`FlashAttnOptions::paged`];
+/// and neither are `mm_prefix_ranges`' (the kernel cuts each range to the keys). The options form is [`FlashAttnOptions::paged`];
 /// [`write_paged_kv`] appends rows to the pages.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_paged_windowed(

@@ -52,6 +52,15 @@ pub(crate) struct FlashAttnOp {
     pub fp8: Option<crate::fp8::Fp8Kernel>,
 }
 
+impl FlashAttnOp {
+    /// The output's shape: q's, with v's head dim.
+    fn out_shape(&self, q_l: &Layout) -> Shape {
+        let mut dims = q_l.dims().to_vec();
+        *dims.last_mut().expect("q has rank 3 or 4") = self.shape.head_dim_v;
+        Shape::from(dims)
+    }
+}
+
 impl CustomOp3 for FlashAttnOp {
     fn name(&self) -> &'static str {
         "candle-flash-attn"
@@ -71,7 +80,7 @@ impl CustomOp3 for FlashAttnOp {
         }
         let (out, lse) = crate::cpu::forward(&self.shape, &self.opts, (q, q_l), (k, k_l), (v, v_l))?;
         self.lse.put(Tensor::from_vec(lse, self.shape.lse_dims(), &Device::Cpu)?)?;
-        Ok((out, q_l.shape().clone()))
+        Ok((out, self.out_shape(q_l)))
     }
 
     #[cfg(feature = "cuda")]
@@ -90,7 +99,7 @@ impl CustomOp3 for FlashAttnOp {
         };
         let lse = Tensor::from_storage(Storage::Cuda(lse), self.shape.lse_dims(), BackpropOp::none(), false);
         self.lse.put(lse)?;
-        Ok((out, q_l.shape().clone()))
+        Ok((out, self.out_shape(q_l)))
     }
 
     fn bwd(

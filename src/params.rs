@@ -11,8 +11,8 @@
 //!
 //! Paged K/V ([`PagedKv`]) is forward only, on every device; its block table is one of those
 //! device-held values (read and checked on CUDA only on request; unchecked bad entries are
-//! clamped by the kernels). `mm_prefix_ranges` is forward only and CPU only: [`validate`]
-//! rejects it on CUDA, [`validate_backward`] rejects any backward through either.
+//! clamped by the kernels). `mm_prefix_ranges` is forward only too: [`validate_backward`]
+//! rejects any backward through either.
 
 use crate::op::BwdInputs;
 use candle_core::{bail, DType, Device, Error, Tensor};
@@ -28,8 +28,13 @@ pub const MAX_CUDA_GRID_YZ: usize = 65535;
 /// Largest head dimension (of q/k and of v) the CPU path and the reference support.
 pub const MAX_HEAD_DIM: usize = 576;
 
-/// Largest head dimension the CUDA kernels support (of q/k and of v alike).
-pub const MAX_CUDA_HEAD_DIM: usize = 256;
+/// Largest head dimension the CUDA kernels support (of q/k and of v alike; multiples of 8).
+pub const MAX_CUDA_HEAD_DIM: usize = 576;
+
+/// Largest head dimension of the CUDA tensor-core kernels: wider heads, a value head dim of its
+/// own (unless padded to one, see `flash_attn_with_lse`) and `mm_prefix_ranges` run on the SIMT
+/// kernels (f32 arithmetic on CUDA cores, `kernels/simt/`), exact but slower.
+pub const MAX_CUDA_TENSOR_CORE_HEAD_DIM: usize = 256;
 
 /// Variable-length batching: sequences packed along the first axis, `seqlens_*` are the
 /// cumulative offsets (u32, length B+1, starting at 0 and ending at the packed total).
@@ -87,7 +92,8 @@ pub struct FlashAttnOptions {
     /// multimodal prefixes, e.g. an image's tokens): a query whose position `i + Sk - Sq` lies in
     /// a range also sees every key of that range (below Sk), whatever the causal/window mask
     /// says, so the range attends to itself bidirectionally. Ranges with `start >= end` are
-    /// ignored. Forward only, CPU only (an error on CUDA).
+    /// ignored. Forward only. On CUDA the values are device data nothing reads on the host
+    /// (the kernel cuts every range to the keys); the call runs on the SIMT kernels.
     pub mm_prefix_ranges: Option<Tensor>,
     /// Learnable attention sinks (gpt-oss): f32 `[H]`, one logit `s_h` per query head that joins
     /// every row's softmax denominator and carries no value: row i of head h gets
@@ -543,11 +549,6 @@ fn validate_inner(
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         bail!("candle-flash: dtype mismatch: q {:?}, k {:?}, v {:?}", q.dtype(), k.dtype(), v.dtype())
     }
-    // The CUDA kernels do not read prefix ranges (their masks are one interval per query row);
-    // say so rather than ignore them.
-    if kernels_on_cuda && opts.mm_prefix_ranges.is_some() {
-        bail!("candle-flash: mm_prefix_ranges is not supported on CUDA (only on the CPU)")
-    }
     if opts.paged.is_some() && opts.varlen.is_none() {
         bail!("candle-flash: paged K/V needs the varlen layout (q (total_q, heads, head_dim), seqlens_q, seqlens_k)")
     }
@@ -573,9 +574,12 @@ fn validate_inner(
     let (num_heads, head_dim) = (q.dims()[q_rank - 2], q.dims()[q_rank - 1]);
     let (num_kv_heads, kv_head_dim) = (k.dims()[kv_rank - 2], k.dims()[kv_rank - 1]);
     let head_dim_v = v.dims()[kv_rank - 1];
-    if head_dim_v != head_dim && opts.paged.is_some() {
+    // The CUDA kernels read a paged cache's v with a head dim of its own (MLA decode: v a view of
+    // the latent k cache); the CPU kernels do not.
+    if head_dim_v != head_dim && opts.paged.is_some() && !kernels_on_cuda && inputs != Inputs::Reference {
         bail!(
-            "candle-flash: a value head dim of its own ({head_dim_v}, q/k {head_dim}) is not supported with paged K/V"
+            "candle-flash: a value head dim of its own ({head_dim_v}, q/k {head_dim}) is not supported with paged K/V \
+             on the CPU (it is on CUDA)"
         )
     }
     if kv_head_dim != head_dim {
@@ -588,7 +592,7 @@ fn validate_inner(
         if kernels_on_cuda && (d % 8 != 0 || d > MAX_CUDA_HEAD_DIM) {
             bail!(
                 "candle-flash: {what} {d} is not supported on CUDA (multiples of 8 up to {MAX_CUDA_HEAD_DIM}; \
-                 the CPU takes up to {MAX_HEAD_DIM})"
+                 the CPU takes any up to {MAX_HEAD_DIM})"
             )
         }
     }

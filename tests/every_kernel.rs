@@ -15,6 +15,8 @@
 //!   decode       split-KV with GQA packing and its combine (head-dim tiles 64 and 128);
 //!   varlen       packed sequences, one of them empty on the query side and one on the key side
 //!                (sm_90a: key blocks that cross a sequence end load with cp.async, the rest by TMA);
+//!   simt_wide    the SIMT kernels' wide shape for every dtype (head dims past 256, a value head
+//!                dim of its own, v read with it);
 //! and the sm_90a 192 x 96 forward for head dim 64 past 2048 query rows. Learnable sinks ride on
 //! deterministic, decode (the combine adds them), varlen (rows without keys: lse = the sink; the
 //! sinks' gradient kernel) and the f32 SIMT cases; prefill runs without them.
@@ -70,6 +72,26 @@ fn f32_simt_kernels() {
             ] {
                 let summary = common::check_case(&case, &device, true).unwrap();
                 println!("F32 odd strides d={d} on {:?}: {summary}", device.location());
+            }
+        }
+    }
+}
+
+/// The SIMT kernels of every dtype: the wide shape (head dims past 256, MLA's (576, 512) with v a
+/// head dim of its own, GQA, a varlen batch with an empty sequence) forward and backward.
+#[test]
+fn simt_wide_head_dims() {
+    for device in common::devices() {
+        for dtype in DTYPES {
+            for case in [
+                Case::new(dtype, (20, 37), (4, 2), 512).causal().sinks(-8.0, 6.0),
+                Case::new(dtype, (0, 0), (4, 1), 576)
+                    .dv(512)
+                    .varlen(&[(9, 30), (0, 5), (17, 0)])
+                    .window(Some(8), Some(2)),
+            ] {
+                let summary = common::check_case(&case, &device, true).unwrap();
+                println!("{case:?} on {:?}: {summary}", device.location());
             }
         }
     }

@@ -2,7 +2,7 @@
 //! tables against the reference (f64 truth, tolerance relative to the naive same-dtype error)
 //! and against the contiguous op on the same logical cache and device (bitwise), page sizes 1,
 //! 3, 16 and 256 (CUDA: also 7, 48, 64, 128), prefill and decode, GQA, windows, softcap, ALiBi,
-//! empty sequences, mm_prefix_ranges (CPU); cache writes; bad input, and on CUDA bad tables
+//! empty sequences, mm_prefix_ranges, a value head dim of its own (CUDA); cache writes; bad input, and on CUDA bad tables
 //! clamped without a fault; candle-flash-attn / candle-flash-attn-v3 snippets.
 
 mod common;
@@ -36,6 +36,7 @@ fn page_out(
     rng: &mut StdRng,
 ) -> Result<PagedCache> {
     let (_, hkv, d) = k.dims3()?;
+    let dv = v.dim(2)?;
     let used: Vec<usize> = k_lens.iter().map(|l| l.div_ceil(page)).collect();
     let num_blocks = used.iter().sum::<usize>() + 3;
     let mut physical: Vec<usize> = (0..num_blocks).collect();
@@ -51,9 +52,16 @@ fn page_out(
         table.extend(pages.iter().map(|&p| p as i64).chain(std::iter::repeat(garbage)).take(width));
     }
     let table = Tensor::new(table, &Device::Cpu)?.reshape((k_lens.len(), width))?.to_dtype(table_dtype)?;
-    let cache = || Tensor::full(f32::NAN, (num_blocks, page, hkv, d), &Device::Cpu)?.to_dtype(k.dtype());
-    let (k_cache, v_cache) = (cache()?, cache()?);
-    write_paged_kv(&k_cache, &v_cache, k, v, &Tensor::new(slots, &Device::Cpu)?)?;
+    let cache = |d: usize| Tensor::full(f32::NAN, (num_blocks, page, hkv, d), &Device::Cpu)?.to_dtype(k.dtype());
+    let (k_cache, v_cache) = (cache(d)?, cache(dv)?);
+    let slots = Tensor::new(slots, &Device::Cpu)?;
+    if dv == d {
+        write_paged_kv(&k_cache, &v_cache, k, v, &slots)?;
+    } else {
+        // one row width a write: each cache on its own
+        write_paged_kv(&k_cache, &k_cache, k, k, &slots)?;
+        write_paged_kv(&v_cache, &v_cache, v, v, &slots)?;
+    }
     Ok(PagedCache { k: k_cache, v: v_cache, table, page })
 }
 
@@ -85,6 +93,7 @@ fn check_paged(
     let layout_seed: u64 = rng.random();
     let run = |dtype: DType, flash: bool, paged: bool| -> Result<(Tensor, Tensor)> {
         let dev = if flash { device } else { &Device::Cpu };
+        let ranges = ranges.as_ref().map(|r| r.to_device(dev)).transpose()?;
         let contiguous_opts = options(case, &x, dev)?.mm_prefix_ranges(ranges.as_ref());
         let to = |t: &Tensor| t.to_dtype(dtype);
         let (q, k, v) = (to(&x.q)?, to(&x.k)?, to(&x.v)?);
@@ -225,6 +234,34 @@ fn cuda_decode_matches_reference_and_contiguous() {
         // Split-KV decode: the combine adds the sink once.
         cases.push((Case::new(dtype, (0, 0), (8, 2), 128).varlen(&seqs).causal().sinks(-8.0, 6.0), 16));
         cases.push((Case::new(dtype, (0, 0), (8, 1), 64).varlen(&seqs).softcap(20.0).sinks(-8.0, 6.0), 48));
+    }
+    sweep_on(&gpu, &cases, None);
+}
+
+/// CUDA: mm_prefix_ranges (the SIMT kernel, which reads a second key interval per row) and a
+/// value head dim of its own on paged caches (MLA decode's (576, 512), a wide head, and, with
+/// CANDLE_FLASH_PAD_VALUE_HEAD_DIM=0, a narrow one), bitwise equal to the contiguous op.
+#[test]
+fn cuda_mm_prefix_ranges_and_value_head_dims() {
+    let Some(gpu) = common::cuda_device() else { return };
+    let seqs = [(40, 40), (12, 50), (1, 33), (0, 7), (113, 200)];
+    let ranges: &[[i32; 2]] = &[[4, 20], [30, 45], [9, 9], [-3, 2], [150, 1 << 30]];
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        cases.push((Case::new(dtype, (0, 0), (4, 2), 64).varlen(&seqs).causal(), 16));
+        cases.push((Case::new(dtype, (0, 0), (4, 2), 32).varlen(&seqs).window(Some(3), Some(0)).sinks(-8.0, 6.0), 3));
+        cases.push((Case::new(dtype, (0, 0), (4, 1), 128).varlen(&seqs).window(Some(20), Some(0)).alibi(1), 64));
+        cases.push((Case::new(dtype, (0, 0), (8, 1), 576).dv(512).varlen(&seqs).causal(), 16));
+    }
+    sweep_on(&gpu, &cases, Some(ranges));
+    let decode = [(1, 300), (1, 0), (1, 513), (4, 17)];
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        cases.push((Case::new(dtype, (0, 0), (16, 1), 576).dv(512).varlen(&decode).causal(), 64));
+        cases.push((Case::new(dtype, (0, 0), (4, 2), 512).varlen(&decode).softcap(20.0).sinks(-8.0, 6.0), 7));
+        if std::env::var("CANDLE_FLASH_PAD_VALUE_HEAD_DIM").as_deref() == Ok("0") {
+            cases.push((Case::new(dtype, (0, 0), (8, 2), 192).dv(128).varlen(&decode).causal(), 16));
+        }
     }
     sweep_on(&gpu, &cases, None);
 }
@@ -685,8 +722,8 @@ fn bad_cache_writes_are_errors() -> Result<()> {
 
 /// CUDA: a bad table is an error naming the entry when the device data is checked; unchecked,
 /// entries outside the cache are clamped (the call succeeds, nothing faults: the sanitizer run
-/// of `bench/kernel_check.py --bad-tables` proves the bounds); mm_prefix_ranges and a backward
-/// are clear errors; cache writes go through candle's in-place scatter, equal to the CPU's.
+/// of `bench/kernel_check.py --bad-tables` proves the bounds); unchecked prefix ranges far
+/// outside the keys give finite rows; a backward is a clear error; cache writes go through candle's in-place scatter, equal to the CPU's.
 #[test]
 fn cuda_paged_errors_and_clamping() -> Result<()> {
     let Some(gpu) = common::cuda_device() else { return Ok(()) };
@@ -723,7 +760,7 @@ fn cuda_paged_errors_and_clamping() -> Result<()> {
         let v = out.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         assert!(v.iter().all(|x| x.is_finite()), "clamped table gave non-finite values");
     }
-    let ranges = Tensor::new(&[[[1i32, 2]], [[0, 1]]], &gpu)?;
+    let ranges = Tensor::new(&[[[1i32, 2], [-7, 1 << 30]], [[i32::MIN, i32::MAX], [5, -5]]], &gpu)?;
     let r = candle_flash::flash_attn_varlen_paged_windowed(
         &on_gpu.q,
         &on_gpu.k,
@@ -740,7 +777,8 @@ fn cuda_paged_errors_and_clamping() -> Result<()> {
         4,
         None,
     );
-    expect_err(r, &["mm_prefix_ranges is not supported on CUDA"]);
+    let v = r?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    assert!(v.iter().all(|x| x.is_finite()), "prefix ranges outside the keys gave non-finite values");
     let q = Var::from_tensor(&on_gpu.q)?;
     let (k, seqlens_k, table) = (on_gpu.k.clone(), on_gpu.seqlens_k.clone(), on_gpu.table.clone());
     let out = call(&Small { q: q.as_tensor().clone(), ..on_gpu }, &k, &seqlens_k, &table, 4)?;

@@ -14,9 +14,9 @@
 //!
 //! Differences from candle-flash-attn 0.11.1:
 //!
-//! - on CUDA, head dims up to 256 (candle-flash-attn: up to 512), multiples of 8 as there; a
-//!   larger one is a `candle_core::Error` naming it (the CPU's limit is candle-flash's
-//!   `MAX_HEAD_DIM`).
+//! - head dims up to 576 (candle-flash-attn: up to 512; on CUDA multiples of 8 as there, past
+//!   256 on candle-flash's SIMT kernels, exact but slower than its tensor-core ones); a larger
+//!   one is a `candle_core::Error` naming it.
 //! - CPU tensors work too (candle-flash-attn needs CUDA tensors).
 //! - the structs `FlashAttn` and `FlashAttnVarLen` (the `CustomOp3` values behind the functions)
 //!   are not provided; call the functions. candle-transformers uses only [`flash_attn`].

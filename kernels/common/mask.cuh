@@ -68,6 +68,35 @@ struct MaskInfo {
     }
 };
 
+// The mm_prefix_ranges of one sequence (flash_api.h): a query at position pos = i + sk - sq also
+// sees keys [lo, hi), the union of the ranges [start, end) that hold pos (ranges that all hold
+// one position overlap, so the union is one interval), cut to [0, sk). The values are device data
+// nothing checked: an empty or reversed range selects nothing, and the cut keeps every key read
+// inside the sequence. The SIMT forward is the only kernel that reads them (dispatch.cu).
+struct PrefixRanges {
+    const int32_t* r;  // [n][2] of this sequence, or NULL
+    int n;
+
+    __device__ __forceinline__ PrefixRanges(const CfFwdParams& p, int b)
+        : r(p.prefix_ranges ? p.prefix_ranges + (int64_t)b * p.prefix_max_ranges * 2 : nullptr),
+          n(p.prefix_ranges ? p.prefix_max_ranges : 0) {}
+
+    // Keys [lo, hi) of the query at position pos (lo >= hi: none).
+    __device__ __forceinline__ void keys(int pos, int sk, int& lo, int& hi) const {
+        lo = sk;
+        hi = 0;
+        for (int k = 0; k < n; ++k) {
+            const int s = r[2 * k], e = r[2 * k + 1];
+            if (s < e && s <= pos && pos < e) {
+                lo = min(lo, s);
+                hi = max(hi, e);
+            }
+        }
+        lo = max(lo, 0);
+        hi = min(hi, sk);
+    }
+};
+
 // Whether any head's logits need the general path (softcap, ALiBi, a scale that is not
 // positive): a property of the call, so a kernel may also be chosen by it on the host.
 __host__ __device__ inline bool logits_general(const CfFwdParams& p) {

@@ -172,6 +172,9 @@ struct SeqInfo {
     }
 };
 
+// Head dim of v, o, dout and dv (flash_api.h: dv == 0 means d).
+__host__ __device__ inline int head_dim_v(const CfFwdParams& p) { return p.dv > 0 ? p.dv : p.d; }
+
 // KV head read by query head h (GQA / MQA: h / group).
 __device__ __forceinline__ int kv_head(const CfFwdParams& p, int h) { return h / (p.h / p.hkv); }
 

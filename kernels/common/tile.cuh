@@ -139,29 +139,6 @@ __device__ __forceinline__ void load_tile_rows(T* const (&s)[N], RowPtrs row_ptr
     }
 }
 
-// f32 SIMT kernels: rows [0, ROWS) x columns [0, d) of two global tensors (same row range; row r
-// at a_row(r) / b_row(r), called only for r < valid_rows) into padded shared tiles [ROWS][ld]
-// (ld = d + 1: column reads hit distinct banks); rows >= valid_rows are zero. sb == nullptr:
-// only the first.
-template <int ROWS, int NTHREADS, typename RowA, typename RowB>
-__device__ __forceinline__ void load_rows_f32(float* sa, RowA a_row, float* sb, RowB b_row, int valid_rows, int d,
-                                              int ld, int tid) {
-    for (int idx = tid; idx < ROWS * d; idx += NTHREADS) {
-        const int r = idx / d, c = idx % d;
-        const bool ok = r < valid_rows;
-        sa[r * ld + c] = ok ? a_row(r)[c] : 0.f;
-        if (sb != nullptr) sb[r * ld + c] = ok ? b_row(r)[c] : 0.f;
-    }
-}
-// Row-major tensors (row r at a + r * a_stride); b == nullptr: only the first.
-template <int ROWS, int NTHREADS>
-__device__ __forceinline__ void load_rows_f32(float* sa, const float* a, int64_t a_stride, float* sb, const float* b,
-                                              int64_t b_stride, int valid_rows, int d, int ld, int tid) {
-    load_rows_f32<ROWS, NTHREADS>(
-        sa, [=](int r) { return a + r * a_stride; }, b != nullptr ? sb : nullptr, [=](int r) { return b + r * b_stride; },
-        valid_rows, d, ld, tid);
-}
-
 // load_tile / load_tile_rows as a type (for code shared between kernels of different shared
 // layouts: SeqInfo::load_keys, DkdvWork).
 template <int C, int NTHREADS>
@@ -241,6 +218,18 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
     return __float2bfloat16_rn(x);
+}
+
+// SIMT kernels: rows [0, ROWS) x columns [0, cols) of a global tensor of element type T (row r
+// at row(r), called only for r < valid_rows) into a padded f32 shared tile [ROWS][ld] (ld =
+// cols + 1, or a wider row of a tile shared with another tensor: column reads by row-parallel
+// threads then hit distinct banks); rows >= valid_rows are zero.
+template <int ROWS, int NTHREADS, typename T, typename RowPtr>
+__device__ __forceinline__ void load_rows_as_f32(float* s, RowPtr row, int valid_rows, int cols, int ld, int tid) {
+    for (int idx = tid; idx < ROWS * cols; idx += NTHREADS) {
+        const int r = idx / cols, c = idx % cols;
+        s[r * ld + c] = r < valid_rows ? to_float<T>(row(r)[c]) : 0.f;
+    }
 }
 
 // ---------------------------------------------------------------- math

@@ -76,6 +76,11 @@ pub struct CfFwdParams {
     pub v_descale: CfDescale,
     /// f32 `[h]` sink logits, or null.
     pub sinks: *const f32,
+    /// i32 `[b][prefix_max_ranges][2]` `mm_prefix_ranges`, or null.
+    pub prefix_ranges: *const i32,
+    /// The head dim of v, o, dout and dv (0: `d`).
+    pub dv: i32,
+    pub prefix_max_ranges: i32,
 }
 
 #[repr(C)]
@@ -105,8 +110,8 @@ pub struct CfBwdParams {
 
 // The sizes that flash_api.h's field order gives on LP64 (8-byte pointers and int64_t): a
 // field added or dropped on one side only shows up here at compile time.
-const _: () = assert!(std::mem::size_of::<CfFwdParams>() == 352);
-const _: () = assert!(std::mem::size_of::<CfBwdParams>() == 496);
+const _: () = assert!(std::mem::size_of::<CfFwdParams>() == 368);
+const _: () = assert!(std::mem::size_of::<CfBwdParams>() == 512);
 
 /// `CfRopeKvParams`: the fused rotary embedding and paged cache write.
 #[repr(C)]

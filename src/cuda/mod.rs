@@ -132,16 +132,17 @@ struct FwdArgs<'a> {
     o: TensorArg<'a>,
     lse: TensorArg<'a>,
     /// [`OPTION_TENSORS`], where the options have them.
-    options: [Option<TensorArg<'a>>; 5],
+    options: [Option<TensorArg<'a>>; 6],
 }
 
 /// The option tensors the kernels read, in the order of [`option_tensors`].
-const OPTION_TENSORS: [&str; 5] = ["alibi_slopes", "seqlens_q", "seqlens_k", "block_table", "sinks"];
+const OPTION_TENSORS: [&str; 6] =
+    ["alibi_slopes", "seqlens_q", "seqlens_k", "block_table", "sinks", "mm_prefix_ranges"];
 
 /// The option tensors the kernels read ([`OPTION_TENSORS`]: ALiBi slopes, cu_seqlens_q,
-/// cu_seqlens_k, the paged block table, the sinks), contiguous (usually the tensors
+/// cu_seqlens_k, the paged block table, the sinks, the prefix ranges), contiguous (usually the tensors
 /// themselves), to be kept alive until the launch is enqueued.
-fn option_tensors(opts: &FlashAttnOptions) -> Result<[Option<Tensor>; 5]> {
+fn option_tensors(opts: &FlashAttnOptions) -> Result<[Option<Tensor>; 6]> {
     let vl = opts.varlen.as_ref();
     let contiguous = |t: Option<&Tensor>| t.map(Tensor::contiguous).transpose();
     Ok([
@@ -150,19 +151,20 @@ fn option_tensors(opts: &FlashAttnOptions) -> Result<[Option<Tensor>; 5]> {
         contiguous(vl.map(|v| &v.seqlens_k))?,
         contiguous(opts.paged.as_ref().map(|p| &p.block_table))?,
         contiguous(opts.sinks.as_ref())?,
+        contiguous(opts.mm_prefix_ranges.as_ref())?,
     ])
 }
 
 /// The storage guards of [`option_tensors`]: read them as [`option_args`].
-fn option_guards(tensors: &[Option<Tensor>; 5]) -> [Option<StorageGuard<'_>>; 5] {
+fn option_guards(tensors: &[Option<Tensor>; 6]) -> [Option<StorageGuard<'_>>; 6] {
     tensors.each_ref().map(|t| t.as_ref().map(Tensor::storage_and_layout))
 }
 
 fn option_args<'a>(
-    guards: &'a [Option<StorageGuard<'_>>; 5],
+    guards: &'a [Option<StorageGuard<'_>>; 6],
     stream: &'a CudaStream,
-) -> Result<[Option<TensorArg<'a>>; 5]> {
-    let mut args: [Option<TensorArg<'a>>; 5] = Default::default();
+) -> Result<[Option<TensorArg<'a>>; 6]> {
+    let mut args: [Option<TensorArg<'a>>; 6] = Default::default();
     for ((arg, name), g) in args.iter_mut().zip(OPTION_TENSORS).zip(guards) {
         *arg = g.as_ref().map(|g| TensorArg::read(device_storage::<CudaStorage>(name, g)?, stream)).transpose()?;
     }
@@ -183,7 +185,7 @@ fn fwd_params(shape: &AttnShape, opts: &FlashAttnOptions, a: &FwdArgs) -> Result
     let lse_dims = shape.lse_dims();
     let (lse_batch_stride, lse_head_stride) =
         if varlen { (0, lse_dims[1] as i64) } else { ((lse_dims[1] * lse_dims[2]) as i64, lse_dims[2] as i64) };
-    let [alibi, cu_q, cu_k, table, sinks] =
+    let [alibi, cu_q, cu_k, table, sinks, prefix] =
         a.options.each_ref().map(|t| t.as_ref().map_or(std::ptr::null(), const_ptr));
     // The table as int32 (a u32 table is passed as is, flash_api.h); sizes fit i32 (validate).
     let (table_stride, page_block_size, num_blocks, max_blocks) = match (&a.options[3], &opts.paged) {
@@ -240,6 +242,9 @@ fn fwd_params(shape: &AttnShape, opts: &FlashAttnOptions, a: &FwdArgs) -> Result
         k_descale: ffi::CfDescale::NONE,
         v_descale: ffi::CfDescale::NONE,
         sinks: sinks as *const f32,
+        prefix_ranges: prefix as *const i32,
+        dv: shape.head_dim_v as i32,
+        prefix_max_ranges: opts.mm_prefix_ranges.as_ref().map_or(Ok(0), |r| r.dim(1))? as i32,
     })
 }
 
@@ -312,7 +317,11 @@ pub(crate) fn fp8_kernel_runs(
     let args = FwdArgs {
         k: TensorArg::read(device_storage::<CudaStorage>("k", gk)?, &stream)?,
         v: TensorArg::read(device_storage::<CudaStorage>("v", gv)?, &stream)?,
-        o: stand_in(gq.1.dims()),
+        o: stand_in(&{
+            let mut dims = gq.1.dims().to_vec();
+            *dims.last_mut().expect("rank 3 or 4") = shape.head_dim_v;
+            dims
+        }),
         lse: stand_in(&shape.lse_dims()),
         options: option_args(&option_g, &stream)?,
         q: qa,
@@ -365,7 +374,7 @@ fn workspace_ptr(ws: &Option<TensorArg>) -> *mut c_void {
     ws.as_ref().map_or(std::ptr::null_mut(), mut_ptr)
 }
 
-/// Forward on CUDA: the output (q's dtype and dims, contiguous) and the LSE (f32).
+/// Forward on CUDA: the output (q's dtype and dims with v's head dim, contiguous) and the LSE (f32).
 pub(crate) fn forward(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
@@ -390,7 +399,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dev = q.0.device.clone();
     let stream = dev.cuda_stream();
-    let (out_dims, lse_dims) = (q.1.dims().to_vec(), shape.lse_dims());
+    let (mut out_dims, lse_dims) = (q.1.dims().to_vec(), shape.lse_dims());
+    *out_dims.last_mut().expect("rank 3 or 4") = shape.head_dim_v;
     let mut out = alloc_output::<T>(&dev, &stream, out_dims.iter().product())?;
     let mut lse = alloc_output::<f32>(&dev, &stream, lse_dims.iter().product())?;
     if q.1.shape().elem_count() > 0 {
@@ -488,8 +498,9 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
 ) -> Result<BwdOutputs> {
     let dev = x.q.0.device.clone();
     let stream = dev.cuda_stream();
-    let (q_dims, k_dims) = (x.q.1.dims().to_vec(), x.k.1.dims().to_vec());
-    let (q_len, k_len): (usize, usize) = (q_dims.iter().product(), k_dims.iter().product());
+    let (q_dims, k_dims, v_dims) = (x.q.1.dims().to_vec(), x.k.1.dims().to_vec(), x.v.1.dims().to_vec());
+    let (q_len, k_len, v_len): (usize, usize, usize) =
+        (q_dims.iter().product(), k_dims.iter().product(), v_dims.iter().product());
     let with_dsinks = want_dsinks && opts.sinks.is_some();
     let h = shape.num_heads;
     if q_len == 0 || k_len == 0 {
@@ -499,11 +510,11 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         let wrap = |s: CudaSlice<T>| T::wrap_cuda_slice(s, dev.clone());
         let dsinks =
             if with_dsinks { Some(f32::wrap_cuda_slice(dev.alloc_zeros::<f32>(h)?, dev.clone())) } else { None };
-        return Ok((wrap(zeros(q_len)?), wrap(zeros(k_len)?), wrap(zeros(k_len)?), dsinks));
+        return Ok((wrap(zeros(q_len)?), wrap(zeros(k_len)?), wrap(zeros(v_len)?), dsinks));
     }
     let mut dq = alloc_output::<T>(&dev, &stream, q_len)?;
     let mut dk = alloc_output::<T>(&dev, &stream, k_len)?;
-    let mut dv = alloc_output::<T>(&dev, &stream, k_len)?;
+    let mut dv = alloc_output::<T>(&dev, &stream, v_len)?;
     let mut dsinks = if with_dsinks { Some(alloc_output::<f32>(&dev, &stream, h)?) } else { None };
     {
         let options = option_tensors(opts)?;
@@ -513,7 +524,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         let (dq, dk, dv) = (
             TensorArg::write(&mut dq, &q_dims, &stream),
             TensorArg::write(&mut dk, &k_dims, &stream),
-            TensorArg::write(&mut dv, &k_dims, &stream),
+            TensorArg::write(&mut dv, &v_dims, &stream),
         );
         let dsinks = dsinks.as_mut().map(|s| TensorArg::write(s, &[h], &stream));
         let p = bwd_params(shape, opts, &fwd, &a.grad_out, Some([&dq, &dk, &dv]), dsinks.as_ref())?;
