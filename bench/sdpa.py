@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch SDPA (flash / cuDNN / efficient backends) on the same grid as examples/bench.rs,
-printing the same JSON keys, with impl = torch-flash, torch-cudnn, torch-efficient.
+printing the same JSON keys, with impl = torch-flash, torch-cudnn, torch-efficient, torch-math.
 
 TFLOP/s = 4*B*H*Nq*Nk*D / time (2*B*H*Nq*Nk*(D + Dv) with --dv; halved for causal); bwd counts
 2.5x, fwd_bwd 3.5x.
@@ -20,6 +20,8 @@ BACKENDS = {
     "torch-flash": SDPBackend.FLASH_ATTENTION,
     "torch-cudnn": SDPBackend.CUDNN_ATTENTION,
     "torch-efficient": SDPBackend.EFFICIENT_ATTENTION,
+    # unfused (S and P in memory): what PyTorch falls back to for shapes no fused backend takes
+    "torch-math": SDPBackend.MATH,
 }
 
 

@@ -559,10 +559,14 @@ struct BwdSm90WideTraits {
 // dim up to 576, a value head dim of its own, prefix ranges). A row's (or key's) columns are
 // spread over kThreads threads; the wide shape gives it twice the threads (576 columns: 36 per
 // thread, all in registers) and holds half the rows and keys, so that its f32 tiles at (576,
-// 512) fit an A100's 163 KB and at d = 512 an sm_86's 99 KB. Every tile row is padded by one
-// float: row-parallel dot products then read different banks.
+// 512) fit an A100's 163 KB and at d = 512 an sm_86's 99 KB.
 enum class SimtShape { kNarrow, kWide };
 constexpr int simt_max_head_dim(SimtShape s) { return s == SimtShape::kWide ? 576 : 256; }
+// Row stride (floats) of a SIMT operand tile of `cols` columns (a multiple of 8): padded by 4
+// floats, so rows stay 16-byte aligned for the float4 reads of simt_dot and 8 row-parallel
+// threads reading one float4 each hit 8 different 16-byte bank groups (4 (cols + 4) mod 128 is
+// an odd multiple of 16).
+__host__ __device__ constexpr int simt_ld(int cols) { return cols + 4; }
 
 // Forward and dQ: CTA = kBlockM query rows x kBlockN keys per step, kThreads threads per row.
 template <SimtShape kShape>
@@ -575,12 +579,12 @@ struct SimtRowTraits {
     // Forward: Q [kBlockM][d], K [kBlockN][d], V [kBlockN][dv] (none when v is read from K's
     // tile: simt/fwd.cu v_is_view_of_k), P [kBlockM][kBlockN].
     static size_t fwd_smem_bytes(int d, int dv, bool v_in_k) {
-        return size_t(4) * (kBlockM * (d + 1) + kBlockN * (d + 1) + (v_in_k ? 0 : kBlockN * (dv + 1)) +
+        return size_t(4) * (kBlockM * simt_ld(d) + kBlockN * simt_ld(d) + (v_in_k ? 0 : kBlockN * simt_ld(dv)) +
                             kBlockM * (kBlockN + 1));
     }
     // dQ: Q, dO [kBlockM][d / dv], K, V [kBlockN][d / dv], dS [kBlockM][kBlockN].
     static size_t dq_smem_bytes(int d, int dv) {
-        return size_t(4) * ((kBlockM + kBlockN) * (d + 1 + dv + 1) + kBlockM * (kBlockN + 1));
+        return size_t(4) * ((kBlockM + kBlockN) * (simt_ld(d) + simt_ld(dv)) + kBlockM * (kBlockN + 1));
     }
     static_assert(kNThreads == kBlockM * kThreads && kBlockN % kThreads == 0, "whole rows, whole score sets");
 };
@@ -595,7 +599,7 @@ struct SimtKeyTraits {
     // K [kBlockN][d], V [kBlockN][dv], Q [kBlockM][d], dO [kBlockM][dv], P and dS
     // [kBlockM][kBlockN], lse and D [kBlockM].
     static size_t smem_bytes(int d, int dv) {
-        return size_t(4) * ((kBlockN + kBlockM) * (d + 1 + dv + 1) + 2 * kBlockM * (kBlockN + 1) + 2 * kBlockM);
+        return size_t(4) * ((kBlockN + kBlockM) * (simt_ld(d) + simt_ld(dv)) + 2 * kBlockM * (kBlockN + 1) + 2 * kBlockM);
     }
     static_assert(kBlockM % kRowStep == 0, "whole row passes");
 };

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device side: the shapes only the SIMT kernels run (kernels/simt/: head dims past 256, MLA's
 # (576, 512) decode, v a tensor of its own here) against PyTorch SDPA's backends that take them,
-# in one run, and MLA's (192, 128)
+# in one run (for d > 256 PyTorch 2.11 has no fused backend: its unfused math backend is what a
+# user gets), and MLA's (192, 128)
 # zero-padded onto the tensor-core kernels against the same call on the SIMT kernels
 # (CANDLE_FLASH_PAD_VALUE_HEAD_DIM=0). A table last. Usage: bash scripts/gpu-bench-wide.sh
 set -uo pipefail
@@ -15,7 +16,7 @@ run() {  # run TAG ARGS...: ours, then every SDPA backend, on the same points
   shift
   gpu-bin/bench --device cuda --impl flash "$@" --dtype "$dtype" --iters 5 2>>"$OUT/bench.err" | grep '^{' |
     sed "s/^{/{\"tag\": \"$tag\", /" >> "$jsonl"
-  python3 bench/sdpa.py --impl torch-flash,torch-cudnn,torch-efficient "$@" --dtype "$dtype" --iters 5 2>>"$OUT/bench.err" |
+  python3 bench/sdpa.py --impl "${TORCH_IMPLS:-torch-flash,torch-cudnn,torch-efficient,torch-math}" "$@" --dtype "$dtype" --iters 5 2>>"$OUT/bench.err" |
     sed "s/^{/{\"tag\": \"$tag\", /" >> "$jsonl"
 }
 # Gemma-3-like D = 512 prefill: 8 heads, 2 KV heads.
@@ -35,9 +36,12 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 print("| shape | impl | mode | causal | b | nk | ms | TFLOP/s | K/V TB/s |")
 print("|---|---|---|---|---|---|---|---|---|")
+seen = set()
 for r in rows:
-    if "error" in r:
-        print(f"| {r['tag']} | {r['impl']} | {r['mode']} | | | | {r['error'][:60]} | | |")
+    if "error" in r:  # once per shape and backend
+        if (r["tag"], r["impl"]) not in seen:
+            seen.add((r["tag"], r["impl"]))
+            print(f"| {r['tag']} | {r['impl']} | | | | | {r['error'][:60]} | | |")
         continue
     print(f"| {r['tag']} | {r['impl']} | {r['mode']} | {r['causal']} | {r['b']} | {r['nk']} | {r['ms']:.3f} | "
           f"{r['tflops']:.1f} | {r.get('kv_tbps', 0):.2f} |")

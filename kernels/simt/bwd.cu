@@ -79,7 +79,7 @@ __device__ __forceinline__ void kahan_add(float& total, float& c, float x) {
 }
 
 // The operand tiles of a SIMT backward kernel in its dynamic shared memory: Q [rows_q][ldq], dO
-// [rows_q][ldv], K [rows_k][ldq], V [rows_k][ldv] (ld = head dim + 1), the key-side pair first
+// [rows_q][ldv], K [rows_k][ldq], V [rows_k][ldv] (ld = simt_ld(head dim)), the key-side pair first
 // (dK / dV, which keeps it for the whole CTA) or second (dQ); `rest` follows them.
 struct SimtBwdTiles {
     float *q, *dout, *k, *v, *rest;
@@ -96,14 +96,8 @@ struct SimtBwdTiles {
     }
     // q.k over d columns and dO.v over dv columns, of query row il and key row jl.
     __device__ __forceinline__ void dots(int il, int jl, int d, int dv, int ldq, int ldv, float& qk, float& dpv) const {
-        const float* qr = q + il * ldq;
-        const float* dr = dout + il * ldv;
-        const float* kr = k + jl * ldq;
-        const float* vr = v + jl * ldv;
-        qk = 0.f;
-        dpv = 0.f;
-        for (int c = 0; c < d; ++c) qk = fmaf(qr[c], kr[c], qk);
-        for (int c = 0; c < dv; ++c) dpv = fmaf(dr[c], vr[c], dpv);
+        qk = simt_dot(q + il * ldq, k + jl * ldq, d);
+        dpv = simt_dot(dout + il * ldv, v + jl * ldv, dv);
     }
 };
 
@@ -119,7 +113,7 @@ __global__ void __launch_bounds__(SimtKeyTraits<kShape>::kNThreads) bwd_dkdv_sim
     constexpr int NC = Tr::kCols;
     const CfFwdParams& f = p.fwd;
     extern __shared__ float smf[];
-    const int d = f.d, dvd = head_dim_v(f), ldq = d + 1, ldv = dvd + 1;
+    const int d = f.d, dvd = head_dim_v(f), ldq = simt_ld(d), ldv = simt_ld(dvd);
     const SimtBwdTiles t(smf, /*keys_first=*/true, BM, BN, ldq, ldv);
     float *sK = t.k, *sV = t.v, *sQ = t.q, *sdO = t.dout;
     float* sP = t.rest;  // [BM][BN+1]
@@ -221,7 +215,7 @@ __global__ void __launch_bounds__(SimtRowTraits<kShape>::kNThreads) bwd_dq_simt_
     constexpr int NS = Tr::kScores, NC = Tr::kCols;
     const CfFwdParams& f = p.fwd;
     extern __shared__ float smf[];
-    const int d = f.d, dvd = head_dim_v(f), ldq = d + 1, ldv = dvd + 1;
+    const int d = f.d, dvd = head_dim_v(f), ldq = simt_ld(d), ldv = simt_ld(dvd);
     const SimtBwdTiles t(smf, /*keys_first=*/false, BM, BN, ldq, ldv);
     float *sQ = t.q, *sdO = t.dout, *sK = t.k, *sV = t.v;
     float* sdS = t.rest;  // [BM][BN+1]

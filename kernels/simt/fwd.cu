@@ -17,16 +17,17 @@ __host__ __device__ inline bool v_is_view_of_k(const CfFwdParams& p) {
 
 // CTA: kBlockM query rows of one head, kThreads threads per row (SimtRowTraits). Thread (r, sub)
 // computes the scores of keys sub + kThreads k of each block and owns output columns
-// sub + kThreads m.
+// sub + kThreads m. (Launch bounds with one block per SM: without the minimum, ptxas held the
+// kernel to 128 registers and the wide shape spilled; the tiles allow two CTAs an SM anyway.)
 template <typename T, SimtShape kShape>
-__global__ void __launch_bounds__(SimtRowTraits<kShape>::kNThreads) fwd_simt_kernel(const CfFwdParams p) {
+__global__ void __launch_bounds__(SimtRowTraits<kShape>::kNThreads, 1) fwd_simt_kernel(const CfFwdParams p) {
     using Tr = SimtRowTraits<kShape>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, NT = Tr::kThreads, NTH = Tr::kNThreads;
     constexpr int NS = Tr::kScores, NC = Tr::kCols;
     extern __shared__ float smf[];
-    const int d = p.d, dv = head_dim_v(p), ldq = d + 1;
+    const int d = p.d, dv = head_dim_v(p), ldq = simt_ld(d);
     const bool v_in_k = v_is_view_of_k(p);
-    const int ldv = v_in_k ? ldq : dv + 1;
+    const int ldv = v_in_k ? ldq : simt_ld(dv);
     float* sQ = smf;
     float* sK = sQ + BM * ldq;
     float* sV = v_in_k ? sK : sK + BN * ldq;
@@ -99,10 +100,7 @@ __global__ void __launch_bounds__(SimtRowTraits<kShape>::kNThreads) fwd_simt_ker
 #pragma unroll
         for (int k = 0; k < NS; ++k) {
             const int jl = sub + NT * k, j = n0 + jl;
-            const float* qr = sQ + r * ldq;
-            const float* kr = sK + jl * ldq;
-            float a = 0.f;
-            for (int c = 0; c < d; ++c) a = fmaf(qr[c], kr[c], a);
+            const float a = simt_dot(sQ + r * ldq, sK + jl * ldq, d);
             float df;
             const float x = li.logit(a, i, j, mk.off, &df);
             sv[k] = (mk.visible(i, j) || (plo <= j && j < phi)) ? x : -INFINITY;
