@@ -201,35 +201,34 @@ def sass_report():
 i64, i32, f32, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
 
-class CfDescale(ctypes.Structure):
-    _fields_ = [("ptr", vp), ("batch_stride", i64), ("head_div", i32)]
+def header_structs(path):
+    """The ctypes mirrors of every `typedef struct { ... } Name;` of flash_api.h, built from the
+    header itself (so they cannot drift from it): {name: ctypes.Structure subclass}."""
+    text = open(path).read()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    scalars = {"int64_t": i64, "uint64_t": ctypes.c_uint64, "size_t": ctypes.c_size_t, "int32_t": i32,
+               "uint32_t": ctypes.c_uint32, "int": ctypes.c_int, "float": f32}
+    out = {}
+    for body, name in re.findall(r"typedef struct \{(.*?)\}\s*(\w+)\s*;", text, flags=re.S):
+        fields = []
+        for decl in body.split(";"):
+            decl = " ".join(decl.split())
+            if not decl:
+                continue
+            first, *more = [x.strip() for x in decl.split(",")]
+            cut = max(first.rfind(" "), first.rfind("*"))
+            ty = first[:cut + 1].strip()
+            ctype = vp if "*" in ty else (scalars.get(ty.removeprefix("const ")) or out[ty.removeprefix("const ")])
+            fields += [(n, ctype) for n in [first[cut + 1:].strip()] + more]
+        out[name] = type(name, (ctypes.Structure,), {"_fields_": fields})
+    return out
 
 
-class CfFwdParams(ctypes.Structure):
-    _fields_ = [("q", vp), ("k", vp), ("v", vp), ("o", vp), ("lse", vp), ("alibi_slopes", vp),
-                ("cu_seqlens_q", vp), ("cu_seqlens_k", vp)] + \
-               [(f"{t}_{s}_stride", i64) for t in "qkvo" for s in ("batch", "row", "head")] + \
-               [("lse_batch_stride", i64), ("lse_head_stride", i64)] + \
-               [(n, i32) for n in ("b", "h", "hkv", "d", "seqlen_q", "seqlen_k", "alibi_batch_stride",
-                                   "window_left", "window_right")] + \
-               [("softmax_scale", f32), ("softcap", f32), ("dtype", i32), ("total_q", i64), ("total_k", i64)] + \
-               [("block_table", vp), ("block_table_batch_stride", i64)] + \
-               [(n, i32) for n in ("page_block_size", "num_blocks", "max_blocks")] + \
-               [("o_dtype", i32), ("q_descale", CfDescale), ("k_descale", CfDescale), ("v_descale", CfDescale),
-                ("sinks", vp), ("prefix_ranges", vp), ("dv", i32), ("prefix_max_ranges", i32)]
-
-
-class CfBwdParams(ctypes.Structure):
-    _fields_ = [("fwd", CfFwdParams), ("dout", vp)] + \
-               [(f"do_{s}_stride", i64) for s in ("batch", "row", "head")] + \
-               [("dq", vp), ("dk", vp), ("dv", vp)] + \
-               [(f"{t}_{s}_stride", i64) for t in ("dq", "dk", "dv") for s in ("batch", "row", "head")] + \
-               [("deterministic", i32), ("dsinks", vp)]
-
-
-# flash_api.h's sizes (dispatch.cu and src/cuda/ffi.rs assert the same): a field added on one side
-# only fails here rather than passing garbage.
-assert ctypes.sizeof(CfFwdParams) == 368 and ctypes.sizeof(CfBwdParams) == 512, "mirror of flash_api.h"
+_STRUCTS = header_structs(os.path.join(KDIR, "flash_api.h"))
+CfDescale, CfFwdParams, CfBwdParams = _STRUCTS["CfDescale"], _STRUCTS["CfFwdParams"], _STRUCTS["CfBwdParams"]
+# The sizes dispatch.cu and src/cuda/ffi.rs assert: the parse itself is checked.
+assert ctypes.sizeof(CfFwdParams) == 368 and ctypes.sizeof(CfBwdParams) == 512, "flash_api.h parse"
 
 
 lib = None

@@ -1,5 +1,8 @@
 //! `#[repr(C)]` mirrors of `kernels/flash_api.h` (the one interface to our CUDA code) and the
-//! declarations of its entry points. Change both files together.
+//! declarations of its entry points. Change both files together: the test at the end checks
+//! every struct's fields, offsets and size against the header as C lays it out (it runs in the
+//! lib's tests with the `cuda` feature); `bench/kernel_check.py` builds its ctypes mirrors from
+//! the header itself.
 
 use std::ffi::{c_char, c_int, c_void};
 
@@ -210,4 +213,209 @@ extern "C" {
     pub fn cf_sink_grad_workspace_size(p: *const CfBwdParams) -> usize;
     pub fn cf_sink_grad(p: *const CfBwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;
     pub fn cf_error_string(status: c_int) -> *const c_char;
+}
+
+/// The mirrors against `flash_api.h` itself: every struct's field names in order, their offsets
+/// and the struct's size, as C lays the header's declarations out (LP64, natural alignment).
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    const HEADER: &str = include_str!("../../kernels/flash_api.h");
+
+    /// Field (name, offset) list, size and alignment of a C struct.
+    struct CLayout {
+        fields: Vec<(String, usize)>,
+        size: usize,
+        align: usize,
+    }
+
+    /// The header without `//` and `/* */` comments.
+    fn strip_comments(text: &str) -> String {
+        let mut out = String::new();
+        let mut rest = text;
+        while let Some(i) = rest.find('/') {
+            out.push_str(&rest[..i]);
+            let tail = &rest[i..];
+            rest = if tail.starts_with("//") {
+                tail.find('\n').map_or("", |e| &tail[e..])
+            } else if tail.starts_with("/*") {
+                tail.find("*/").map_or("", |e| &tail[e + 2..])
+            } else {
+                out.push('/');
+                &tail[1..]
+            };
+        }
+        out.push_str(rest);
+        out
+    }
+
+    /// Every `typedef struct { ... } Name;` of the header, laid out in order of appearance (a
+    /// struct may hold an earlier one).
+    fn c_layouts() -> HashMap<String, CLayout> {
+        let text = strip_comments(HEADER);
+        let mut layouts: HashMap<String, CLayout> = HashMap::new();
+        let mut rest = text.as_str();
+        while let Some(start) = rest.find("typedef struct {") {
+            let body_start = start + "typedef struct {".len();
+            let end = body_start + rest[body_start..].find('}').expect("closing brace");
+            let semi = end + rest[end..].find(';').expect("struct name");
+            let name = rest[end + 1..semi].trim().to_string();
+            let (mut offset, mut align, mut fields) = (0usize, 1usize, vec![]);
+            for decl in rest[body_start..end].split(';').map(|d| d.split_whitespace().collect::<Vec<_>>().join(" ")) {
+                if decl.is_empty() {
+                    continue;
+                }
+                let mut parts = decl.split(',').map(str::trim);
+                let first = parts.next().expect("a declaration");
+                let cut = first.rfind([' ', '*']).expect("a type and a name");
+                let ty = first[..=cut].trim();
+                let (size, a) = if ty.contains('*') {
+                    (8, 8)
+                } else {
+                    match ty.trim_start_matches("const ") {
+                        "int64_t" | "uint64_t" | "size_t" => (8, 8),
+                        "int32_t" | "uint32_t" | "int" | "float" => (4, 4),
+                        other => {
+                            let l = layouts.get(other).unwrap_or_else(|| panic!("{name}: unknown type {other:?}"));
+                            (l.size, l.align)
+                        }
+                    }
+                };
+                for field in std::iter::once(first[cut + 1..].trim()).chain(parts) {
+                    offset = offset.div_ceil(a) * a;
+                    fields.push((field.to_string(), offset));
+                    offset += size;
+                    align = align.max(a);
+                }
+            }
+            let size = offset.div_ceil(align) * align;
+            layouts.insert(name, CLayout { fields, size, align });
+            rest = &rest[semi..];
+        }
+        layouts
+    }
+
+    macro_rules! assert_mirrors {
+        ($layouts:expr, $ty:ident { $($field:ident),* $(,)? }) => {{
+            let c = $layouts.get(stringify!($ty)).expect(concat!(stringify!($ty), " is not in flash_api.h"));
+            let rust: Vec<(String, usize)> =
+                vec![$((stringify!($field).to_string(), std::mem::offset_of!($ty, $field))),*];
+            assert_eq!(rust, c.fields, concat!(stringify!($ty), ": fields or offsets differ from flash_api.h"));
+            assert_eq!(std::mem::size_of::<$ty>(), c.size, concat!(stringify!($ty), ": size differs from flash_api.h"));
+        }};
+    }
+
+    #[test]
+    fn mirrors_match_the_header_field_by_field() {
+        let layouts = c_layouts();
+        assert_eq!(layouts.len(), 8, "a struct was added to flash_api.h: mirror it here and below");
+        assert_mirrors!(layouts, CfDescale { ptr, batch_stride, head_div });
+        assert_mirrors!(
+            layouts,
+            CfFwdParams {
+                q,
+                k,
+                v,
+                o,
+                lse,
+                alibi_slopes,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                q_batch_stride,
+                q_row_stride,
+                q_head_stride,
+                k_batch_stride,
+                k_row_stride,
+                k_head_stride,
+                v_batch_stride,
+                v_row_stride,
+                v_head_stride,
+                o_batch_stride,
+                o_row_stride,
+                o_head_stride,
+                lse_batch_stride,
+                lse_head_stride,
+                b,
+                h,
+                hkv,
+                d,
+                seqlen_q,
+                seqlen_k,
+                alibi_batch_stride,
+                window_left,
+                window_right,
+                softmax_scale,
+                softcap,
+                dtype,
+                total_q,
+                total_k,
+                block_table,
+                block_table_batch_stride,
+                page_block_size,
+                num_blocks,
+                max_blocks,
+                o_dtype,
+                q_descale,
+                k_descale,
+                v_descale,
+                sinks,
+                prefix_ranges,
+                dv,
+                prefix_max_ranges
+            }
+        );
+        assert_mirrors!(
+            layouts,
+            CfBwdParams {
+                fwd,
+                dout,
+                do_batch_stride,
+                do_row_stride,
+                do_head_stride,
+                dq,
+                dk,
+                dv,
+                dq_batch_stride,
+                dq_row_stride,
+                dq_head_stride,
+                dk_batch_stride,
+                dk_row_stride,
+                dk_head_stride,
+                dv_batch_stride,
+                dv_row_stride,
+                dv_head_stride,
+                deterministic,
+                dsinks
+            }
+        );
+        assert_mirrors!(
+            layouts,
+            CfRopeKvParams {
+                q_in,
+                k_in,
+                v_in,
+                cos,
+                sin,
+                slots,
+                q_out,
+                k_cache,
+                v_cache,
+                q_row_stride,
+                k_row_stride,
+                v_row_stride,
+                num_slots,
+                t,
+                h,
+                hkv,
+                d,
+                dtype
+            }
+        );
+        assert_mirrors!(layouts, CfAddRmsNormParams { x, residual, weight, sum_out, out, rows, n, eps, dtype });
+        assert_mirrors!(layouts, CfSiluMulParams { gate, up, out, gate_row_stride, up_row_stride, rows, n, dtype });
+        assert_mirrors!(layouts, CfConvertParams { src, dst, n, src_dtype, dst_dtype });
+        assert_mirrors!(layouts, CfQuantizeParams { x, q, scale, b, s, h, d, block_rows, dtype, mode });
+    }
 }
