@@ -456,9 +456,11 @@ pub(crate) fn for_each_task(n: usize, task: impl Fn(usize) + Sync) {
         }
     };
     let drain = &drain;
+    // Tasks that ask CpuIsa::active() see the caller's with_cpu_isa choice on every thread.
+    let isa = simd::isa_override();
     rayon::in_place_scope(|scope| {
         for p in 1..threads {
-            scope.spawn(move |_| drain(p));
+            scope.spawn(move |_| simd::with_isa_override(isa, || drain(p)));
         }
         drain(0);
         // Every task is claimed now; the last few are running elsewhere, each for at most one

@@ -48,7 +48,11 @@ impl CpuIsa {
         *DETECTED.get_or_init(|| {
             #[cfg(target_arch = "x86_64")]
             {
-                let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+                // F16C with AVX2: every AVX2 CPU has it, and the Llama application's quantized
+                // kernels (f16 block scales) need it on the same switch.
+                let avx2 = is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c");
                 let avx512 = avx2
                     && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
@@ -131,6 +135,25 @@ impl CpuIsa {
 
 thread_local! {
     static OVERRIDE: Cell<Option<CpuIsa>> = const { Cell::new(None) };
+}
+
+/// The calling thread's [`with_cpu_isa`] choice, for [`with_isa_override`] on a worker thread.
+pub(crate) fn isa_override() -> Option<CpuIsa> {
+    OVERRIDE.with(Cell::get)
+}
+
+/// Runs `f` on this (worker) thread with the override another thread had ([`isa_override`]):
+/// a task of [`super::for_each_task`] then sees the [`CpuIsa::active`] of the call that spawned it.
+/// The previous value comes back also when `f` unwinds (a pool thread outlives the call).
+pub(crate) fn with_isa_override<R>(isa: Option<CpuIsa>, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<CpuIsa>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            OVERRIDE.with(|o| o.set(self.0));
+        }
+    }
+    let _restore = Restore(OVERRIDE.with(|o| o.replace(isa)));
+    f()
 }
 
 /// Runs `f` with the CPU kernels limited to `isa` (or what the CPU has, if less) on this

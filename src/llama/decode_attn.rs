@@ -156,10 +156,8 @@ fn head(q: &[f32], kd: &[f32], vd: &[f32], runs: &[Run], row: usize, off: usize,
     let d = q.len();
     let mut p = vec![0f32; runs.iter().map(|r| r.rows).sum()];
     #[cfg(target_arch = "x86_64")]
-    let simd = d.is_multiple_of(8)
-        && d <= 8 * MAX_CHUNKS
-        && is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma");
+    // the one ISA switch (CANDLE_FLASH_CPU_ISA and with_cpu_isa reach it)
+    let simd = d.is_multiple_of(8) && d <= 8 * MAX_CHUNKS && crate::cpu::CpuIsa::active() >= crate::cpu::CpuIsa::Avx2;
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
     let mut j0 = 0;
@@ -272,5 +270,45 @@ unsafe fn weighted_rows_avx2(p: &[f32], vd: &[f32], runs: &[Run], row: usize, of
         for (c, acc) in a.iter().enumerate().take(width) {
             _mm256_storeu_ps(o.as_mut_ptr().add(8 * (c0 + c)), *acc);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::{with_cpu_isa, CpuIsa};
+
+    /// Each ISA path this CPU has (`with_cpu_isa`) against a plain softmax(q Kᵀ) V, GQA, a head
+    /// dim the AVX2 kernels take (64) and one they leave to the portable code (20).
+    #[test]
+    fn every_isa_path_matches_plain_attention() -> Result<()> {
+        for d in [64, 20] {
+            let (b, sk, h, hkv) = (2, 37, 4, 2);
+            let q = Tensor::randn(0f32, 1., (b, 1, h, d), &Device::Cpu)?;
+            let k = Tensor::randn(0f32, 1., (b, sk, hkv, d), &Device::Cpu)?;
+            let v = Tensor::randn(0f32, 1., (b, sk, hkv, d), &Device::Cpu)?;
+            let scale = 0.125;
+            // plain: heads to the front, KV heads repeated for their query heads
+            let rep = |t: &Tensor| -> Result<Tensor> {
+                let t = t.transpose(1, 2)?.contiguous()?; // (b, hkv, sk, d)
+                let t = t.unsqueeze(2)?.broadcast_as((b, hkv, h / hkv, sk, d))?;
+                t.reshape((b, h, sk, d))
+            };
+            let qh = q.transpose(1, 2)?.contiguous()?; // (b, h, 1, d)
+            let scores = (qh.matmul(&rep(&k)?.t()?)? * scale as f64)?;
+            let want = candle_nn::ops::softmax_last_dim(&scores)?.matmul(&rep(&v)?)?.transpose(1, 2)?;
+            for isa in [CpuIsa::Portable, CpuIsa::Avx2] {
+                if isa > CpuIsa::detected() {
+                    println!("skipping {isa:?}: this CPU has at most {:?}", CpuIsa::detected());
+                    continue;
+                }
+                let (used, got) = with_cpu_isa(isa, || decode_attention(&q, &k, &v, scale));
+                assert_eq!(used, isa);
+                let got = got?.expect("a decode shape");
+                let err = (got - &want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                assert!(err < 1e-5, "d = {d} on {isa:?}: max error {err}");
+            }
+        }
+        Ok(())
     }
 }

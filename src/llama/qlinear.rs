@@ -279,10 +279,12 @@ fn dequantize_row(kind: BlockKind, row: &[u8], out: &mut [f32]) {
     dequantize_row_body(kind, row, out)
 }
 
+/// Whether the AVX2 kernels run: the one ISA switch (`CpuIsa::active`, so `CANDLE_FLASH_CPU_ISA`
+/// and `with_cpu_isa` reach them; its Avx2 level includes FMA and F16C). Weights packed for the
+/// AVX2 kernels when they were loaded (`BlockWeight::new`) keep their AVX2 kernel: the CPU has it.
 #[cfg(target_arch = "x86_64")]
 fn has_avx2() -> bool {
-    // std caches the CPUID result, so this is a load and a test.
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    crate::cpu::CpuIsa::active() >= crate::cpu::CpuIsa::Avx2
 }
 
 fn dot_scalar(kind: BlockKind, row: &[u8], x: &[XBlock]) -> f32 {
@@ -1028,9 +1030,24 @@ mod tests {
     }
 
     /// The quantized kernels against the dequantized weight through candle's matmul, for the
-    /// matrix-vector path (m <= SMALL_M) and the gemm path, and the scalar dot against AVX2.
+    /// matrix-vector path (m <= SMALL_M) and the gemm path, and the scalar dot against AVX2, on
+    /// each ISA path this CPU has (`with_cpu_isa`).
     #[test]
     fn quantized_products_match_dequantized_matmul() -> Result<()> {
+        use crate::cpu::{with_cpu_isa, CpuIsa};
+        for isa in [CpuIsa::Portable, CpuIsa::Avx2] {
+            if isa > CpuIsa::detected() {
+                println!("skipping {isa:?}: this CPU has at most {:?}", CpuIsa::detected());
+                continue;
+            }
+            let (used, r) = with_cpu_isa(isa, quantized_products_on_the_active_isa);
+            assert_eq!(used, isa);
+            r?;
+        }
+        Ok(())
+    }
+
+    fn quantized_products_on_the_active_isa() -> Result<()> {
         // 72 rows are packed by groups of 8 (on AVX2 CPUs), 70 are not.
         for (n, dtype) in [(72, GgmlDType::Q4_1), (72, GgmlDType::Q8_0), (70, GgmlDType::Q4_1), (70, GgmlDType::Q8_0)] {
             let k = 96;
