@@ -21,6 +21,7 @@
 //! output, the inputs are dequantized (data · descale, rounded to the output dtype) and the
 //! regular kernels of that dtype run. `CANDLE_FLASH_FP8_DEQUANTIZE=1` forces the dequantizing
 //! path (for comparisons). FP8 attention is forward only: a backward through it is an error.
+use crate::inputs::{Fp8Kernel, KernelDescale};
 use crate::op::{FlashAttnOp, LseSlot};
 use crate::params::{self, AttnShape, FlashAttnOptions};
 use candle_core::{bail, DType, Device, Result, Tensor};
@@ -257,25 +258,6 @@ pub fn hadamard_rotate(x: &Tensor) -> Result<Tensor> {
     let r = Tensor::from_vec(r, (d, d), x.device())?;
     let rows = x.elem_count() / d;
     x.to_dtype(DType::F32)?.reshape((rows, d))?.matmul(&r)?.to_dtype(x.dtype())?.reshape(x.dims())
-}
-
-/// How the FP8 kernel reads one input's descales (`flash_api.h`'s `CfDescale`):
-/// `tensor[b * batch_stride + head / head_div]` (f32, contiguous), the head being the query head
-/// for q and the KV head for k and v, b the sequence.
-#[derive(Clone, Debug)]
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) struct KernelDescale {
-    pub tensor: Tensor,
-    pub batch_stride: usize,
-    pub head_div: usize,
-}
-
-/// An FP8 call that the sm_90a kernel computes (`FlashAttnOp::fp8`): the descales of q, k, v
-/// (`None`: 1).
-#[derive(Clone, Debug)]
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) struct Fp8Kernel {
-    pub descales: [Option<KernelDescale>; 3],
 }
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

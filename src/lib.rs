@@ -46,6 +46,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod fp8;
 pub mod fused;
+mod inputs;
 pub mod llama;
 pub mod op;
 pub mod paged;

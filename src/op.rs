@@ -20,6 +20,9 @@ use candle_core::op::BackpropOp;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Device, Error, Layout, Result, Shape, Storage, Tensor};
 use std::sync::{Arc, Mutex};
 
+use crate::inputs::device_storage;
+pub use crate::inputs::BwdInputs;
+
 /// Where the forward leaves its LSE (f32, `shape.lse_dims()`), for the backward and for callers.
 #[derive(Clone, Default)]
 pub(crate) struct LseSlot(Arc<Mutex<Option<Tensor>>>);
@@ -49,7 +52,7 @@ pub(crate) struct FlashAttnOp {
     pub forward_only: Option<&'static str>,
     /// `Some`: q, k, v are e4m3 and the FP8 kernel computes the forward (CUDA, sm_90a only; the
     /// caller checked that it runs: `crate::fp8`).
-    pub fp8: Option<crate::fp8::Fp8Kernel>,
+    pub fp8: Option<crate::inputs::Fp8Kernel>,
 }
 
 impl FlashAttnOp {
@@ -174,81 +177,6 @@ pub struct AttnGrads {
     pub dk: Tensor,
     pub dv: Tensor,
     pub dsinks: Option<Tensor>,
-}
-
-/// The tensors of a backward call, however each is held: `&Tensor` here, `(&CpuStorage,
-/// &Layout)` in `crate::cpu` and `(&CudaStorage, &Layout)` in `crate::cuda`.
-#[derive(Clone, Copy, Debug)]
-pub struct BwdInputs<T> {
-    pub q: T,
-    pub k: T,
-    pub v: T,
-    pub out: T,
-    pub grad_out: T,
-    /// The forward's log-sum-exp (f32, `AttnShape::lse_dims`).
-    pub lse: T,
-}
-
-impl<T> BwdInputs<T> {
-    pub fn as_ref(&self) -> BwdInputs<&T> {
-        let Self { q, k, v, out, grad_out, lse } = self;
-        BwdInputs { q, k, v, out, grad_out, lse }
-    }
-
-    /// Applies `f(name, x)` to each input, in the order of the fields.
-    pub fn try_map<U>(self, mut f: impl FnMut(&'static str, T) -> Result<U>) -> Result<BwdInputs<U>> {
-        let Self { q, k, v, out, grad_out, lse } = self;
-        Ok(BwdInputs {
-            q: f("q", q)?,
-            k: f("k", k)?,
-            v: f("v", v)?,
-            out: f("out", out)?,
-            grad_out: f("grad_out", grad_out)?,
-            lse: f("lse", lse)?,
-        })
-    }
-}
-
-/// A device's variant of [`Storage`], so that one helper unwraps inputs for either device.
-pub(crate) trait DeviceStorage: Sized {
-    const DEVICE: &'static str;
-    fn of(storage: &Storage) -> Option<&Self>;
-}
-
-impl DeviceStorage for CpuStorage {
-    const DEVICE: &'static str = "the CPU";
-    fn of(storage: &Storage) -> Option<&Self> {
-        match storage {
-            Storage::Cpu(s) => Some(s),
-            _ => None,
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl DeviceStorage for candle_core::CudaStorage {
-    const DEVICE: &'static str = "CUDA";
-    fn of(storage: &Storage) -> Option<&Self> {
-        match storage {
-            Storage::Cuda(s) => Some(s),
-            _ => None,
-        }
-    }
-}
-
-/// What `Tensor::storage_and_layout` returns: the storage's read guard and the layout.
-pub(crate) type StorageGuard<'a> = (candle_core::StorageRef<'a>, &'a Layout);
-
-/// The storage (as device `S`'s variant) and layout behind a tensor's guard, or an error naming
-/// the input. The one place where inputs are unwrapped, for the CPU and CUDA alike.
-pub(crate) fn device_storage<'a, S: DeviceStorage>(
-    name: &str,
-    (storage, layout): &'a StorageGuard<'_>,
-) -> Result<(&'a S, &'a Layout)> {
-    match S::of(storage) {
-        Some(s) => Ok((s, layout)),
-        None => bail!("candle-flash: {name} is not on {} like q", S::DEVICE),
-    }
 }
 
 /// CUDA: contiguous inputs keep the kernels' addressing simple (the gradient candle hands us

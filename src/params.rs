@@ -14,7 +14,7 @@
 //! clamped by the kernels). `mm_prefix_ranges` is forward only too: [`validate_backward`]
 //! rejects any backward through either.
 
-use crate::op::BwdInputs;
+use crate::inputs::BwdInputs;
 use candle_core::{bail, DType, Device, Error, Tensor};
 use std::sync::OnceLock;
 

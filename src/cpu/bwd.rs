@@ -8,7 +8,7 @@ use super::fwd::{pack_pairs, pack_row_pairs};
 use super::kv::KvRows;
 use super::simd::{multiversion, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
 use super::{dense_f32, exp_shifted_sum, logits_row, transpose_rows, AlignedVec, CpuTiles, SharedMut};
-use crate::op::BwdInputs;
+use crate::inputs::BwdInputs;
 use crate::params::{AttnShape, FlashAttnOptions, HostData};
 use candle_core::{CpuStorage, DType, Layout, Result};
 

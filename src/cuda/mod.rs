@@ -10,8 +10,7 @@
 
 mod ffi;
 
-use crate::fp8::Fp8Kernel;
-use crate::op::{device_storage, BwdInputs, StorageGuard};
+use crate::inputs::{device_storage, BwdInputs, Fp8Kernel, StorageGuard};
 use crate::params::{AttnShape, FlashAttnOptions};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
