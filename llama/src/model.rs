@@ -35,9 +35,9 @@ impl RmsNorm {
     }
 
     /// `(x + residual, norm(x + residual))` (`x` and `norm(x)` without a residual): on CUDA one
-    /// kernel ([`crate::fused::add_rms_norm`]).
+    /// kernel ([`candle_flash::fused::add_rms_norm`]).
     fn forward_add(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-        crate::fused::add_rms_norm(x, residual, &self.weight, self.eps)
+        candle_flash::fused::add_rms_norm(x, residual, &self.weight, self.eps)
     }
 }
 
@@ -82,7 +82,7 @@ impl Mlp {
                 (y.narrow(last, 0, *i)?, y.narrow(last, *i, *i)?)
             }
         };
-        self.down_proj.forward_split(&crate::fused::silu_mul(&gate, &up)?, few)
+        self.down_proj.forward_split(&candle_flash::fused::silu_mul(&gate, &up)?, few)
     }
 }
 
