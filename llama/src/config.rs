@@ -1,5 +1,5 @@
 //! The model hyper-parameters: filled in by the caller and checked with
-//! [`LlamaConfig::validate`], or (feature `llama`) read from a Hugging Face `config.json`
+//! [`LlamaConfig::validate`], or read from a Hugging Face `config.json`
 //! (`LlamaConfig::from_hf_json`) or from GGUF metadata (`LlamaConfig::from_gguf`).
 
 use super::rotary::RopeScaling;
@@ -56,7 +56,7 @@ impl LlamaConfig {
     }
 }
 
-/// Reading the config from model files (feature `llama`).
+/// Reading the config from model files.
 impl LlamaConfig {
     /// From the text of a Hugging Face `config.json`.
     pub fn from_hf_json(text: &str) -> Result<Self> {

@@ -1,6 +1,5 @@
 //! Loading a [`Llama`] with its tokenizer and chat template from a GGUF file (architecture
-//! `llama`) or a Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`)
-//! (feature `llama`).
+//! `llama`) or a Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`).
 
 use super::attention::AttnImpl;
 use super::config::{value_to_usize, LlamaConfig};

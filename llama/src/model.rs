@@ -1,6 +1,6 @@
 //! The full Llama: embeddings, decoder layers (RMSNorm, attention, RMSNorm, SwiGLU MLP),
 //! final norm, lm_head, built from a `VarBuilder` with Hugging Face tensor names. The
-//! generation loop (with sampling) is in `generate.rs`, behind the `llama` feature.
+//! generation loop (with sampling) is in `generate.rs`.
 
 use super::attention::{AttnImpl, LlamaAttention};
 use super::config::LlamaConfig;

@@ -100,14 +100,14 @@ fn tiny_config(tied: bool) -> LlamaConfig {
     }
 }
 
-/// The tiny model built from its tensors on `device` (no file, no feature needed).
+/// The tiny model built from its tensors on `device` (no file).
 fn tiny_model(seed: u64, tied: bool, attn: AttnImpl, device: &Device) -> Result<Llama> {
     let vb = VarBuilder::from_tensors(tiny_weights(seed, tied), DType::F32, device);
     Llama::load(vb, &tiny_config(tied), attn, &mut |_, _| {})
 }
 
 /// `n` greedy tokens after `prompt` through `forward` and a cache: what `generate` does with
-/// `Sampling::Greedy` (the feature's tests check that the two agree).
+/// `Sampling::Greedy` (module `app`'s tests check that the two agree).
 fn greedy(model: &Llama, prompt: &[u32], n: usize) -> Result<Vec<u32>> {
     let mut cache = Cache::new(model.config().num_hidden_layers, prompt.len() + n);
     let mut input = Tensor::new(prompt, model.device())?.unsqueeze(0)?;
