@@ -1,4 +1,4 @@
-"""llama.cpp's side of `examples/llama_bench.rs`, through llama-cpp-python.
+"""llama.cpp's side of `llama/examples/llama_bench.rs`, through llama-cpp-python.
 
 Reads the exact prompt token ids our benchmark used (a JSON file), and for each prompt length
 measures what ours measures: one prefill call over the prompt into an empty KV cache, then

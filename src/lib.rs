@@ -47,7 +47,6 @@ pub mod cuda;
 pub mod fp8;
 pub mod fused;
 mod inputs;
-pub mod llama;
 pub mod op;
 pub mod paged;
 pub mod params;

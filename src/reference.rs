@@ -58,8 +58,9 @@ pub fn unpage(
 /// For every key `j` of every sequence `(k_len, page_of)`, in order, its row
 /// `page_of(j / page) · page + j % page` of a paged cache viewed as `(num_blocks · page, Hkv, D)`
 /// (`page_of(i)`: the sequence's i-th page): the gather that turns the cache into the packed
-/// varlen layout ([`unpage`]).
-pub(crate) fn packed_key_rows<F: Fn(usize) -> usize>(page: usize, seqs: impl Iterator<Item = (usize, F)>) -> Vec<u32> {
+/// varlen layout ([`unpage`]). Public for candle-flash-llama's paged cache (the rows its steps
+/// gather for the attention paths that read the keys packed).
+pub fn packed_key_rows<F: Fn(usize) -> usize>(page: usize, seqs: impl Iterator<Item = (usize, F)>) -> Vec<u32> {
     seqs.flat_map(|(k_len, page_of)| (0..k_len).map(move |j| (page_of(j / page) * page + j % page) as u32)).collect()
 }
 

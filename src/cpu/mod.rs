@@ -426,7 +426,9 @@ impl OutPtr {
 /// run. Each participant owns a contiguous range of the tasks (neighbouring tasks share K/V
 /// rows, which stay in that core's L2), claims from it in order, and then helps the others
 /// through the same atomic cursors, so an unlucky split still ends together.
-pub(crate) fn for_each_task(n: usize, task: impl Fn(usize) + Sync) {
+///
+/// Public for candle-flash-llama's CPU kernels (quantized matmuls), which share this pool.
+pub fn for_each_task(n: usize, task: impl Fn(usize) + Sync) {
     let threads = rayon::current_num_threads().min(n);
     if threads <= 1 {
         (0..n).for_each(task);
@@ -554,7 +556,9 @@ pub(crate) fn filled_then<T: Copy + Send + Sync>(
 
 /// `par_chunks_mut(chunk).enumerate().for_each(f)` through [`for_each_task`]: `f(c, part)` for
 /// each `chunk`-long part `c` of `data` (the last one shorter).
-pub(crate) fn for_each_chunk_mut<T: Send>(data: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+///
+/// Public for candle-flash-llama's CPU kernels (decode attention, quantized matmuls).
+pub fn for_each_chunk_mut<T: Send>(data: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
     let (len, chunk) = (data.len(), chunk.max(1));
     let base = SendPtr(data.as_mut_ptr());
     let base = &base;
@@ -617,6 +621,14 @@ simd::multiversion! {
         row.iter_mut().for_each(|x| *x = exp_poly::<FMA>(*x - shift));
         row_sum(row)
     }
+}
+
+/// [`exp_shifted_sum`] for [`CpuIsa::active`] (the instruction set of the calling thread:
+/// `CANDLE_FLASH_CPU_ISA`, [`with_cpu_isa`] or the detected one, never more than the CPU has):
+/// `x ← exp(x - shift)` over a row, returning the row's sum. Public for candle-flash-llama's CPU
+/// decode attention (its softmax).
+pub fn exp_shifted_sum_active(row: &mut [f32], shift: f32) -> f32 {
+    exp_shifted_sum(CpuIsa::active(), row, shift)
 }
 
 /// `a * b + c`: one fused instruction where the caller is compiled with FMA (`FMA` is then
@@ -689,8 +701,9 @@ pub(crate) fn row_sum(row: &[f32]) -> f32 {
 }
 
 /// Largest element of a row (-inf for an empty or fully masked row), vectorisable.
+/// Public for candle-flash-llama's CPU decode attention (its softmax).
 #[inline(always)]
-pub(crate) fn row_max(row: &[f32]) -> f32 {
+pub fn row_max(row: &[f32]) -> f32 {
     let mut partial = [f32::NEG_INFINITY; 8];
     let mut chunks = row.chunks_exact(8);
     for chunk in &mut chunks {

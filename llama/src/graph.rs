@@ -36,7 +36,7 @@ pub fn cuda_graphs_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("CANDLE_FLASH_CUDA_GRAPHS").map_or(true, |v| v != "0"))
 }
 
-/// A padding row's slot: [`crate::write_paged_kv`] skips it.
+/// A padding row's slot: [`candle_flash::write_paged_kv`] skips it.
 const PADDING_SLOT: u32 = u32::MAX;
 
 #[cfg(feature = "cuda")]

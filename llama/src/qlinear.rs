@@ -284,7 +284,7 @@ fn dequantize_row(kind: BlockKind, row: &[u8], out: &mut [f32]) {
 /// AVX2 kernels when they were loaded (`BlockWeight::new`) keep their AVX2 kernel: the CPU has it.
 #[cfg(target_arch = "x86_64")]
 fn has_avx2() -> bool {
-    crate::cpu::CpuIsa::active() >= crate::cpu::CpuIsa::Avx2
+    candle_flash::cpu::CpuIsa::active() >= candle_flash::cpu::CpuIsa::Avx2
 }
 
 fn dot_scalar(kind: BlockKind, row: &[u8], x: &[XBlock]) -> f32 {
@@ -468,7 +468,7 @@ fn packed_rows_product(w: &BlockWeight, xq: &[XBlock], m: usize) -> Vec<f32> {
     let mut out = vec![0f32; m * n];
     let per = rows_per_task(n);
     let dst = out.as_mut_ptr() as usize;
-    crate::cpu::for_each_task(n.div_ceil(per), |c| {
+    candle_flash::cpu::for_each_task(n.div_ceil(per), |c| {
         let r0 = c * per;
         for g in (r0..n.min(r0 + per)).step_by(GROUP) {
             let group = &w.data[g * rb..(g + GROUP) * rb];
@@ -591,11 +591,11 @@ fn small_m_product(m: usize, n: usize, fill: impl Fn(usize, usize, &mut [f32]) +
     let per = rows_per_task(n);
     if m == 1 {
         let mut out = vec![0f32; n];
-        crate::cpu::for_each_chunk_mut(&mut out, per, |c, o| fill(c * per, 0, o));
+        candle_flash::cpu::for_each_chunk_mut(&mut out, per, |c, o| fill(c * per, 0, o));
         return out;
     }
     let mut out_t = vec![0f32; n * m]; // (n, m): each task writes a contiguous run
-    crate::cpu::for_each_chunk_mut(&mut out_t, per * m, |c, chunk| {
+    candle_flash::cpu::for_each_chunk_mut(&mut out_t, per * m, |c, chunk| {
         let mut tmp = vec![0f32; chunk.len() / m];
         for i in 0..m {
             fill(c * per, i, &mut tmp);
@@ -867,7 +867,7 @@ fn blocks_gemm(w: &BlockWeight, xs: &[f32]) -> Vec<f32> {
     // parallel gemm reading it back.
     let per = rows_per_task(n).min((SLAB_VALUES / k).max(GROUP));
     let dst = out.as_mut_ptr() as usize;
-    crate::cpu::for_each_task(n.div_ceil(per), |c| {
+    candle_flash::cpu::for_each_task(n.div_ceil(per), |c| {
         let (r0, rows) = (c * per, per.min(n - c * per));
         SLAB.with(|slab| {
             let mut slab = slab.borrow_mut();
@@ -1034,7 +1034,7 @@ mod tests {
     /// each ISA path this CPU has (`with_cpu_isa`).
     #[test]
     fn quantized_products_match_dequantized_matmul() -> Result<()> {
-        use crate::cpu::{with_cpu_isa, CpuIsa};
+        use candle_flash::cpu::{with_cpu_isa, CpuIsa};
         for isa in [CpuIsa::Portable, CpuIsa::Avx2] {
             if isa > CpuIsa::detected() {
                 println!("skipping {isa:?}: this CPU has at most {:?}", CpuIsa::detected());

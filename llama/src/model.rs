@@ -1,6 +1,6 @@
 //! The full Llama: embeddings, decoder layers (RMSNorm, attention, RMSNorm, SwiGLU MLP),
 //! final norm, lm_head, built from a `VarBuilder` with Hugging Face tensor names. The
-//! generation loop (with sampling) is in `generate.rs`, behind the `llama` feature.
+//! generation loop (with sampling) is in `generate.rs`.
 
 use super::attention::{AttnImpl, LlamaAttention};
 use super::config::LlamaConfig;
@@ -35,9 +35,9 @@ impl RmsNorm {
     }
 
     /// `(x + residual, norm(x + residual))` (`x` and `norm(x)` without a residual): on CUDA one
-    /// kernel ([`crate::fused::add_rms_norm`]).
+    /// kernel ([`candle_flash::fused::add_rms_norm`]).
     fn forward_add(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-        crate::fused::add_rms_norm(x, residual, &self.weight, self.eps)
+        candle_flash::fused::add_rms_norm(x, residual, &self.weight, self.eps)
     }
 }
 
@@ -82,7 +82,7 @@ impl Mlp {
                 (y.narrow(last, 0, *i)?, y.narrow(last, *i, *i)?)
             }
         };
-        self.down_proj.forward_split(&crate::fused::silu_mul(&gate, &up)?, few)
+        self.down_proj.forward_split(&candle_flash::fused::silu_mul(&gate, &up)?, few)
     }
 }
 

@@ -134,7 +134,7 @@ fn attend_runs(
     let (b, row, group) = (runs.len(), hkv * d, h / hkv);
     let qd = &qd[ql.start_offset()..ql.start_offset() + b * h * d];
     let mut out = vec![0f32; b * h * d];
-    crate::cpu::for_each_chunk_mut(&mut out, d, |bh, o| {
+    candle_flash::cpu::for_each_chunk_mut(&mut out, d, |bh, o| {
         let (bi, kh) = (bh / h, bh % h / group);
         head(&qd[bh * d..(bh + 1) * d], kd, vd, &runs[bi], row, kh * d, scale, o);
     });
@@ -157,7 +157,9 @@ fn head(q: &[f32], kd: &[f32], vd: &[f32], runs: &[Run], row: usize, off: usize,
     let mut p = vec![0f32; runs.iter().map(|r| r.rows).sum()];
     #[cfg(target_arch = "x86_64")]
     // the one ISA switch (CANDLE_FLASH_CPU_ISA and with_cpu_isa reach it)
-    let simd = d.is_multiple_of(8) && d <= 8 * MAX_CHUNKS && crate::cpu::CpuIsa::active() >= crate::cpu::CpuIsa::Avx2;
+    let simd = d.is_multiple_of(8)
+        && d <= 8 * MAX_CHUNKS
+        && candle_flash::cpu::CpuIsa::active() >= candle_flash::cpu::CpuIsa::Avx2;
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
     let mut j0 = 0;
@@ -177,8 +179,8 @@ fn head(q: &[f32], kd: &[f32], vd: &[f32], runs: &[Run], row: usize, off: usize,
             }
         }
     }
-    let max = crate::cpu::row_max(&p);
-    let sum = crate::cpu::exp_shifted_sum(crate::cpu::CpuIsa::active(), &mut p, max);
+    let max = candle_flash::cpu::row_max(&p);
+    let sum = candle_flash::cpu::exp_shifted_sum_active(&mut p, max);
     if simd {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for the value rows of every run.
@@ -276,7 +278,7 @@ unsafe fn weighted_rows_avx2(p: &[f32], vd: &[f32], runs: &[Run], row: usize, of
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::{with_cpu_isa, CpuIsa};
+    use candle_flash::cpu::{with_cpu_isa, CpuIsa};
 
     /// Each ISA path this CPU has (`with_cpu_isa`) against a plain softmax(q Kᵀ) V, GQA, a head
     /// dim the AVX2 kernels take (64) and one they leave to the portable code (20).

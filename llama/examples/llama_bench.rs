@@ -1,6 +1,6 @@
 //! End-to-end Llama benchmark: prefill and decode speed and peak memory, flash vs naive.
 //!
-//! `cargo run --release --features llama --example llama_bench` runs SmolLM2-135M-Instruct (see
+//! `cargo run --release -p candle-flash-llama --example llama_bench` runs SmolLM2-135M-Instruct (see
 //! `bash scripts/fetch-model.sh`) on prompts of 128, 1024 and 4096 tokens: one prefill forward
 //! over the prompt (into a KV cache), then `--decode-tokens` greedy steps against that cache.
 //! It prints one JSON object per measurement and a table at the end.
@@ -25,12 +25,12 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
-use candle_flash::llama::{
+use candle_flash_llama::{
     load_with, AttnImpl, Cache, DecodeGraph, GgufWeights, Llama, LogitsProcessor, Request, Sampling, Scheduler,
     SchedulerConfig,
 };
 use clap::Parser;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[path = "common/cli.rs"]
@@ -43,7 +43,7 @@ static GLOBAL: peak_alloc::CountingAlloc = peak_alloc::CountingAlloc;
 
 #[derive(Parser, Debug)]
 struct Args {
-    #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    #[arg(long, default_value = DEFAULT_MODEL)]
     model: PathBuf,
     /// Comma-separated prompt lengths in tokens
     #[arg(long, default_value = "128,1024,4096")]
@@ -130,7 +130,7 @@ fn llama_cpp_rows(
 ) -> Result<(Vec<Row>, Option<f64>)> {
     let tokens = std::env::temp_dir().join(format!("llama_bench_tokens_{}.json", std::process::id()));
     std::fs::write(&tokens, serde_json::json!({ "warmup": warmup, "prompts": prompts }).to_string())?;
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/llama_cpp_bench.py");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/llama_cpp_bench.py");
     let threads = if args.threads == 0 { rayon::current_num_threads() } else { args.threads };
     let out = std::process::Command::new(python)
         .arg(&script)
@@ -359,8 +359,22 @@ fn batch_mode(args: &Args, model: &Llama, base: &[u32], sizes: &str, device: &De
     Ok(())
 }
 
+const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// `--model` as given, but the default model, when it is not in the working directory, is looked
+/// up at the workspace root, where `scripts/fetch-model.sh` puts it.
+fn model_path(model: PathBuf) -> PathBuf {
+    let at_root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(DEFAULT_MODEL);
+    if model == Path::new(DEFAULT_MODEL) && !model.exists() && at_root.exists() {
+        at_root
+    } else {
+        model
+    }
+}
+
 fn main() -> Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    args.model = model_path(args.model);
     if !args.model.exists() {
         bail!("model not found: {} (fetch the default one with `bash scripts/fetch-model.sh`)", args.model.display())
     }

@@ -1,6 +1,6 @@
 //! The K/V cache of many sequences at once, in pages: one pool of pages per layer shared by
 //! every sequence, a free list, and a block table per sequence (vLLM's layout, read by
-//! [`crate::flash_attn_varlen_paged_windowed`] and written by [`crate::write_paged_kv`]).
+//! [`candle_flash::flash_attn_varlen_paged_windowed`] and written by [`candle_flash::write_paged_kv`]).
 //!
 //! A contiguous cache per sequence must hold each sequence's maximal length from the start (or
 //! copy itself when it grows), so a batch costs `batch × max length` rows. Here a sequence takes
@@ -89,22 +89,22 @@ pub(crate) struct PagedStep {
 impl PagedStep {
     /// The step's attention options: causal, varlen over its packed new queries and each
     /// sequence's cached keys, read through its block table.
-    pub fn attn_options(&self, softmax_scale: f32) -> crate::FlashAttnOptions {
-        crate::FlashAttnOptions::new(softmax_scale)
+    pub fn attn_options(&self, softmax_scale: f32) -> candle_flash::FlashAttnOptions {
+        candle_flash::FlashAttnOptions::new(softmax_scale)
             .causal(true)
-            .varlen(Some(crate::VarLen {
+            .varlen(Some(candle_flash::VarLen {
                 seqlens_q: self.seqlens_q.clone(),
                 seqlens_k: self.seqlens_k.clone(),
                 max_seqlen_q: self.max_seqlen_q,
                 max_seqlen_k: self.max_seqlen_k,
             }))
-            .paged(Some(crate::PagedKv::new(&self.block_table, self.page_size)))
+            .paged(Some(candle_flash::PagedKv::new(&self.block_table, self.page_size)))
     }
 
     /// `[total_k]` u32: for every key `j` of every sequence, in order, its row
     /// `page(j / page_size) · page_size + j % page_size` of a layer's pool viewed as
     /// `(pages · page_size, Hkv, D)`. Gathering those rows turns the cache into the packed varlen
-    /// layout whose offsets are [`PagedStep::seqlens_k`] (what [`crate::reference::unpage`]
+    /// layout whose offsets are [`PagedStep::seqlens_k`] (what [`candle_flash::reference::unpage`]
     /// does), for kernels that read no block table (the FP8 forward). Made once per step from
     /// the host's table and shared by every layer: no layer reads the device's seqlens or table
     /// back to the host.
@@ -118,7 +118,7 @@ impl PagedStep {
         let w = self.table_width;
         let table = &self.host_table;
         let seqs = self.k_lens.iter().enumerate().map(|(b, &len)| (len, move |i: usize| table[b * w + i] as usize));
-        let rows = crate::reference::packed_key_rows(self.page_size, seqs);
+        let rows = candle_flash::reference::packed_key_rows(self.page_size, seqs);
         let n = rows.len();
         let rows = Tensor::from_vec(rows, n, self.slots.device())?;
         Ok(self.key_rows.get_or_init(|| rows))
@@ -386,7 +386,7 @@ impl PagedKvCache {
 
     /// Appends `new_tokens` positions to each sequence of `batch` (allocating the pages they
     /// need) and returns the step's addressing for those tokens packed in the order given. The
-    /// K/V rows themselves are written by each layer ([`crate::write_paged_kv`] with
+    /// K/V rows themselves are written by each layer ([`candle_flash::write_paged_kv`] with
     /// `slots`). Errors leave the lengths unchanged; a sequence may appear once per step. With
     /// `split_single`, the leading single-token sequences are set apart (see
     /// [`PagedStep::single`]).
@@ -435,7 +435,7 @@ impl PagedKvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{reference, FlashAttnOptions};
+    use candle_flash::{reference, FlashAttnOptions};
 
     /// `PagedStep::packed_key_rows` gathers exactly what `reference::unpage` gathers through
     /// the device's block table: three sequences whose pages interleave over three steps (page
@@ -477,7 +477,7 @@ mod tests {
                 .collect();
             let new_keys = Tensor::from_vec(tags, (step.positions.len(), 2, 4), &dev)?;
             let (k_cache, v_cache) = cache.layer(0)?;
-            crate::write_paged_kv(k_cache, v_cache, &new_keys, &new_keys, &step.slots)?;
+            candle_flash::write_paged_kv(k_cache, v_cache, &new_keys, &new_keys, &step.slots)?;
             let mut want = vec![];
             for &(seq, n) in &batch {
                 let len = lens.entry(seq).or_insert(0usize);

@@ -1,6 +1,5 @@
 //! Loading a [`Llama`] with its tokenizer and chat template from a GGUF file (architecture
-//! `llama`) or a Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`)
-//! (feature `llama`).
+//! `llama`) or a Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`).
 
 use super::attention::AttnImpl;
 use super::config::{value_to_usize, LlamaConfig};
@@ -63,7 +62,7 @@ const END_MARKERS: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<
 ///
 /// ```no_run
 /// use candle_core::{DType, Device};
-/// use candle_flash::llama::{load, AttnImpl, LogitsProcessor, Sampling};
+/// use candle_flash_llama::{load, AttnImpl, LogitsProcessor, Sampling};
 /// let loaded = load(
 ///     std::path::Path::new("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
 ///     DType::F32,

@@ -1,13 +1,13 @@
-//! The Llama block and model (src/llama).
+//! The Llama block and model (candle-flash-llama).
 //!
-//! Without features: rotary embeddings, the KV cache, the attention block's output and
-//! gradients (flash vs naive), and a tiny random Llama built from its tensors (KV-cache
-//! decoding vs full recomputation, CUDA vs CPU). With the `llama` feature (module `app`): the
-//! tiny model written as safetensors and as GGUF and loaded back, generation, sampling, chat
-//! templates, and (when models/ has it) the real SmolLM2-135M-Instruct.
+//! Rotary embeddings, the KV cache, the attention block's output and gradients (flash vs
+//! naive), and a tiny random Llama built from its tensors (KV-cache decoding vs full
+//! recomputation, CUDA vs CPU). Module `app`: the tiny model written as safetensors and as
+//! GGUF and loaded back, generation, sampling, chat templates, and (when the workspace's
+//! models/ has it) the real SmolLM2-135M-Instruct.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use candle_flash::llama::{
+use candle_flash_llama::{
     apply_rope, apply_rope_interleaved, permute_qk_rows, unpermute_qk_rows, AttnImpl, Cache, DecodeGraph, FinishReason,
     KvCache, Llama, Llama3RopeScaling, LlamaAttention, LlamaConfig, Request, RopeScaling, RotaryEmbedding, Scheduler,
     SchedulerConfig,
@@ -100,14 +100,14 @@ fn tiny_config(tied: bool) -> LlamaConfig {
     }
 }
 
-/// The tiny model built from its tensors on `device` (no file, no feature needed).
+/// The tiny model built from its tensors on `device` (no file).
 fn tiny_model(seed: u64, tied: bool, attn: AttnImpl, device: &Device) -> Result<Llama> {
     let vb = VarBuilder::from_tensors(tiny_weights(seed, tied), DType::F32, device);
     Llama::load(vb, &tiny_config(tied), attn, &mut |_, _| {})
 }
 
 /// `n` greedy tokens after `prompt` through `forward` and a cache: what `generate` does with
-/// `Sampling::Greedy` (the feature's tests check that the two agree).
+/// `Sampling::Greedy` (module `app`'s tests check that the two agree).
 fn greedy(model: &Llama, prompt: &[u32], n: usize) -> Result<Vec<u32>> {
     let mut cache = Cache::new(model.config().num_hidden_layers, prompt.len() + n);
     let mut input = Tensor::new(prompt, model.device())?.unsqueeze(0)?;
@@ -514,7 +514,7 @@ fn bad_batch_inputs_are_errors() -> Result<()> {
     // A cache for another model shape.
     let mut cfg = tiny_config(true);
     cfg.num_hidden_layers = 1;
-    let mut other = candle_flash::llama::PagedKvCache::new(&cfg, 4, None, DType::F32, &DEV)?;
+    let mut other = candle_flash_llama::PagedKvCache::new(&cfg, 4, None, DType::F32, &DEV)?;
     other.add_sequence(0)?;
     assert!(m.forward_paged(&[(0, &[1][..])], &mut other).is_err());
     Ok(())
@@ -771,11 +771,10 @@ fn fused_add_rms_norm_and_silu_mul_match_composition() -> Result<()> {
 }
 
 /// The application side: files, tokenizer, sampling, generation, chat templates.
-#[cfg(feature = "llama")]
 mod app {
     use super::*;
     use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
-    use candle_flash::llama::{
+    use candle_flash_llama::{
         apply_chat_template, hf_to_gguf_name, load, load_with, ChatMessage, GgufWeights, LoadedLlama, LogitsProcessor,
         Sampling,
     };
@@ -993,7 +992,7 @@ mod app {
     }
 
     fn smollm2() -> Option<PathBuf> {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
         if path.is_file() {
             Some(path)
         } else {

@@ -1,9 +1,8 @@
 //! Text generation with a Llama-architecture model whose attention runs through candle-flash.
 //!
-//! `cargo run --release --features llama --example llama` runs SmolLM2-135M-Instruct (fetched
-//! by `bash scripts/fetch-model.sh`) on the CPU; `--features llama,cuda -- --device cuda` on
-//! the GPU. The example needs the `llama` feature (the library's loading, tokenizer, sampling
-//! and chat templates).
+//! `cargo run --release -p candle-flash-llama --example llama` runs SmolLM2-135M-Instruct
+//! (fetched by `bash scripts/fetch-model.sh`) on the CPU; `--features cuda -- --device cuda` on
+//! the GPU.
 //! The text is streamed as it is generated; prefill and decode speeds go to stderr at the end.
 //!
 //! Several sequences at once: repeat `--prompt`, and/or give `--batch N` (N sequences running
@@ -15,7 +14,7 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_flash::llama::{
+use candle_flash_llama::{
     apply_chat_template, load_with, AttnImpl, ChatMessage, GgufWeights, LoadedLlama, LogitsProcessor, Request,
     Sampling, Scheduler, SchedulerConfig,
 };
@@ -121,8 +120,20 @@ fn dtype(name: &str, device: &Device) -> Result<DType> {
     }
 }
 
+/// `--model` as given, but the default model, when it is not in the working directory, is looked
+/// up at the workspace root, where `scripts/fetch-model.sh` puts it.
+fn model_path(model: PathBuf) -> PathBuf {
+    let at_root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(DEFAULT_MODEL);
+    if model == Path::new(DEFAULT_MODEL) && !model.exists() && at_root.exists() {
+        at_root
+    } else {
+        model
+    }
+}
+
 fn main() -> Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    args.model = model_path(args.model);
     if !args.model.exists() {
         eprintln!("model not found: {}", args.model.display());
         if args.model == Path::new(DEFAULT_MODEL) {

@@ -9,7 +9,7 @@
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
-//! use candle_flash::llama::{AttnImpl, Llama, LlamaConfig, Request, Scheduler, SchedulerConfig};
+//! use candle_flash_llama::{AttnImpl, Llama, LlamaConfig, Request, Scheduler, SchedulerConfig};
 //! use candle_nn::{VarBuilder, VarMap};
 //! # fn main() -> candle_core::Result<()> {
 //! let cfg = LlamaConfig {

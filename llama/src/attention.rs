@@ -1,6 +1,6 @@
 //! The Llama attention block: q/k/v/o projections, rotary embeddings ([`super::rotary`]), the
-//! KV cache ([`super::kv_cache`]), and the attention itself through [`crate::flash_attn`], the
-//! naive [`crate::reference::attention`], or FP8 ([`crate::fp8`]).
+//! KV cache ([`super::kv_cache`]), and the attention itself through [`candle_flash::flash_attn`], the
+//! naive [`candle_flash::reference::attention`], or FP8 ([`candle_flash::fp8`]).
 
 use super::config::LlamaConfig;
 use super::kv_cache::KvCache;
@@ -8,8 +8,8 @@ use super::paged_cache::PagedStep;
 use super::qlinear::QLinear;
 use super::qlinear::WeightSource;
 use super::rotary::{apply_rope, Rope};
-use crate::{reference, FlashAttnOptions, PagedKv, VarLen};
 use candle_core::{bail, Module, Result, Tensor};
+use candle_flash::{reference, FlashAttnOptions, PagedKv, VarLen};
 use candle_nn::VarBuilder;
 use std::str::FromStr;
 
@@ -17,12 +17,12 @@ use std::str::FromStr;
 /// `(B, S, H, D)` / `(B, Sk, Hkv, D)` layouts, so switching changes nothing else.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttnImpl {
-    /// [`crate::flash_attn`]: tiled, O(N) memory, no score matrix.
+    /// [`candle_flash::flash_attn`]: tiled, O(N) memory, no score matrix.
     #[default]
     Flash,
-    /// [`crate::reference::attention`]: the full score matrix, for comparison.
+    /// [`candle_flash::reference::attention`]: the full score matrix, for comparison.
     Naive,
-    /// FP8 attention ([`crate::fp8::flash_attn_fp8`]): q, k and v quantized to e4m3 with one
+    /// FP8 attention ([`candle_flash::fp8::flash_attn_fp8`]): q, k and v quantized to e4m3 with one
     /// scale per head at every call, output in the model's dtype (the FP8 tensor-core kernel on
     /// Hopper for f16 / bf16 models). Over a paged cache (the batched mode) the cached keys are
     /// first gathered into contiguous rows (FP8 has no paged kernel), and decode runs without
@@ -168,11 +168,11 @@ impl LlamaAttention {
         let opts = self.attn_options();
         let y = match self.attn_impl {
             // With sinks, the attention op (the decode kernel knows none).
-            AttnImpl::Flash if self.sinks.is_some() => crate::flash_attn_with_options(&q, &k, &v, &opts)?,
+            AttnImpl::Flash if self.sinks.is_some() => candle_flash::flash_attn_with_options(&q, &k, &v, &opts)?,
             // One query position on the CPU (decode): see `decode_attn` for why not the tiled kernel.
             AttnImpl::Flash => match super::decode_attn::decode_attention(&q, &k, &v, self.softmax_scale)? {
                 Some(y) => y,
-                None => crate::flash_attn_with_options(&q, &k, &v, &opts)?,
+                None => candle_flash::flash_attn_with_options(&q, &k, &v, &opts)?,
             },
             AttnImpl::Naive => reference::attention(&q, &k, &v, &opts)?,
             AttnImpl::Fp8 => fp8_attention(&q, &k, &v, &opts)?,
@@ -184,7 +184,7 @@ impl LlamaAttention {
 /// [`AttnImpl::Fp8`]: q, k, v quantized to e4m3 per head, attention with the output in q's
 /// dtype (f32 models: f32, on the dequantizing path).
 fn fp8_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<Tensor> {
-    use crate::fp8::{flash_attn_fp8, quantize_e4m3, Fp8Scaling};
+    use candle_flash::fp8::{flash_attn_fp8, quantize_e4m3, Fp8Scaling};
     let (q8, k8, v8) = (
         quantize_e4m3(q, Fp8Scaling::PerHead)?,
         quantize_e4m3(k, Fp8Scaling::PerHead)?,
@@ -216,13 +216,13 @@ impl LlamaAttention {
         // Each packed token at its own position (one row of the tables each); on CUDA one
         // kernel rotates q and k and writes k and v into their slots.
         let tables = (&rope.cos, &rope.sin);
-        let q = crate::rope_write_paged_kv(&q, &k, &v, tables, (k_cache, v_cache), &step.slots)?;
+        let q = candle_flash::rope_write_paged_kv(&q, &k, &v, tables, (k_cache, v_cache), &step.slots)?;
         let opts = step.attn_options(self.softmax_scale).sinks(self.sinks.as_ref());
         let y = match self.attn_impl {
             AttnImpl::Flash if step.single > 0 && self.sinks.is_none() => {
                 self.attend_split(&q, k_cache, v_cache, step, &opts)?
             }
-            AttnImpl::Flash => crate::flash_attn_with_options(&q, k_cache, v_cache, &opts)?,
+            AttnImpl::Flash => candle_flash::flash_attn_with_options(&q, k_cache, v_cache, &opts)?,
             AttnImpl::Naive => reference::attention(&q, k_cache, v_cache, &opts)?,
             AttnImpl::Fp8 => {
                 // The FP8 kernel reads no block table: the pages gathered into the packed varlen
@@ -252,7 +252,7 @@ impl LlamaAttention {
         let q1 = q.narrow(0, 0, n)?;
         let Some(y1) = super::decode_attn::decode_attention_paged(&q1, k_cache, v_cache, &seqs, self.softmax_scale)?
         else {
-            return crate::flash_attn_with_options(q, k_cache, v_cache, opts);
+            return candle_flash::flash_attn_with_options(q, k_cache, v_cache, opts);
         };
         let Some(rest) = &step.rest else { return Ok(y1) };
         let opts = opts
@@ -264,7 +264,7 @@ impl LlamaAttention {
                 max_seqlen_k: step.max_seqlen_k,
             }))
             .paged(Some(PagedKv::new(&rest.block_table, k_cache.dim(1)?)));
-        let y2 = crate::flash_attn_with_options(&q.narrow(0, n, q.dim(0)? - n)?, k_cache, v_cache, &opts)?;
+        let y2 = candle_flash::flash_attn_with_options(&q.narrow(0, n, q.dim(0)? - n)?, k_cache, v_cache, &opts)?;
         Tensor::cat(&[&y1, &y2], 0)
     }
 }

@@ -1,19 +1,20 @@
 //! A Llama-architecture language model on candle-nn whose attention runs through
-//! [`crate::flash_attn`].
+//! [`candle_flash::flash_attn`].
 //!
-//! Always built (no extra dependencies): the attention block ([`LlamaAttention`], in
-//! `attention.rs`), rotary embeddings ([`RotaryEmbedding`], [`apply_rope`], in `rotary.rs`),
-//! the KV cache ([`KvCache`], in `kv_cache.rs`), the config ([`LlamaConfig`]), the full
-//! model's forward ([`Llama`], built from a `VarBuilder` with Hugging Face tensor names), and
-//! batched serving: a paged KV cache shared by many sequences ([`PagedKvCache`], in
-//! `paged_cache.rs`), the forward of several sequences' new tokens packed together
-//! ([`Llama::forward_paged`]) and continuous batching over it ([`Scheduler`], in `batch.rs`).
+//! The attention block ([`LlamaAttention`], in `attention.rs`), rotary embeddings
+//! ([`RotaryEmbedding`], [`apply_rope`], in `rotary.rs`), the KV cache ([`KvCache`], in
+//! `kv_cache.rs`), the config ([`LlamaConfig`]), the full model's forward ([`Llama`], built from
+//! a `VarBuilder` with Hugging Face tensor names), and batched serving: a paged KV cache shared
+//! by many sequences ([`PagedKvCache`], in `paged_cache.rs`), the forward of several sequences'
+//! new tokens packed together ([`Llama::forward_paged`]) and continuous batching over it
+//! ([`Scheduler`], in `batch.rs`).
 //!
-//! With the cargo feature `llama` (which adds tokenizers, serde, serde_json and minijinja):
-//! loading from GGUF files and Hugging Face safetensors folders with the tokenizer (`load`),
-//! reading `config.json` / GGUF metadata (`LlamaConfig::from_hf_json`, `from_gguf`), sampling
-//! (`LogitsProcessor`), generation (`Llama::generate`) and chat templates
-//! (`apply_chat_template`). The `llama` example is that application.
+//! The application (with tokenizers, serde, serde_json and minijinja): loading from GGUF files
+//! and Hugging Face safetensors folders with the tokenizer ([`load()`]), reading `config.json` /
+//! GGUF metadata ([`LlamaConfig::from_hf_json`], [`LlamaConfig::from_gguf`]), sampling
+//! ([`LogitsProcessor`]), generation ([`Llama::generate`]) and chat templates
+//! ([`apply_chat_template`]). The `llama` example is that application. With the cargo feature
+//! `cuda` (candle-flash's CUDA kernels), the decode step runs from a CUDA graph ([`DecodeGraph`]).
 //!
 //! Layouts follow the flash kernels, not candle-transformers: activations stay `(B, S, H, D)`
 //! from the projections to the attention, so that no transpose or copy sits between them,
@@ -26,7 +27,7 @@
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
-//! use candle_flash::llama::{AttnImpl, KvCache, LlamaAttention, RopeScaling, RotaryEmbedding};
+//! use candle_flash_llama::{AttnImpl, KvCache, LlamaAttention, RopeScaling, RotaryEmbedding};
 //! use candle_nn::Linear;
 //! let dev = Device::Cpu;
 //! let (hidden, heads, kv_heads, head_dim) = (64, 4, 2, 16);
@@ -52,26 +53,21 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 //!
-//! With the feature, `load` documents loading a model and generating text.
+//! [`load()`] documents loading a model and generating text.
 
 mod attention;
 mod batch;
+mod chat;
 mod config;
 mod decode_attn;
+mod generate;
 mod graph;
 mod kv_cache;
+mod load;
 mod model;
 mod paged_cache;
 mod qlinear;
 mod rotary;
-
-#[cfg(feature = "llama")]
-mod chat;
-#[cfg(feature = "llama")]
-mod generate;
-#[cfg(feature = "llama")]
-mod load;
-#[cfg(feature = "llama")]
 mod sampling;
 
 pub use attention::{AttnImpl, LlamaAttention};
@@ -87,14 +83,10 @@ pub use rotary::{
     RotaryEmbedding,
 };
 
-#[cfg(feature = "llama")]
 pub use chat::{apply_chat_template, ChatMessage};
-#[cfg(feature = "llama")]
 pub use generate::Generation;
-#[cfg(feature = "llama")]
 pub use load::{
     gguf_to_hf_name, hf_to_gguf_name, load, load_gguf, load_safetensors_dir, load_with, tokenizer_from_gguf,
     unpermute_qtensor_rows, GgufWeights, LoadedLlama,
 };
-#[cfg(feature = "llama")]
 pub use sampling::{LogitsProcessor, Sampling};

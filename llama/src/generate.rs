@@ -1,5 +1,5 @@
 //! Text generation with a [`Llama`]: prefill, then one token at a time against the KV cache,
-//! with a [`LogitsProcessor`] choosing each token (feature `llama`).
+//! with a [`LogitsProcessor`] choosing each token.
 
 use super::attention::AttnImpl;
 use super::graph::{cuda_graphs_enabled, DecodeGraph};

@@ -1,10 +1,9 @@
 //! The model hyper-parameters: filled in by the caller and checked with
-//! [`LlamaConfig::validate`], or (feature `llama`) read from a Hugging Face `config.json`
+//! [`LlamaConfig::validate`], or read from a Hugging Face `config.json`
 //! (`LlamaConfig::from_hf_json`) or from GGUF metadata (`LlamaConfig::from_gguf`).
 
 use super::rotary::RopeScaling;
 use candle_core::{bail, Result};
-#[cfg(feature = "llama")]
 use {super::rotary::Llama3RopeScaling, candle_core::quantized::gguf_file, serde::Deserialize};
 
 #[derive(Clone, Debug, PartialEq)]
@@ -42,8 +41,8 @@ impl LlamaConfig {
                 c.num_key_value_heads
             )
         }
-        if c.head_dim == 0 || !c.head_dim.is_multiple_of(2) || c.head_dim > crate::MAX_HEAD_DIM {
-            bail!("llama config: head dim {} must be even and at most {}", c.head_dim, crate::MAX_HEAD_DIM)
+        if c.head_dim == 0 || !c.head_dim.is_multiple_of(2) || c.head_dim > candle_flash::MAX_HEAD_DIM {
+            bail!("llama config: head dim {} must be even and at most {}", c.head_dim, candle_flash::MAX_HEAD_DIM)
         }
         if !(c.rope_theta.is_finite() && c.rope_theta > 0.0) {
             bail!("llama config: rope theta must be > 0, got {}", c.rope_theta)
@@ -57,8 +56,7 @@ impl LlamaConfig {
     }
 }
 
-/// Reading the config from model files (feature `llama`).
-#[cfg(feature = "llama")]
+/// Reading the config from model files.
 impl LlamaConfig {
     /// From the text of a Hugging Face `config.json`.
     pub fn from_hf_json(text: &str) -> Result<Self> {
@@ -154,13 +152,11 @@ impl LlamaConfig {
     }
 }
 
-#[cfg(feature = "llama")]
 pub(crate) fn md<'a>(ct: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Value> {
     ct.metadata.get(key).ok_or_else(|| candle_core::Error::Msg(format!("gguf: missing metadata key {key:?}")))
 }
 
 /// GGUF writers are not consistent about integer widths (u32, i32, u64 all occur).
-#[cfg(feature = "llama")]
 pub(crate) fn value_to_usize(v: &gguf_file::Value) -> Result<usize> {
     use gguf_file::Value::*;
     let x: i128 = match v {
@@ -177,7 +173,6 @@ pub(crate) fn value_to_usize(v: &gguf_file::Value) -> Result<usize> {
     usize::try_from(x).map_err(|_| candle_core::Error::Msg(format!("gguf: expected a non-negative integer, got {x}")))
 }
 
-#[cfg(feature = "llama")]
 #[derive(Deserialize)]
 struct HfConfig {
     model_type: Option<String>,
@@ -197,7 +192,6 @@ struct HfConfig {
     mlp_bias: Option<bool>,
 }
 
-#[cfg(feature = "llama")]
 #[derive(Deserialize)]
 struct HfRopeScaling {
     rope_type: Option<String>,
