@@ -25,7 +25,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tokenizers::Tokenizer;
 
-#[path = "common/cli.rs"]
+// the examples of both crates share these helpers: one copy, in the root crate's examples
+#[path = "../../examples/common/cli.rs"]
 mod cli;
 
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";

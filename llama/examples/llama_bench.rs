@@ -33,9 +33,10 @@ use clap::Parser;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-#[path = "common/cli.rs"]
+// the examples of both crates share these helpers: one copy, in the root crate's examples
+#[path = "../../examples/common/cli.rs"]
 mod cli;
-#[path = "common/peak_alloc.rs"]
+#[path = "../../examples/common/peak_alloc.rs"]
 mod peak_alloc;
 
 #[global_allocator]
