@@ -105,7 +105,7 @@ impl CpuIsa {
     /// 1.45-1.55x the widened one there (bench/NOTES.md, v10). Intel's AVX-512 BF16 server
     /// cores have two 512-bit FMA ports and run `vdpbf16ps` on one of them, so the pair
     /// packing costs more than it saves: 50-110 against 62-137 GFLOP/s on the Xeon measured
-    /// (bench/results/cpu-xeon-bf16-paths.txt). Elsewhere `CANDLE_FLASH_CPU_ISA=avx512bf16`
+    /// (bench/results/cpu-xeon-bf16-paths.txt at commit 24a52c4). Elsewhere `CANDLE_FLASH_CPU_ISA=avx512bf16`
     /// asks for the pairs. (Intel CPUs with AMX run the pairs on AMX tiles, [`CpuIsa::Amx`],
     /// whatever this says.)
     pub fn bf16_pairs_pay() -> bool {
