@@ -5,7 +5,7 @@ Matches `point IMPL MODE NK CAUSAL D START END` lines (examples/bench.rs --stamp
 --stamp) with nvidia-smi samples (`--query-gpu=timestamp,clocks.sm,power.draw --format=csv,
 noheader,nounits -lms 50`) and prints, per implementation, the spread of the points' mean SM
 clocks: an H100 under sustained load sits at its power cap 10-20% below its top clock, so two
-implementations compare fairly only at the same clocks (bench/NOTES.md, seventeenth session).
+implementations compare fairly only at the same clocks (bench/NOTES.md, 2026-11-27, commit 378b375).
 
 Usage: clocks.py SMI_CSV STAMP_FILE...
 """

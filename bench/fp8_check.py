@@ -76,7 +76,7 @@ class Fp8Case(kc.Case):
         # (first, last, factor): keys [first, last) scaled by factor ramping down to 1 at key
         # `last`, so that the scores' max rises as the kernel walks the keys backwards (the last
         # key block first): the online softmax rescales O and l by large corrections at every
-        # block (a lazy softmax tried in the twenty-third session had to redo such blocks)
+        # block (a lazy softmax tried on 2026-11-27 (commit 338d0cf) had to redo such blocks)
         self.kgrow = kgrow
         assert kgrow is None or not self.varlen, "kgrow scales the key axis of [b, s, h, d] inputs"
 

@@ -37,7 +37,7 @@ BWD_ONLY = os.environ.get("BWD_ONLY") == "1"  # skip the forward timings (printe
 NO_REF = os.environ.get("NO_REF") == "1"  # skip FA2 and cuDNN (printed as nan): builds against each other
 ROUNDS = int(os.environ.get("ROUNDS", "1"))  # the builds' turns per point (see below)
 # SUSTAIN=s: each timing is kernel_check.sustained_cuda_time over s seconds (the card at its power
-# cap, bench/NOTES.md "Seventeenth session") instead of a median of REPS calls
+# cap, bench/NOTES.md, 2026-11-27, commit 378b375) instead of a median of REPS calls
 SUSTAIN = float(os.environ.get("SUSTAIN", "0"))
 
 

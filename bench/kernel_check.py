@@ -48,7 +48,7 @@ DT = ({"f32": (torch.float32, CF_F32), "f16": (torch.float16, CF_F16), "bf16": (
 
 
 # CF_REST_MS: idle this long before each timing (then warm up for at least 50 ms), so that every
-# point starts from a rested card (bench/NOTES.md, seventeenth session: under sustained load the
+# point starts from a rested card (bench/NOTES.md, 2026-11-27, commit 378b375: under sustained load the
 # H100 sits at its power cap with its clocks 10-20% lower). 0: back to back, as before.
 REST_S = float(os.environ.get("CF_REST_MS", "0")) / 1e3
 

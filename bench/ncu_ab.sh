@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device side: kernel time and warp instructions of several builds of the kernel library at a
 # few grid points, each measured by ncu at its locked clocks (one call per build and point, so
-# the power cap and the card's clock drift do not enter; bench/NOTES.md, nineteenth session).
+# the power cap and the card's clock drift do not enter; bench/NOTES.md, 2026-11-27, commit 17d890a).
 # A change that only reorders work shows in the time, one that removes instructions in both.
 #   BUILDS="base=bench/out/base new=bench/out/new" \
 #   POINTS="8192 128 --bwd;16384 128 --bwd --causal;16384 128" bash bench/ncu_ab.sh

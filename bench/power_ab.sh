@@ -4,7 +4,7 @@
 # call, the clock and power it settles at, and the energy per call (steady power x time).
 # Why: the H100 runs at its 700 W power cap under sustained attention (nvidia-smi: "SW power
 # cap"), so a kernel's speed in a long run depends on its energy per call, not only on its
-# cycles (bench/NOTES.md, seventeenth session).
+# cycles (bench/NOTES.md, 2026-11-27, commit 378b375).
 # Usage: POINTS="64:16384:fwd 128:16384:bwd ..." REST=5 bash bench/power_ab.sh (OUT=... for logs)
 set -uo pipefail
 cd "$(dirname "$0")/.."

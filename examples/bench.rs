@@ -90,7 +90,7 @@ struct Args {
     /// Idle this many milliseconds before each point (after a synchronisation), so that every
     /// point, of ours and of bench/sdpa.py's, starts from a rested card: under sustained load an
     /// H100 sits at its power cap with its clocks 10-20% lower, and a point's speed would depend
-    /// on how busy the card was just before it (bench/NOTES.md, seventeenth session)
+    /// on how busy the card was just before it (bench/NOTES.md, 2026-11-27, commit 378b375)
     #[arg(long, default_value_t = 0)]
     rest_ms: u64,
     /// CUDA: profile only these points' timed calls (comma-separated `mode:nk:causal`, e.g.

@@ -33,8 +33,8 @@ constexpr int panel_padded_cols(int cols, int elem_bytes) { return (cols * elem_
 // kHopperTile (f32 at d = 256 where the device has 192 KB of shared memory for a block: Hopper):
 // 128 query rows on 8 warps (each still 16 rows: O 128 registers) over the same 32-key blocks,
 // 192 KB; every K / V block then serves twice the rows. H100 against PyTorch's efficient SDPA in
-// f32: 0.84-1.00x on the 16-key block of two 4-warp CTAs per SM (the thirteenth session's)
-// -> 0.90-1.16x (bench/NOTES.md "Fourteenth session"). Paged K/V takes it too, so that a paged
+// f32: 0.84-1.00x on the 16-key block of two 4-warp CTAs per SM (the 2026-11-26 (commit 6b00961))
+// -> 0.90-1.16x (bench/NOTES.md, 2026-11-26, commit d223264). Paged K/V takes it too, so that a paged
 // call keeps the contiguous call's bits.
 template <typename T_, int kHeadDim_, bool kPaged_ = false, bool kHopperTile_ = false>
 struct FwdTraits {
@@ -245,7 +245,7 @@ template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 128, 3, 4, t
 // buffer (Q 24 KB + K/V 128 KB + O 24 KB), so that the next tile's loads overlap the epilogue.
 // H100: +1-2% over the 128 x 128 tile at 512-1k, +10% at 2k; level or 1% slower than the
 // one-CTA-per-tile launch at 4k, 2-4% slower from 8k; under causal masks 15-20% slower than
-// 128 x 128 at 512-2k (bench/NOTES.md "Eleventh session").
+// 128 x 128 at 512-2k (bench/NOTES.md, 2026-11-26, commit 7202f51).
 template <typename T> using FwdSm90TraitsD64Persistent = FwdSm90Traits<T, 64, 128, 3, 4, true, true, true>;
 template <typename T>
 using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, CF_FWD_D128_SEPO ? 2 : 3, true, true, CF_FWD_D128_SEPO != 0>;
@@ -423,12 +423,12 @@ struct BwdDqTraits {
 #define CF_BWD_PRODUCER64 0
 #endif
 // dQ staging tiles per warpgroup of the d = 64 / 128 kernel (build-time, for A/B runs): 1 or 2
-// (2 measured level, 0.97-1.03x: bench/NOTES.md "Backward, tenth session").
+// (2 measured level, 0.97-1.03x: bench/NOTES.md, 2026-11-26, commit 2059c30).
 #ifndef CF_BWD_DQ_SLOTS
 #define CF_BWD_DQ_SLOTS 1
 #endif
 // The d = 128 kernel's warpgroups in ping-pong (build-time, for A/B runs; sm90/bwd.cuh): 0 / 1
-// (1 measured 2-7% slower on an H100, kernel_check 184/184: bench/NOTES.md "Backward, tenth session").
+// (1 measured 2-7% slower on an H100, kernel_check 184/184: bench/NOTES.md, 2026-11-26, commit 2059c30).
 #ifndef CF_BWD_PINGPONG
 #define CF_BWD_PINGPONG 0
 #endif
@@ -439,9 +439,9 @@ struct BwdDqTraits {
 // dQ by turns in the 64-query d = 96 / 128 step (sm90/bwd.cuh, build-time for A/B runs; not the
 // deterministic kernel): 1 = the warpgroups take turns computing a step's whole dQ (m64 x n128:
 // 240 instead of 256 KB of operand reads from shared memory a step; -3.6% time under ncu, +1-2%
-// under sustained load: bench/NOTES.md "Eighteenth session"), 0 = each computes half of dQ's
+// under sustained load: bench/NOTES.md, 2026-11-27, commit df99929), 0 = each computes half of dQ's
 // columns every step.
-// (Tried and dropped in the eighteenth session: dQ split by keys, each warpgroup a partial over
+// (Tried and dropped on 2026-11-27 (commit df99929): dQ split by keys, each warpgroup a partial over
 // its own 64 keys, summed through shared memory: 4-9% slower, commit b799cc6.)
 #ifndef CF_BWD_DQ_TURNS
 #define CF_BWD_DQ_TURNS 1
@@ -449,7 +449,7 @@ struct BwdDqTraits {
 // The d = 64 backward's wgmma descriptors (build-time, for A/B runs): 1 = advanced from one base
 // per tile as every other sm90 kernel does (sm90/wgmma.cuh desc_advance), 0 = derived from each
 // k16 step's address. Advancing cut the d = 128 backward's instructions 15% and its time 2.6%
-// under ncu, but made the d = 64 backward 2% slower (bench/NOTES.md "Nineteenth session").
+// under ncu, but made the d = 64 backward 2% slower (bench/NOTES.md, 2026-11-27, commit 17d890a).
 #ifndef CF_BWD64_DESC_ADVANCE
 #define CF_BWD64_DESC_ADVANCE 0
 #endif

@@ -102,7 +102,7 @@ inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc, bool sm90) {
     // Under a causal mask (triangular: no left window) a CTA's work falls with its key block, and
     // the grid balances better with more, smaller CTAs. The sm_90a bwd.cuh kernel (d <= 128) then
     // counts its own CTAs of 128 keys, and from 4096 keys gives every query head its own CTAs.
-    // Measured (twentieth session, H100, 32 / 8 heads, d = 128, bwd TF/s, before -> after):
+    // Measured (2026-11-27 (commit 4324c52), H100, 32 / 8 heads, d = 128, bwd TF/s, before -> after):
     // - causal: 1k 149 -> 165, 2k 307 -> 310 (2 heads a CTA either way; 1 head measured 314 ->
     //   286), 4k 403 -> 408, 8k 469 -> 500, 16k 469 -> 539, 32k 555 -> 566;
     // - without a mask, one head a CTA was slower at 8k (542 -> 515: equal CTAs balance anyway, and
@@ -167,7 +167,7 @@ inline int bwd_sm90_tile(int rounded_d) {
 // 25% more products per step against the step's fixed costs). CF_BWD_BM80 (build-time, for A/B
 // runs): 0 = always 64 (the 80 kernels are not built), 1 = 80 without causal or window masks
 // (FA3's choice), 2 = always 80. Default 0: the 80 step measured level with 64 from 4k and 2-6%
-// slower below (bench/NOTES.md "Backward, ninth session": the 80-query step); its P^T cannot
+// slower below (bench/NOTES.md, 2026-11-26, commit f0052a2: the 80-query step); its P^T cannot
 // overlap dP^T's product (ptxas then serialised every wgmma for registers).
 #ifndef CF_BWD_BM80
 #define CF_BWD_BM80 0
@@ -185,7 +185,7 @@ inline int bwd_sm90_block_m(const CfFwdParams& f) {
 // work (GQA 4:1 causal, N = 8k: 512 CTAs, the heaviest 512 steps against ~1000 per SM; sm_90a bwd
 // +24% on an H200, +7% on an H100; N = 2k +31-34%), while on larger grids of many heads (N = 2k,
 // B = 8: 2048 CTAs) the new order loses the heads' Q / dO (K / V) locality in L2 (-15%) and the
-// tail is a few percent (bench/NOTES.md "Backward, ninth session", "Fifteenth session").
+// tail is a few percent (bench/NOTES.md, 2026-11-26, commit f0052a2, 2026-11-26, commit 640d14c).
 // `max_waves`: 4 for the sm_90a dK/dV kernels (measured there); see mma_sync_heavy_first for the
 // mma.sync kernels.
 inline bool heavy_first_order(const CfFwdParams& f, int64_t ctas, int64_t slots, int max_waves = 4) {
@@ -201,7 +201,7 @@ inline bool heavy_first_order(const CfFwdParams& f, int64_t ctas, int64_t slots,
 // puts the makespan 5-7% above ideal where a group has fewer key blocks than a wave has slots
 // (d = 128 causal at 2k-8k, d = 256 at 4k), <1% from there on (16k). There the last
 // CF_BWD_TAIL_WAVES waves' worth of groups run key block slowest (model: 1-1.3% above ideal;
-// measured -2 to +6.5%, +3% on average, bench/NOTES.md "Sixteenth session"), and the CTAs
+// measured -2 to +6.5%, +3% on average, bench/NOTES.md, 2026-11-27, commit 2031cb3), and the CTAs
 // running together still come from a few heads: every group in that order cost 20-45% at 1k-4k
 // (L2).
 // The rule both launchers share, for `groups` groups of `blocks` CTAs whose first CTA carries the

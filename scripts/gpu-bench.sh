@@ -22,9 +22,9 @@ rounds=${ROUNDS:-2}
 # Every point starts from a rested card (REST_MS of idle, then 50 ms of warm-up calls), ours and
 # PyTorch's alike. Under sustained load the card sits at its 700 W cap with the SM clock at
 # ~1500-1700 MHz instead of 1980. Without the rest, ours ran its points back to back (near the
-# cap: that was the "fwd+bwd at 16k above fwd + bwd" of the sixteenth session) while cuDNN idled
+# cap: that was the "fwd+bwd at 16k above fwd + bwd" of 2026-11-27 (commit 2031cb3)) while cuDNN idled
 # for seconds before each new shape to build its plan, which was worth 5-12% to it
-# (bench/NOTES.md, seventeenth session). bench/clocks.py prints the clocks each implementation's
+# (bench/NOTES.md, 2026-11-27, commit 378b375). bench/clocks.py prints the clocks each implementation's
 # points ran at; bench/power_ab.sh compares the two under sustained load.
 rest=(--rest-ms "${REST_MS:-500}" --stamp)
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader,nounits -lms 50 > "$OUT/smi.csv" 2>&1 &

@@ -1,4 +1,4 @@
-// Does compute-sanitizer racecheck follow bar.arrive -> bar.sync? (bench/NOTES.md "Eighteenth session")
+// Does compute-sanitizer racecheck follow bar.arrive -> bar.sync? (bench/NOTES.md, 2026-11-27, commit df99929)
 //   nvcc -O2 -lineinfo -arch=sm_90a -o /tmp/ar bench/micro/arrive_race.cu
 //   compute-sanitizer --tool racecheck /tmp/ar war; compute-sanitizer --tool racecheck /tmp/ar raw
 #include <cstdio>

@@ -94,7 +94,7 @@ struct DkdvCta {
 // and a nonzero fraction of n / d is at least 1 / d >= 2^-32). The step loops divide the step
 // index by the CTA's query-block count every step (head, row); the compiler's 32-bit division
 // there was ~20 instructions and a MUFU.RCP on each step's critical path (bench/NOTES.md,
-// nineteenth session). One 64-bit division per CTA builds m. DkdvWork's kMulDiv chooses it per
+// 2026-11-27 (commit 17d890a)). One 64-bit division per CTA builds m. DkdvWork's kMulDiv chooses it per
 // kernel: the d = 64 / 96 / 128 sm_90a backward measured 1-4% faster with it, the wide (d = 192 /
 // 256) one 6% slower (same values; another schedule), the sm_80 family was not measured.
 struct StepDivider {
@@ -116,7 +116,7 @@ struct StepDivider {
 // kRotate: without masks, the CTA walks its query blocks starting at its key block's index
 // (mod their count) instead of at 0, so that the CTAs of a head, which run together, reduce their
 // dQ tiles into different rows rather than all into the same 64 (the wide kernels, whose 64 KB of
-// dQ reductions a step bind them; bench/NOTES.md "Backward, twelfth session"). Not with kReverse
+// dQ reductions a step bind them; bench/NOTES.md, 2026-11-26, commit b125200). Not with kReverse
 // (deterministic mode): there a query block's reductions go in key-block order, and a rotated CTA
 // would reach the block it waits on last.
 // kReverse: deterministic mode's query-block order (row0), and no rotation.

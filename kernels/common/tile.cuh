@@ -346,7 +346,7 @@ __device__ __forceinline__ void mma1688_tf32(float (&d)[4], const uint32_t (&a)[
 // three products go into zeroed registers, added to acc once (round to nearest). The tensor
 // cores add into their accumulator with truncation, three times per k-step; on the running sum
 // that biased error grew with d (d = 256 causal: O 3x, dQ 9x the error of exact f32 against f64;
-// folded: 0.5-1.4x, bench/NOTES.md "Fourteenth session"). Two m tiles: groups of 2 n8 tiles
+// folded: 0.5-1.4x, bench/NOTES.md, 2026-11-26, commit d223264). Two m tiles: groups of 2 n8 tiles
 // (fewer live partial sums).
 constexpr int kF32Group = 4;
 constexpr int f32_group(int nt) { return nt % kF32Group == 0 ? kF32Group : nt % 3 == 0 ? 3 : nt % 2 == 0 ? 2 : 1; }

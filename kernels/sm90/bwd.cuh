@@ -32,7 +32,7 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
-// Build-time switch for A/B runs (bench/NOTES.md "Backward, ninth session"): the dQ tile's flush
+// Build-time switch for A/B runs (bench/NOTES.md, 2026-11-26, commit f0052a2): the dQ tile's flush
 // a step late (1, default: +3-8% at d = 64, level at d = 128) or at the end of its own step (0).
 #ifndef CF_BWD_LATE_FLUSH
 #define CF_BWD_LATE_FLUSH 1
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // warpgroup, which issues them), and the turn passes on once they have completed: dq_signal,
     // after the next P^T / dS^T (~1000 cycles after the late flush's issue). At the dS^T barrier
     // instead (~1700 cycles), d = 64 ran 5-11% slower, d = 128 the same: the turn's wait chains
-    // the CTAs of a head (bench/NOTES.md "Thirteenth session").
+    // the CTAs of a head (bench/NOTES.md, 2026-11-26, commit 6b00961).
     [[maybe_unused]] DqOrder order;
     auto dq_turn = [&](int s) {
         if constexpr (kOrdered)
@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
     if constexpr (Kt::kPingPong) {
         // ---- ping-pong schedule (build-time CF_BWD_PINGPONG, off: measured 2-7% slower than the
-        // lockstep below, bench/NOTES.md "Backward, tenth session"). The two warpgroups take turns
+        // lockstep below, bench/NOTES.md, 2026-11-26, commit 2059c30). The two warpgroups take turns
         // at the tensor cores, one batch per turn: A(s) = S^T(s), dP^T(s); B(s) = dV(s), dK(s).
         // Turns go W0.A(s), W1.A(s), W0.B(s), W1.B(s), W0.A(s + 1), ...: a warpgroup's elementwise
         // work (P^T and dS^T between its A and B; dS^T's stores and dQ after B) runs while the
@@ -606,7 +606,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // owner, warpgroup s & 1, computes all of dQ(s) = dS(s) K as m64 x n128 x k128 (8 wgmma
         // instead of 2 x 8 of n64: each k16 step reads dS's 2 KB once for all 128 columns, so a
         // step's operand reads from shared memory fall from 256 to 240 KB; ncu counts the d = 128
-        // step bound by shared-memory wavefronts, bench/NOTES.md "Eighteenth session"), stages
+        // step bound by shared-memory wavefronts, bench/NOTES.md, 2026-11-27, commit df99929), stages
         // it into its own 64 x 128 tile and flushes that in its next step (the late flush); the
         // other warpgroup goes on to its next step. Both still meet at the dS^T barrier of each
         // step, as in the lockstep schedule below (only the owner waiting, on a bar.arrive of the

@@ -39,7 +39,7 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t saddr, uint32_t lbo, uint
 // address is below 2^18 (228 KB), so the field never carries into the next one. Building each
 // k16 step's descriptor this way from one base per tile costs one integer add; re-deriving it
 // from the address (mask, shift, or-in) cost ~5 dependent instructions before every HGMMA
-// (bench/NOTES.md "Nineteenth session": 12-16 instructions between HGMMAs, cuDNN's 8).
+// (bench/NOTES.md, 2026-11-27, commit 17d890a: 12-16 instructions between HGMMAs, cuDNN's 8).
 __device__ __forceinline__ uint64_t desc_advance(uint64_t d, uint32_t bytes) {
     const uint32_t lo = (uint32_t)d + (bytes >> 4), hi = (uint32_t)(d >> 32);
     return ((uint64_t)hi << 32) | lo;
