@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Does the backward's speed depend on where its buffers lie? (bench/NOTES.md "Sixteenth
-session": the crate's fwd+bwd / bwd at 16k run 9-17% slower after a long history of shapes in one
+"""Does the backward's speed depend on where its buffers lie? (bench/NOTES.md, 2026-11-27,
+commit 2031cb3: the crate's fwd+bwd / bwd at 16k run 9-17% slower after a long history of shapes in one
 process than alone.) Times cf_bwd of one build with its workspace, and then dq / dk / dv, moved
 by several offsets inside larger allocations; builds nothing.
 

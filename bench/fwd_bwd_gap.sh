@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device side: why the crate's fwd+bwd at one shape takes longer than its fwd plus its bwd
-# (d = 64, 16k, non-causal: +6-15% in the ninth-twelfth sessions' gpu-bench runs, other
+# (d = 64, 16k, non-causal: +6-15% in the gpu-bench runs of 2026-11-26, commits f0052a2-b125200, other
 # shapes +-5%). Times the three modes in two orders, samples clocks / power meanwhile, and
 # lists each mode's kernels with their durations under ncu. (Alone, the gap is ~1%: it needs the
 # long history of the bench's grid in one process; bench/NOTES.md, 2026-11-27, commit 2031cb3.)

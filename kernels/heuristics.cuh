@@ -235,8 +235,8 @@ inline int fwd_heavy_groups(const CfFwdParams& f, int64_t query_blocks, int64_t 
 // share K / V in L2 (d = 128 at 4k / 16k +12%, d = 256 at 2k +7-17%; d = 64 at 1k, 512 heads,
 // -12% without that rule). The 16-bit dK/dV kernels keep launch order (their timings moved by
 // less than the run-to-run spread, and the order cost the d = 256 instance 4 bytes of spills on
-// sm_90a). Measured with CANDLE_FLASH_DISABLE_SM90A on an H100 (bench/NOTES.md "Fifteenth
-// session"); on an A100 these kernels are the only ones.
+// sm_90a). Measured with CANDLE_FLASH_DISABLE_SM90A on an H100 (bench/NOTES.md, 2026-11-26,
+// commit 640d14c); on an A100 these kernels are the only ones.
 inline bool mma_sync_heavy_first(const CfFwdParams& f, int64_t ctas, int64_t slots, bool query_grid) {
     if (f.dtype == CF_F32) return heavy_first_order(f, ctas, slots, 16);
     return query_grid && heavy_first_order(f, ctas, slots, 16) && 2 * (int64_t)f.h * f.b <= slots;

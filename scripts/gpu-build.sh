@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds (here, no GPU needed) the `cuda` test binaries and the bench example, and copies them
-# stripped into the ignored folder gpu-bin/, with the library-path helper, for the device tool:
-#   run(command="bash scripts/gpu-run.sh", carry=["gpu-pack"])
+# stripped into the ignored folder gpu-bin/, with the library-path helper, for the GPU machine:
+#   bash scripts/gpu-run.sh   (there, with gpu-pack/ copied along)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .cuda/env.sh ] || bash scripts/install-cuda.sh

@@ -4,7 +4,7 @@
 # the sm_80 mma.sync kernels), the bad-seqlens cases under compute-sanitizer memcheck, and, when
 # a baseline is carried (.baseline/kernels + .baseline/kernel_check_old.py: the previous
 # revision's kernels and harness), the timing grid of both builds side by side.
-#   run(command="bash scripts/gpu-kernels.sh [check|grid|all]", carry=[".baseline"])
+#   bash scripts/gpu-kernels.sh [check|grid|all]   (on the GPU machine, with .baseline/ copied along)
 # Env: CF_PREBUILT=1 (libraries built here and carried: bench/out*, .baseline/out), VARIANTS (more
 # builds, checked and timed in the grid: "name=dir ...", each built here with
 #   CF_BUILD_DIR=dir CF_NVCC_FLAGS="-DCF_BWD_PRODUCER=0" python3 bench/kernel_check.py --build-only

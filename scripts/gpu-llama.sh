@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Llama example on the GPU machine (device tool), SmolLM2-135M-Instruct Q4_1 GGUF (98 MB):
+# The Llama example on the GPU machine, SmolLM2-135M-Instruct Q4_1 GGUF (98 MB):
 # the model travels in parts because one call carries at most 64 MiB, the working tree
 # included (shared/device README).
 #
@@ -8,9 +8,9 @@
 #   part of the model into gpu-llama/p0/ and the rest in parts into gpu-llama/p1/, p2/, ...,
 #   each small enough to travel beside the working tree, and the model's sha256 in the last.
 # Device, one call per part but the last, right after one another:
-#   run(command="bash scripts/gpu-llama.sh park", carry=["gpu-llama/p0"]), then p1, ...
+#   bash scripts/gpu-llama.sh park   (with gpu-llama/p0 copied along), then p1, ...
 #   parks the part (and the binaries) under /root/llama (kept while the machine stays warm).
-# Device, last call (right after):  run(command="bash scripts/gpu-llama.sh run", carry=["gpu-llama/pN"])
+# Device, last call (right after):  bash scripts/gpu-llama.sh run   (with gpu-llama/pN copied along)
 #   reassembles and checks the model, then: the first forward of a fresh process (cold JIT cache
 #   and warm), llama_bench single-sequence decode (eager vs CUDA graph, same run) in bf16 and
 #   f32, quantized and dequantized weights, and the batched mode; logs under $OUT, a summary last.

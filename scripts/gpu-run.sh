@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool), over binaries built by scripts/gpu-build.sh and carried
+# Runs on the GPU machine, over binaries built by scripts/gpu-build.sh and carried
 # in gpu-pack/: the test suite on CUDA, the limits, and every kernel under the sanitizers, with a
 # summary last; exits non-zero when anything failed. Full logs go to $OUT.
 #   bash scripts/gpu-run.sh [tests|big|sanitize|all]      (default: all)
