@@ -197,7 +197,7 @@ inline bool heavy_first_order(const CfFwdParams& f, int64_t ctas, int64_t slots,
 // (KV head * split, sequence) groups, of `groups` with `key_blocks` CTAs each, that run key block
 // slowest: all of them on grids of at most 4 waves (heavy_first_order). Beyond that, under
 // causal-like masks, a group's key block 0 carries about twice its mean work and in launch order
-// the last groups' start in the last waves: a list-scheduling model (bench/cta_order_model.py)
+// the last groups' start in the last waves: a list-scheduling model (experiments/cta_order_model.py)
 // puts the makespan 5-7% above ideal where a group has fewer key blocks than a wave has slots
 // (d = 128 causal at 2k-8k, d = 256 at 4k), <1% from there on (16k). There the last
 // CF_BWD_TAIL_WAVES waves' worth of groups run key block slowest (model: 1-1.3% above ideal;

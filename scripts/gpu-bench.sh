@@ -25,7 +25,7 @@ rounds=${ROUNDS:-2}
 # cap: that was the "fwd+bwd at 16k above fwd + bwd" of 2026-11-27 (commit 2031cb3)) while cuDNN idled
 # for seconds before each new shape to build its plan, which was worth 5-12% to it
 # (bench/NOTES.md, 2026-11-27, commit 378b375). bench/clocks.py prints the clocks each implementation's
-# points ran at; bench/power_ab.sh compares the two under sustained load.
+# points ran at; experiments/power_ab.sh compares the two under sustained load.
 rest=(--rest-ms "${REST_MS:-500}" --stamp)
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader,nounits -lms 50 > "$OUT/smi.csv" 2>&1 &
 smi=$!

@@ -11,6 +11,6 @@ template cudaError_t run_bwd_tc<__nv_bfloat16, 256>(const CfBwdParams&, const Bw
 }  // namespace cf
 
 #ifdef CF_BWD_TRACE
-// The backward probe's buffer (bench/bwd_trace.py): copies it out (then clears it); 0 on success.
+// The backward probe's buffer (experiments/bwd_trace.py): copies it out (then clears it); 0 on success.
 extern "C" int cf_bwd_trace_read(long long* dst) { return cf::read_and_clear_trace(cf::g_bwd_trace, dst); }
 #endif

@@ -41,8 +41,8 @@
 namespace cf {
 
 #ifdef CF_BWD_TRACE
-// Timeline probe (a build-time option for bench/bwd_trace.py, never in the crate's build):
-// clock64() at twelve points of a step (named in bench/bwd_trace.py), taken by thread 0 of each
+// Timeline probe (a build-time option for experiments/bwd_trace.py, never in the crate's build):
+// clock64() at twelve points of a step (named in experiments/bwd_trace.py), taken by thread 0 of each
 // consumer warpgroup of the CTA at blockIdx (1, 0, 0) over its first kBwdTraceSteps steps. The
 // buffer is per translation unit (static); sm80/bwd_bf16.cu reads it (cf_bwd_trace_read).
 constexpr int kBwdTraceSteps = 64, kBwdTraceEvents = 12;

@@ -59,8 +59,8 @@
 namespace cf {
 
 #ifdef CF_FWD_TRACE
-// Timeline probe (a build-time option for bench/fwd_trace.py, never in the crate's build):
-// clock64() at eight points of the mainloop's key-block loop (named in bench/fwd_trace.py), taken by thread 0 of
+// Timeline probe (a build-time option for experiments/fwd_trace.py, never in the crate's build):
+// clock64() at eight points of the mainloop's key-block loop (named in experiments/fwd_trace.py), taken by thread 0 of
 // each consumer warpgroup of CTA 0 over the first kTraceBlocks key blocks of its first tile, so
 // that a step's time can be split into waits (data, turn, products) and work (softmax).
 constexpr int kTraceBlocks = 64, kTraceEvents = 8;
@@ -509,7 +509,7 @@ struct FwdMainloop {
                 // is in flight while another's registers are live, so S 128 + O 64 is the peak
                 // and 256 keys fit (cuDNN's FP8 forward waits the same way). The other
                 // warpgroup's products fill the tensor cores during this one's softmax.
-                // Probe points (bench/fwd_trace.py --serial): 0 start, 1 K / V arrived, 2 turn,
+                // Probe points (experiments/fwd_trace.py --serial): 0 start, 1 K / V arrived, 2 turn,
                 // 3 P V issued, 4 P V complete, 5 S issued, 6 S complete, 7 softmax done.
                 CF_TRACE(trace, turn.wg, j, 0);
                 pl.v().consumer_wait(kv + j - 1);
@@ -755,6 +755,6 @@ CF_INST_FWD_SM90(FwdSm90Fp8TraitsD256)
 }  // namespace cf
 
 #ifdef CF_FWD_TRACE
-// The probe's buffer (bench/fwd_trace.py): copies it out (then clears it); 0 on success.
+// The probe's buffer (experiments/fwd_trace.py): copies it out (then clears it); 0 on success.
 extern "C" int cf_fwd_trace_read(long long* dst) { return cf::read_and_clear_trace(cf::g_fwd_trace, dst); }
 #endif

@@ -4,7 +4,7 @@
 // issue and after wgmma.wait_group 0. If the issue time stays small as NW grows, issue is
 // asynchronous; if it grows with NW (about 64 cycles per m64n128k16 at the full rate), the warp
 // waits for queue room while the products run.
-// build (device): nvcc -arch=sm_90a -O3 -I kernels -o /tmp/wgi bench/micro/wgmma_issue.cu
+// build (device): nvcc -arch=sm_90a -O3 -I kernels -o /tmp/wgi experiments/micro/wgmma_issue.cu
 #include <cstdio>
 #include <cuda_runtime.h>
 #include "sm90/wgmma.cuh"

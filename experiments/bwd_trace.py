@@ -17,7 +17,7 @@ each phase over the steady-state steps (the first 4 and the last dropped):
 usage: CF_BUILD_DIR=bench/out_btrace bwd_trace.py [d,causal,N ...]
 (build: CF_BUILD_DIR=bench/out_btrace CF_NVCC_FLAGS="-DCF_BWD_TRACE" kernel_check.py --build-only)"""
 import ctypes, os, sys
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import kernel_check as kc
 import torch
 

@@ -4,8 +4,8 @@
 # the power cap and the card's clock drift do not enter; bench/NOTES.md, 2026-11-27, commit 17d890a).
 # A change that only reorders work shows in the time, one that removes instructions in both.
 #   BUILDS="base=bench/out/base new=bench/out/new" \
-#   POINTS="8192 128 --bwd;16384 128 --bwd --causal;16384 128" bash bench/ncu_ab.sh
-# A point is bench/one_fwd.py's arguments: N, D, then --bwd / --causal; the forward kernel
+#   POINTS="8192 128 --bwd;16384 128 --bwd --causal;16384 128" bash experiments/ncu_ab.sh
+# A point is experiments/one_fwd.py's arguments: N, D, then --bwd / --causal; the forward kernel
 # (fwd_sm90) is measured unless --bwd names the dK/dV kernel (bwd_dkdv). Prints one line per
 # build, point and metric; $OUT/ncu_ab.txt keeps them.
 set -uo pipefail
@@ -22,7 +22,7 @@ for pt in "${points[@]}"; do
     name=${b%%=*}
     # shellcheck disable=SC2086
     CF_BUILD_DIR=${b#*=} ncu -k "regex:$kernel" --metrics "$metrics" --csv \
-      python3 bench/one_fwd.py --n "$n" --d "$d" $rest 2>/dev/null |
+      python3 experiments/one_fwd.py --n "$n" --d "$d" $rest 2>/dev/null |
       grep -E 'gpu__time|inst_exec' |
       awk -F'","' -v b="$name" -v p="$pt" '{gsub(/"/, "", $NF); print p " | " b " | " $(NF-2) " " $NF}'
   done

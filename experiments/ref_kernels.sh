@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Device side: what the reference implementations launch for one grid point (PyTorch SDPA's
-# flash and cuDNN backends, one forward and one backward each, bench/one_fwd.py --refs-only),
+# flash and cuDNN backends, one forward and one backward each, experiments/one_fwd.py --refs-only),
 # read with ncu: each kernel's name, grid, block, registers, shared memory and duration, then
-# the SASS opcode mix of the longest kernels (bench/ncu_source.py --mix: HGMMA shapes and
+# the SASS opcode mix of the longest kernels (experiments/ncu_source.py --mix: HGMMA shapes and
 # operand forms give the tile structure, e.g. which products read A from registers).
-#   N=8192 D=128 [CAUSAL=1] [TOP=2] [SKIP=pytorch_flash] bash bench/ref_kernels.sh
+#   N=8192 D=128 [CAUSAL=1] [TOP=2] [SKIP=pytorch_flash] bash experiments/ref_kernels.sh
 # (SKIP: a regex of kernel names left out of the SASS pass; FA2, whose source we have, by default)
 # Writes $OUT/ref_launch_<N>_<D>.txt and $OUT/ref_sass_<N>_<D>_<i>.txt.
 set -uo pipefail
@@ -19,7 +19,7 @@ args=(--refs-only --n "$N" --d "$D" --bwd)
 tag="${N}_${D}$([ "${CAUSAL:-0}" = 1 ] && echo c)"
 launch="$OUT/ref_launch_$tag.txt"
 ncu --section LaunchStats --section SpeedOfLight --csv --page details \
-  python3 bench/one_fwd.py "${args[@]}" > "$launch.csv" 2> "$OUT/ref_ncu_$tag.err"
+  python3 experiments/one_fwd.py "${args[@]}" > "$launch.csv" 2> "$OUT/ref_ncu_$tag.err"
 python3 - "$launch.csv" "$TOP" "${SKIP:-pytorch_flash}" > "$launch" <<'EOF'
 import csv, re, sys
 from collections import OrderedDict
@@ -53,8 +53,8 @@ grep '^LONGEST ' "$launch" | sed 's/^LONGEST //' | sed 's/ ||| /\n/g' | while re
   i=$((i + 1))
   base=$(echo "$name" | sed 's/[(<].*//' | tr -cd 'A-Za-z0-9_')
   rep="/tmp/ref_${tag}_$i"
-  ncu --set full -k "regex:^${base}" -c 1 -f -o "$rep" python3 bench/one_fwd.py "${args[@]}" > /dev/null 2>&1
+  ncu --set full -k "regex:^${base}" -c 1 -f -o "$rep" python3 experiments/one_fwd.py "${args[@]}" > /dev/null 2>&1
   ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2> /dev/null
-  { echo "# $name"; python3 bench/ncu_source.py "$rep.csv" 30 --mix; } > "$OUT/ref_sass_${tag}_$i.txt" 2>&1
+  { echo "# $name"; python3 experiments/ncu_source.py "$rep.csv" 30 --mix; } > "$OUT/ref_sass_${tag}_$i.txt" 2>&1
   head -n 60 "$OUT/ref_sass_${tag}_$i.txt"
 done

@@ -23,7 +23,7 @@ The serial step of e4m3 blocks wider than 224 keys (kSerialPV) has its own eight
   tail   O rescale + conversion of P (up to the next block's first event)
 usage: CF_BUILD_DIR=bench/out_trace fwd_trace.py [--serial] [dtype,d,causal,N ...] (dtype bf16 / f16 / e4m3)"""
 import os, sys
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import kernel_check as kc
 import torch
 

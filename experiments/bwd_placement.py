@@ -4,11 +4,11 @@ commit 2031cb3: the crate's fwd+bwd / bwd at 16k run 9-17% slower after a long h
 process than alone.) Times cf_bwd of one build with its workspace, and then dq / dk / dv, moved
 by several offsets inside larger allocations; builds nothing.
 
-usage: CF_BUILD_DIR=bench/out_x python3 bench/bwd_placement.py
+usage: CF_BUILD_DIR=bench/out_x python3 experiments/bwd_placement.py
   (POINTS='64,0,16384;128,1,16384', OFFSETS='0,256,...' bytes, WHAT='workspace;dq,dk,dv', PASSES=1)
 """
 import ctypes, os, sys
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import kernel_check as kc
 import torch
 

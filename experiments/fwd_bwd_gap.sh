@@ -4,7 +4,7 @@
 # shapes +-5%). Times the three modes in two orders, samples clocks / power meanwhile, and
 # lists each mode's kernels with their durations under ncu. (Alone, the gap is ~1%: it needs the
 # long history of the bench's grid in one process; bench/NOTES.md, 2026-11-27, commit 2031cb3.)
-# Usage: HDIM=64 N=16384 CAUSAL=false bash bench/fwd_bwd_gap.sh (OUT=... for the logs)
+# Usage: HDIM=64 N=16384 CAUSAL=false bash experiments/fwd_bwd_gap.sh (OUT=... for the logs)
 # GRID=1: instead, the bench's whole grid in one process (where the gap shows), with the
 # fwd_bwd calls split at an event between forward and backward (--split), once with the
 # default allocation caching and once with --no-pool-cache, then the N = $N kernels of the

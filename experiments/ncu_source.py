@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Where a kernel's warps stall, per SASS instruction, from an ncu report's source page:
-  ncu -k regex:bwd_dkdv_sm90 -c 1 --set full -o rep python3 bench/one_fwd.py --n 8192 --d 128 --bwd
+  ncu -k regex:bwd_dkdv_sm90 -c 1 --set full -o rep python3 experiments/one_fwd.py --n 8192 --d 128 --bwd
   ncu --import rep.ncu-rep --page source --csv --print-source sass > src.csv
-  python3 bench/ncu_source.py src.csv [top] [--mix]
+  python3 experiments/ncu_source.py src.csv [top] [--mix]
 Prints the stall-sample columns' totals, then the top instructions by samples with their
 neighbours' share grouped by opcode class (HGMMA, barriers, shared/global memory, MUFU, ...).
 --mix also prints the opcode mix with modifiers (static lines and executed instructions) and every
 HGMMA line in program order: for a kernel we have no source of (cuDNN's), its product shapes and
-operand forms (A from registers or a descriptor) show the tile structure (bench/ref_kernels.sh)."""
+operand forms (A from registers or a descriptor) show the tile structure (experiments/ref_kernels.sh)."""
 import csv, re, sys
 from collections import defaultdict
 

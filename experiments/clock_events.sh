@@ -5,7 +5,7 @@
 # clock-event reasons every 20 ms. Prints per implementation and round: TF/s, the SM clock over
 # the point (median / min) and how many samples carried each reason (power cap, hardware
 # slowdown, power brake, thermal). Needs gpu-pack (scripts/gpu-build.sh).
-#   MODE=fwd N=16384 D=128 CAUSAL=false ROUNDS=3 ITERS=60 bash bench/clock_events.sh
+#   MODE=fwd N=16384 D=128 CAUSAL=false ROUNDS=3 ITERS=60 bash experiments/clock_events.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device-prelude.sh

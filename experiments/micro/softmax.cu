@@ -4,7 +4,7 @@
 // packing, looped ITER times with 1 or 2 warps per SM sub-partition. Prints cycles per block per
 // warp: the time a warpgroup's softmax takes when nothing else runs, against the MUFU floor of
 // 66 exponentials x 8 cycles = 528.
-// build (device): nvcc -arch=sm_90a -O3 -I kernels -o /tmp/smx bench/micro/softmax.cu
+// build (device): nvcc -arch=sm_90a -O3 -I kernels -o /tmp/smx experiments/micro/softmax.cu
 #include <cstdio>
 #include <cuda_runtime.h>
 #include "common/softmax.cuh"

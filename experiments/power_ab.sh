@@ -5,7 +5,7 @@
 # Why: the H100 runs at its 700 W power cap under sustained attention (nvidia-smi: "SW power
 # cap"), so a kernel's speed in a long run depends on its energy per call, not only on its
 # cycles (bench/NOTES.md, 2026-11-27, commit 378b375).
-# Usage: POINTS="64:16384:fwd 128:16384:bwd ..." REST=5 bash bench/power_ab.sh (OUT=... for logs)
+# Usage: POINTS="64:16384:fwd 128:16384:bwd ..." REST=5 bash experiments/power_ab.sh (OUT=... for logs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device-prelude.sh

@@ -7,10 +7,10 @@ instruction counts that the brief asks to check (HGMMA / QGMMA for wgmma, UTMALD
 UBLKRED for TMA and bulk copies, LDL / STL for local-memory spills) and MUFU, over the whole
 kernel (static counts: every code path once).
 
-  python3 bench/sass_local.py kernels/sm90/fwd.cu e4m3        # the FP8 forward kernels
-  python3 bench/sass_local.py kernels/sm80/bwd_bf16.cu dkdv_sm90 --dump /tmp/bwd.sass
+  python3 experiments/sass_local.py kernels/sm90/fwd.cu e4m3        # the FP8 forward kernels
+  python3 experiments/sass_local.py kernels/sm80/bwd_bf16.cu dkdv_sm90 --dump /tmp/bwd.sass
 
-On the device, bench/sass_diff.py (cuobjdump) compares two built libraries instead.
+On the device, experiments/sass_diff.py (cuobjdump) compares two built libraries instead.
 """
 import argparse
 import os

@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """One forward call of ours (kernel_check's library) and one each of SDPA's flash and cuDNN
-backends on a grid point, for profilers: ncu -k regex:fwd_sm90 python3 bench/one_fwd.py --n 512 --d 64 --causal
+backends on a grid point, for profilers: ncu -k regex:fwd_sm90 python3 experiments/one_fwd.py --n 512 --d 64 --causal
 --bwd: also one backward of ours (after the forward) and of each backend:
-  ncu -k regex:bwd_dkdv python3 bench/one_fwd.py --n 8192 --d 256 --bwd
+  ncu -k regex:bwd_dkdv python3 experiments/one_fwd.py --n 8192 --d 256 --bwd
 --refs-only: only the SDPA backends (no library needed: to read cuDNN's kernels' names, launch
 shapes and SASS under ncu).
 --dtype e4m3: one FP8 forward of ours (fp8_check's bench point) and, with --cudnn-fp8, one of
 cuDNN's FP8 forward on the same e4m3 tensors (cudnn-frontend, see fp8_check.py):
-  ncu --section SpeedOfLight python3 bench/one_fwd.py --dtype e4m3 --n 16384 --d 128 --cudnn-fp8"""
+  ncu --section SpeedOfLight python3 experiments/one_fwd.py --dtype e4m3 --n 16384 --d 128 --cudnn-fp8"""
 import argparse, os, sys
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import kernel_check as kc  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -7,7 +7,7 @@ another schedule), so a faster variant that changed a result is caught here. EXA
 that group the keys differently (other key-block widths: other roundings of P and of the online
 softmax) only print their largest difference; check each of them with fp8_check.py."""
 import os, sys
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import kernel_check as kc
 import fp8_check as f8
 import torch

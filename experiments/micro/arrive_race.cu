@@ -1,5 +1,5 @@
 // Does compute-sanitizer racecheck follow bar.arrive -> bar.sync? (bench/NOTES.md, 2026-11-27, commit df99929)
-//   nvcc -O2 -lineinfo -arch=sm_90a -o /tmp/ar bench/micro/arrive_race.cu
+//   nvcc -O2 -lineinfo -arch=sm_90a -o /tmp/ar experiments/micro/arrive_race.cu
 //   compute-sanitizer --tool racecheck /tmp/ar war; compute-sanitizer --tool racecheck /tmp/ar raw
 #include <cstdio>
 __global__ void war(float* out) {  // group B reads, arrives; group A syncs, then overwrites
