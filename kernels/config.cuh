@@ -33,7 +33,7 @@ constexpr int panel_padded_cols(int cols, int elem_bytes) { return (cols * elem_
 // kHopperTile (f32 at d = 256 where the device has 192 KB of shared memory for a block: Hopper):
 // 128 query rows on 8 warps (each still 16 rows: O 128 registers) over the same 32-key blocks,
 // 192 KB; every K / V block then serves twice the rows. H100 against PyTorch's efficient SDPA in
-// f32: 0.84-1.00x on the 16-key block of two 4-warp CTAs per SM (the 2026-11-26 (commit 6b00961))
+// f32: 0.84-1.00x on the 16-key block of two 4-warp CTAs per SM (as of 2026-11-26, commit 6b00961)
 // -> 0.90-1.16x (bench/NOTES.md, 2026-11-26, commit d223264). Paged K/V takes it too, so that a paged
 // call keeps the contiguous call's bits.
 template <typename T_, int kHeadDim_, bool kPaged_ = false, bool kHopperTile_ = false>
