@@ -14,7 +14,7 @@ usage (torch from PyPI in a scratch venv outside the repo; CUDA is never used):
     python3 -m venv /tmp/torchvenv && /tmp/torchvenv/bin/pip install torch matplotlib
     cargo build --release --example bench
     /tmp/torchvenv/bin/python bench/cpu_vs_torch.py --bench target/release/examples/bench \
-        --rounds 3 --out bench/results/cpu-vs-torch
+        --rounds 3 --out bench/results/cpu-vs-torch-<cpu-kind>   (e.g. -zen4, -xeon-amx)
 
 Writes OUT.jsonl (every timing), OUT.md (the ratio table) and OUT.png (ratio against N).
 """
@@ -104,7 +104,7 @@ def main():
     ap.add_argument("--h", type=int, default=8)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--label", default="", help="recorded with every timing (e.g. the ISA forced)")
-    ap.add_argument("--out", default="bench/results/cpu-vs-torch")
+    ap.add_argument("--out", default="/tmp/cpu-vs-torch")  # a record: bench/results/cpu-vs-torch-<cpu-kind>
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     points = [(dt, n, c == "true", m) for dt in a.dtypes.split(",") for m in a.modes.split(",")
