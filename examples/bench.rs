@@ -9,7 +9,7 @@
 
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor, Var};
-use candle_flash::{flash_attn_grads, flash_attn_with_lse, reference, FlashAttnOptions};
+use candle_flash::{flash_attn_grads, flash_attn_with_lse, reference, FlashAttnOptions, PagedKv, VarLen};
 use clap::Parser;
 use std::time::Instant;
 
@@ -50,6 +50,14 @@ struct Args {
     /// 2·Nq·Nk·(D + Dv) per head for the forward
     #[arg(long)]
     dv: Option<usize>,
+    /// v is k's first Dv columns (MLA's latent cache: `k.narrow(3, 0, dv)`); the K/V bytes read
+    /// (kv_tbps) then count k alone
+    #[arg(long)]
+    v_view: bool,
+    /// Forward through a paged K/V cache of pages of this many rows (varlen layout, the pages
+    /// of each sequence in reverse order); flash impls, mode fwd
+    #[arg(long)]
+    page_size: Option<usize>,
     /// Batch sizes, comma-separated
     #[arg(long, default_value = "1")]
     batch: String,
@@ -296,7 +304,18 @@ fn main() -> Result<()> {
                         let q = Tensor::randn(0f32, 1., (b, nq, h, d), &device)?.to_dtype(dtype)?;
                         let k = Tensor::randn(0f32, 1., (b, nk, hkv, d), &device)?.to_dtype(dtype)?;
                         let dv = args.dv.unwrap_or(d);
-                        let v = Tensor::randn(0f32, 1., (b, nk, hkv, dv), &device)?.to_dtype(dtype)?;
+                        if args.v_view && dv > d {
+                            bail!("--v-view needs dv <= d");
+                        }
+                        let v = if args.v_view {
+                            k.narrow(3, 0, dv)?
+                        } else {
+                            Tensor::randn(0f32, 1., (b, nk, hkv, dv), &device)?.to_dtype(dtype)?
+                        };
+                        let paged = match args.page_size {
+                            Some(page) => Some(paged_inputs(&q, (b, nq, nk, hkv, d, dv), page, args.v_view, &device)?),
+                            None => None,
+                        };
                         let dout = Tensor::randn(0f32, 1., (b, nq, h, dv), &device)?.to_dtype(dtype)?;
                         let plain_opts = FlashAttnOptions::new(1.0 / (d as f32).sqrt()).causal(causal);
                         let sinks = Tensor::full(0.5f32, h, &device)?;
@@ -341,6 +360,15 @@ fn main() -> Result<()> {
                                 }
                                 let wall_start = unix_seconds();
                                 let (sample, peak) = match mode.as_str() {
+                                    "fwd" if flash && paged.is_some() => {
+                                        let (pq, pk, pv, popts) = paged.as_ref().unwrap();
+                                        let popts = popts.clone().causal(causal).sinks(opts.sinks.as_ref());
+                                        time(&device, args.iters, &marks, || {
+                                            flash_attn_with_lse(pq, pk, pv, &popts)?;
+                                            Ok(())
+                                        })?
+                                    }
+                                    _ if paged.is_some() => bail!("--page-size: flash impls, mode fwd"),
                                     "fwd" => time(&device, args.iters, &marks, || {
                                         attn(&q, &k, &v)?;
                                         Ok(())
@@ -414,7 +442,10 @@ fn main() -> Result<()> {
                                         "ms": row.ms, "tflops": row.tflops, "peak_mb": row.peak_mb,
                                         // K and V read once: the memory floor of decode shapes.
                                         "dv": dv,
-                                        "kv_tbps": (b * nk * hkv * (d + dv) * dtype.size_in_bytes()) as f64 / (ms * 1e-3) / 1e12,
+                                        "kv_tbps": (b * nk * hkv * (d + if args.v_view { 0 } else { dv }) * dtype.size_in_bytes()) as f64
+                                            / (ms * 1e-3)
+                                            / 1e12,
+                                        "v_view": args.v_view, "page_size": args.page_size,
                                         "host_ms": sample.host_ms, "parts_ms": sample.parts_ms,
                                     })
                                 );
@@ -452,4 +483,33 @@ fn print_table(rows: &[Row]) {
             r.tflops * 1e3
         );
     }
+}
+
+/// The paged form of a decode point: q as (B·Nq, H, D) with cumulative offsets, a cache of
+/// B·⌈Nk / page⌉ pages whose table lists each sequence's pages in reverse order (no two
+/// neighbours adjacent in memory), v a view of the key cache with `v_view`.
+fn paged_inputs(
+    q: &Tensor,
+    (b, nq, nk, hkv, d, dv): (usize, usize, usize, usize, usize, usize),
+    page: usize,
+    v_view: bool,
+    device: &Device,
+) -> Result<(Tensor, Tensor, Tensor, FlashAttnOptions)> {
+    let per_seq = nk.div_ceil(page);
+    let pages = b * per_seq;
+    let dtype = q.dtype();
+    let k_cache = Tensor::randn(0f32, 1., (pages, page, hkv, d), device)?.to_dtype(dtype)?;
+    let v_cache = if v_view {
+        k_cache.narrow(3, 0, dv)?
+    } else {
+        Tensor::randn(0f32, 1., (pages, page, hkv, dv), device)?.to_dtype(dtype)?
+    };
+    let table: Vec<u32> = (0..pages).map(|i| (pages - 1 - i) as u32).collect();
+    let table = Tensor::from_vec(table, (b, per_seq), device)?;
+    let offsets = |n: usize| Tensor::from_vec((0..=b).map(|i| (i * n) as u32).collect::<Vec<_>>(), b + 1, device);
+    let varlen = VarLen { seqlens_q: offsets(nq)?, seqlens_k: offsets(nk)?, max_seqlen_q: nq, max_seqlen_k: nk };
+    let h = q.dim(2)?;
+    let opts =
+        FlashAttnOptions::new(1.0 / (d as f32).sqrt()).varlen(Some(varlen)).paged(Some(PagedKv::new(&table, page)));
+    Ok((q.reshape((b * nq, h, d))?, k_cache, v_cache, opts))
 }

@@ -77,6 +77,45 @@ struct SplitTraits {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "split path: head-dim tiles 64 / 128");
 };
 
+// ------------------------------------------------------------------ forward, split-KV decode of wide heads (sm80/fwd_wide_split.cu)
+// Head dims the 64 / 128 split kernel does not take: d up to 576 and dv up to 512 (MLA's absorbed
+// decode, (576, 512) with one KV head; 512-wide heads). CTA = 8 warps over kBlockM packed rows
+// (every query head of one KV head x its queries), key blocks of kBlockN in a ring of kStages.
+// kVInK: v is the first dv columns of k's rows (MLA's latent cache, v_is_view_of_k): the ring
+// holds K only and P V reads the K tile, so the cache is read once. Shared memory: Q [kBlockM][576],
+// the ring, the S partials [kKSplit][kBlockM][kBlockN + 8] f32 (S = Q K^T is cut over the k axis
+// where the rows are too few to give every warp keys of its own), P [kBlockM][kBlockN] and three
+// f32 per row (rescale factor, 1 / l, lse).
+constexpr int kWideSplitQkDim = 576, kWideSplitVDim = 512, kWideSplitBlockN = 32;
+template <typename T_, int kBlockM_, bool kVInK_, int kStages_>
+struct WideSplitTraits {
+    using Elem = T_;
+    static constexpr int kBlockM = kBlockM_, kBlockN = kWideSplitBlockN, kStages = kStages_;
+    static constexpr bool kVInK = kVInK_;
+    static constexpr int kQkDim = kWideSplitQkDim, kVDim = kWideSplitVDim;
+    static constexpr int kNWarps = 8, kNThreads = 256;
+    static constexpr int kCk = kQkDim / 8, kCv = kVInK ? kCk : kVDim / 8;  // 16-byte chunks per row
+    // S = Q K^T: warp (row tile, key tile of 16, k slice); kKSplit k slices of the 36 k-steps
+    static constexpr int kMTiles = kBlockM / 16, kNTiles = kBlockN / 16;
+    static constexpr int kKSplit = kNWarps / (kMTiles * kNTiles);
+    static constexpr int kKSteps = kQkDim / 16 / kKSplit;
+    // O += P V: warp (row tile, kVDim * kMTiles / 8 output columns)
+    static constexpr int kOutCols = kVDim * kMTiles / kNWarps;
+    static constexpr int kLdS = kBlockN + 8;  // f32 row of the S partials (conflict-free float2 stores)
+    static constexpr int kQBytes = kBlockM * kQkDim * 2;
+    static constexpr int kStageBytes = kBlockN * (kQkDim + (kVInK ? 0 : kVDim)) * 2;
+    static constexpr int kSBytes = kKSplit * kBlockM * kLdS * 4;
+    static constexpr int kPBytes = kBlockM * kBlockN * 2;
+    static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kSBytes + kPBytes + 3 * kBlockM * 4;
+
+    static_assert(sizeof(T_) == 2, "f16 / bf16");
+    static_assert(kBlockM == 16 || kBlockM == 64, "row tiles of 16 or 64");
+    static_assert(kKSplit >= 1 && kMTiles * kNTiles * kKSplit == kNWarps, "every warp has a share of S");
+    static_assert(kQkDim / 16 % kKSplit == 0, "whole k-steps per slice");
+    static_assert(kOutCols % 64 == 0, "output columns of a warp start at a multiple of 8 chunks (swizzle)");
+    static_assert(kStages >= 2 && kSmemBytes <= 227 * 1024, "a ring; Hopper's 227 KB (the plan checks the device)");
+};
+
 // ------------------------------------------------------------------ forward (sm_90a wgmma)
 #ifndef CF_FWD_EARLY_RESCALE
 #define CF_FWD_EARLY_RESCALE -1

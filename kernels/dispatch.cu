@@ -226,9 +226,29 @@ bool bwd_tensor_cores(const CfBwdParams& p) {
     return simt_only(p.fwd) ? false : p.fwd.dtype != CF_F32 || f32_bwd_tensor_cores(p);
 }
 
-// The split-KV plan of a call (heuristics.cuh), none on the SIMT kernels: the one
-// decision that both sizes the workspace (cf_fwd_workspace_size) and picks the kernel.
+// CANDLE_FLASH_DISABLE_WIDE_SPLIT=1 keeps the decode shapes of wide heads on the SIMT kernels
+// (to compare, and to test those kernels on the shapes the wide split kernel takes).
+bool wide_split_disabled() {
+    static const bool off = [] {
+        const char* v = std::getenv("CANDLE_FLASH_DISABLE_WIDE_SPLIT");
+        return v != nullptr && v[0] != '\0' && v[0] != '0';
+    }();
+    return off;
+}
+
+// The split-KV plan of a call (heuristics.cuh): the wide-head kernel's for the decode shapes of
+// heads past 256 columns, none on the SIMT kernels; the one decision that both sizes the
+// workspace (cf_fwd_workspace_size) and picks the kernel.
 SplitPlan split_plan(const CfFwdParams& p) {
+    if (!wide_split_disabled()) {
+        int optin = 0, sms = 0;
+        if (current_smem_optin(optin) != cudaSuccess || current_sm_count(sms) != cudaSuccess) {
+            (void)cudaGetLastError();
+            optin = 0;
+        }
+        const WideSplit w = wide_split_config(p, v_is_view_of_k(p), optin);
+        if (w != WideSplit::kNone) return plan_wide_split(p, w, sms);
+    }
     if (simt_only(p) || (p.dtype == CF_F32 && !f32_fwd_tensor_cores(p))) {
         SplitPlan none{};
         none.nsplit = 1;
@@ -298,13 +318,14 @@ cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {
     }
 }
 
-// f16 / bf16 forward: split-KV for decode shapes, else the wgmma kernel on Hopper for the
-// head-dim tiles it takes (heuristics.cuh), else the mma.sync kernel; the SIMT kernel for what
-// only it runs.
+// f16 / bf16 forward: split-KV for decode shapes (wide heads too), else the wgmma kernel on
+// Hopper for the head-dim tiles it takes (heuristics.cuh), else the mma.sync kernel; the SIMT
+// kernel for what only it runs.
 template <typename T>
 cudaError_t fwd_tc(const CfFwdParams& p, void* ws, cudaStream_t s) {
-    if (simt_only(p)) return fwd_simt<T>(p, s);
     const SplitPlan sp = split_plan(p);
+    if (sp.wide != WideSplit::kNone) return run_fwd_wide_split<T>(p, sp, ws, s);
+    if (simt_only(p)) return fwd_simt<T>(p, s);
     if (sp.nsplit > 1) return fwd_split<T>(p, sp, ws, s);
     const int rd = round_head_dim(p.d);
     if (fwd_sm90_takes(rd) && sm90a_available()) return fwd_sm90<T>(p, s);

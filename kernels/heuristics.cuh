@@ -17,6 +17,8 @@ namespace cf {
 // that keep masked calls off the tiles measured only without masks.
 inline bool has_window(const CfFwdParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
 
+inline size_t round256(size_t x) { return (x + 255) & ~size_t(255); }
+
 // Split-KV (flash-decoding) plan for few query rows and long keys: nsplit > 1 when the
 // one-pass grid would leave most of the GPU idle. f32: only on the tensor-core path (dispatch.cu's
 // split_plan says so; the SIMT kernels have no split). pack = query heads per CTA (GQA group; 1 with
@@ -66,6 +68,71 @@ inline SplitPlan plan_split(const CfFwdParams& p) {
     return sp;
 }
 
+// The wide-head split kernel (sm80/fwd_wide_split.cu) for a call, or kNone: f16 / bf16 past the
+// 256-column tiles (d in (256, 576] or dv in (256, 512]), no prefix ranges, and every row of a KV
+// group (group heads x seqlen_q queries) at most 128 (decode, MTP / speculative steps; longer
+// query blocks of such heads run on the SIMT kernels). Rows per CTA: 16 when the group's rows
+// fit, else 64; when a configuration takes more shared memory than the device gives a block
+// (smem_optin), the next one that fits: 16 rows, a shorter ring.
+inline WideSplit wide_split_config(const CfFwdParams& p, bool v_in_k, int smem_optin) {
+    const int dv = p.dv > 0 ? p.dv : p.d;
+    if ((p.dtype != CF_F16 && p.dtype != CF_BF16) || p.prefix_ranges != nullptr) return WideSplit::kNone;
+    if ((p.d <= 256 && dv <= 256) || p.d > kWideSplitQkDim || dv > kWideSplitVDim) return WideSplit::kNone;
+    if ((int64_t)(p.h / p.hkv) * p.seqlen_q > 128) return WideSplit::kNone;
+    const bool rows16 = (p.h / p.hkv) * p.seqlen_q <= 16;
+    const WideSplit in_k[] = {WideSplit::kRows64VInK3, WideSplit::kRows16VInK4, WideSplit::kRows16VInK2};
+    const WideSplit apart[] = {WideSplit::kRows64V2, WideSplit::kRows16V2};
+    auto smem = [](WideSplit w) {
+        switch (w) {
+            case WideSplit::kRows16VInK4: return WideSplitTraits<__half, 16, true, 4>::kSmemBytes;
+            case WideSplit::kRows16VInK2: return WideSplitTraits<__half, 16, true, 2>::kSmemBytes;
+            case WideSplit::kRows64VInK3: return WideSplitTraits<__half, 64, true, 3>::kSmemBytes;
+            case WideSplit::kRows16V2: return WideSplitTraits<__half, 16, false, 2>::kSmemBytes;
+            default: return WideSplitTraits<__half, 64, false, 2>::kSmemBytes;
+        }
+    };
+    const WideSplit* list = v_in_k ? in_k : apart;
+    const int n = v_in_k ? 3 : 2;
+    for (int k = rows16 ? 1 : 0; k < n; ++k)
+        if (smem(list[k]) <= smem_optin) return list[k];
+    return WideSplit::kNone;
+}
+inline int wide_split_rows(WideSplit w) {
+    return w == WideSplit::kRows64VInK3 || w == WideSplit::kRows64V2 ? 64 : 16;
+}
+
+// Its split-KV plan: one CTA per SM (the tiles take 100-225 KB), so the key range is cut until
+// the grid fills one wave of SMs (the fewest splits within 5% of the best last-wave share), each
+// split at least 4 key blocks; always through the partials (bytes > 0).
+inline SplitPlan plan_wide_split(const CfFwdParams& p, WideSplit w, int sms) {
+    SplitPlan sp{};
+    sp.wide = w;
+    sp.pack = p.h / p.hkv;
+    const int rows = wide_split_rows(w);
+    sp.mblocks = (sp.pack * p.seqlen_q + rows - 1) / rows;
+    const int64_t base = (int64_t)sp.mblocks * p.hkv * p.b;
+    const int nkb = std::max(1, (p.seqlen_k + kWideSplitBlockN - 1) / kWideSplitBlockN);
+    int nsplit = 1;
+    if (base < sms) {
+        const int max_split = (int)std::min<int64_t>({(int64_t)128, (int64_t)std::max(1, nkb / 4),
+                                                      (int64_t)(INT32_MAX / 2) / std::max<int64_t>(1, sp.mblocks)});
+        auto efficiency = [&](int n) {
+            const int64_t ctas = base * n;
+            return (double)ctas / (double)(((ctas + sms - 1) / sms) * sms);
+        };
+        double best = 0.0;
+        for (int n = 1; n <= max_split; ++n) best = std::max(best, efficiency(n));
+        for (int n = 1; n <= max_split; ++n)
+            if (efficiency(n) >= 0.95 * best) { nsplit = n; break; }
+    }
+    sp.bps = (nkb + nsplit - 1) / nsplit;
+    sp.nsplit = (nkb + sp.bps - 1) / sp.bps;  // no chunk left empty
+    const size_t part_rows = (size_t)sp.nsplit * p.b * p.h * p.seqlen_q;
+    sp.opart_bytes = round256(part_rows * kWideSplitVDim * sizeof(float));
+    sp.bytes = sp.opart_bytes + part_rows * sizeof(float);
+    return sp;
+}
+
 // Backward workspace plan; a pure function of the parameters (cf_bwd_workspace_size and cf_bwd
 // must agree, so no device query).
 struct BwdPlan {
@@ -79,8 +146,6 @@ struct BwdPlan {
     // instead of the separate reduction kernel.
     bool dkv_in_kernel;
 };
-
-inline size_t round256(size_t x) { return (x + 255) & ~size_t(255); }
 
 // tc: the tensor-core kernels run (16-bit, or f32 on 3xTF32; dispatch.cu decides), else SIMT.
 // sm90: the sm_90a dK/dV kernels run. Deterministic mode there adds dQ in the dK/dV kernel too,

@@ -80,14 +80,22 @@ size_t simt_fwd_smem_bytes(const CfFwdParams& p, SimtShape shape);
 // query heads of one KV group per CTA, mblocks query blocks per group, deep = at most one CTA
 // per SM (deeper K/V ring). Partials live in the caller's workspace: opart (f32, [nsplit][b][h]
 // [seqlen_q][head-dim tile]) then lpart (f32, [nsplit][b][h][seqlen_q]); bytes = 0 when nsplit == 1.
+// wide != kNone: the wide-head kernel (sm80/fwd_wide_split.cu) in that configuration (config.cuh
+// WideSplitTraits: rows per CTA, v read from k's tile, ring depth); it always writes partials
+// (bytes > 0 also when nsplit == 1), its pack is the whole KV group.
+enum class WideSplit { kNone, kRows16VInK4, kRows16VInK2, kRows64VInK3, kRows16V2, kRows64V2 };
 struct SplitPlan {
     int nsplit, bps, pack, mblocks;
     bool deep;
+    WideSplit wide;
     size_t opart_bytes, bytes;
 };
 // Decode shapes (sm80/fwd_split.cu, D in {64, 128}).
 template <typename T, int D>
 cudaError_t run_fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* workspace, cudaStream_t stream);
+// Decode shapes of wide heads (sm80/fwd_wide_split.cu: d <= 576, dv <= 512, f16 / bf16).
+template <typename T>
+cudaError_t run_fwd_wide_split(const CfFwdParams& p, const SplitPlan& sp, void* workspace, cudaStream_t stream);
 
 // Writes dsum (D = rowsum(dO*O)) into ws.dsum (simt/bwd.cu, every dtype).
 cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);

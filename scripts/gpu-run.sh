@@ -56,6 +56,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   { CANDLE_FLASH_PAD_VALUE_HEAD_DIM=0 gpu-bin/tests/parity value_head_dims --test-threads=1 &&
     CANDLE_FLASH_PAD_VALUE_HEAD_DIM=0 gpu-bin/tests/paged cuda_mm_prefix --test-threads=1; } > "$vlog" 2>&1
   record value-dims-simt $? "$(last_result "$vlog")"
+  # the SIMT kernels on the decode shapes of wide heads, which the wide-head split kernel takes
+  wlog="$OUT/wide_decode_simt.log"
+  { CANDLE_FLASH_DISABLE_WIDE_SPLIT=1 gpu-bin/tests/parity wide_ --test-threads=1 &&
+    CANDLE_FLASH_DISABLE_WIDE_SPLIT=1 gpu-bin/tests/variants value_as_a_view --test-threads=1 &&
+    CANDLE_FLASH_DISABLE_WIDE_SPLIT=1 gpu-bin/tests/paged cuda_ --test-threads=1; } > "$wlog" 2>&1
+  record wide-decode-simt $? "$(last_result "$wlog")"
 fi
 
 if [ "$what" = big ] || [ "$what" = all ]; then
@@ -92,12 +98,12 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
   # racecheck: one process per test, each within SAN_TIMEOUT. All five in one process did not
   # finish in 280 s; alone (H100, 2026-11-24) they take 2-53 s, except decode (split-KV over 700
   # keys, every head-dim tile and dtype): ~155 s per kernel family.
-  for t in prefill deterministic_backward decode varlen_with_empty_sequences long_queries_head_dim_64 simt_wide_head_dims; do
+  for t in prefill deterministic_backward decode varlen_with_empty_sequences long_queries_head_dim_64 simt_wide_head_dims wide_split_decode; do
     san "racecheck-$t" racecheck -- gpu-bin/tests/every_kernel "$t" --exact
     san "racecheck-sm80-$t" racecheck CANDLE_FLASH_DISABLE_SM90A=1 -- gpu-bin/tests/every_kernel "$t" --exact
   done
   # synccheck: one process per test as well (all six in one process outgrew 570 s on the H200).
-  for t in prefill deterministic_backward decode varlen_with_empty_sequences f32_simt_kernels long_queries_head_dim_64 simt_wide_head_dims; do
+  for t in prefill deterministic_backward decode varlen_with_empty_sequences f32_simt_kernels long_queries_head_dim_64 simt_wide_head_dims wide_split_decode; do
     san "synccheck-$t" synccheck -- gpu-bin/tests/every_kernel "$t" --exact
   done
   san initcheck initcheck CANDLE_FLASH_NO_POISON=1 -- gpu-bin/tests/every_kernel

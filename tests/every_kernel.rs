@@ -16,13 +16,16 @@
 //!   varlen       packed sequences, one of them empty on the query side and one on the key side
 //!                (sm_90a: key blocks that cross a sequence end load with cp.async, the rest by TMA);
 //!   simt_wide    the SIMT kernels' wide shape for every dtype (head dims past 256, a value head
-//!                dim of its own, v read with it);
+//!                dim of its own, v read with it; f16 / bf16 forwards of these shapes run on the
+//!                wide-head split kernel);
+//!   wide_split   the wide-head split-KV decode kernel in each configuration (16 / 64 rows a CTA,
+//!                v a tensor of its own or a view of the key cache) and its combine;
 //! and the sm_90a 192 x 96 forward for head dim 64 past 2048 query rows. Learnable sinks ride on
 //! deterministic, decode (the combine adds them), varlen (rows without keys: lse = the sink; the
 //! sinks' gradient kernel) and the f32 SIMT cases; prefill runs without them.
 
 mod common;
-use candle_core::DType;
+use candle_core::{DType, Device, Tensor};
 use common::Case;
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
@@ -93,6 +96,43 @@ fn simt_wide_head_dims() {
                 let summary = common::check_case(&case, &device, true).unwrap();
                 println!("{case:?} on {:?}: {summary}", device.location());
             }
+        }
+    }
+}
+
+/// The wide-head split-KV decode kernel (kernels/sm80/fwd_wide_split.cu) in each configuration
+/// an H100 / H200 picks: 16 and 64 rows a CTA (two row blocks at 128 heads), v a tensor of its own
+/// and v a view of the key cache (MLA's latent); causal over 333 keys (a partial key block); the
+/// forward against the f64 reference on the same views.
+#[test]
+fn wide_split_decode() {
+    let Some(gpu) = common::cuda_device() else { return };
+    let (mut rng, seed) = common::rng();
+    let shapes = [
+        (1, 16, 1, 576, 512, true),
+        (2, 64, 1, 576, 512, true),
+        (1, 128, 1, 576, 512, true),
+        (1, 8, 4, 512, 512, false),
+        (3, 16, 2, 512, 512, false),
+    ];
+    for dtype in [DType::F16, DType::BF16] {
+        for (sq, h, hkv, d, dv, view) in shapes {
+            let randn = |rng: &mut _, dims: &[usize]| common::randn(rng, dims, 1.0).unwrap().to_dtype(dtype).unwrap();
+            let q = randn(&mut rng, &[2, sq, h, d]);
+            let k = randn(&mut rng, &[2, 333, hkv, d]);
+            let v = if view { k.narrow(3, 0, dv).unwrap() } else { randn(&mut rng, &[2, 333, hkv, dv]) };
+            let opts = candle_flash::FlashAttnOptions::new(0.05).causal(true);
+            let on = |t: &Tensor, dev: &Device| t.to_device(dev).unwrap();
+            let (out, _) =
+                candle_flash::flash_attn_with_lse(&on(&q, &gpu), &on(&k, &gpu), &on(&v, &gpu), &opts).unwrap();
+            let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+            let truth = candle_flash::reference::attention(&f64s(&q), &f64s(&k), &f64s(&v), &opts).unwrap();
+            let naive = candle_flash::reference::attention(&q, &k, &v, &opts).unwrap();
+            let (ef, en) = (common::max_err(&out, &truth), common::max_err(&naive, &truth));
+            let tol = 2.0 * en + common::floor(dtype, false);
+            let what = format!("{dtype:?} sq {sq} heads {h}/{hkv} ({d}, {dv}) view {view}");
+            assert!(ef <= tol, "{what}: error {ef:.2e} > {tol:.2e} (seed {seed})");
+            println!("{what}: {ef:.1e} (naive {en:.1e})");
         }
     }
 }

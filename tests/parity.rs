@@ -212,6 +212,29 @@ fn wide_head_dims() {
     sweep(&cases, true);
 }
 
+/// Decode shapes of wide heads (CUDA f16 / bf16: the wide-head split-KV kernel,
+/// kernels/sm80/fwd_wide_split.cu): MLA's absorbed (576, 512) with one KV head and 16 to 128
+/// query heads (16 and 64 rows a CTA, two row blocks of 64 at 128 rows), MTP-like 2-query steps,
+/// 512-wide GQA heads with softcap, ALiBi, windows and sinks, caches of 1, 17, 113 and 1023 keys,
+/// a varlen batch with an empty cache (forward; the gradients of these heads run on the SIMT
+/// kernels, which wide_head_dims covers).
+#[test]
+fn wide_decode_shapes() {
+    let mut cases = vec![];
+    for dtype in DTYPES {
+        cases.push(Case::new(dtype, (1, 1023), (16, 1), 576).dv(512).causal());
+        cases.push(Case::new(dtype, (1, 1), (16, 1), 576).dv(512));
+        cases.push(Case::new(dtype, (2, 113), (64, 1), 576).dv(512).causal().sinks(-8.0, 6.0));
+        cases.push(Case::new(dtype, (1, 300), (128, 1), 576).dv(512).softcap(30.0));
+        cases.push(Case::new(dtype, (1, 17), (8, 4), 512).alibi(1).softcap(8.0));
+        cases.push(Case::new(dtype, (3, 900), (8, 2), 512).window(Some(300), Some(0)).sinks(-8.0, 6.0));
+        cases.push(
+            Case::new(dtype, (0, 0), (16, 1), 576).dv(512).varlen(&[(1, 300), (1, 0), (2, 513), (1, 17)]).causal(),
+        );
+    }
+    sweep(&cases, false);
+}
+
 /// Deterministic backward: the same inputs give the same bits on every run, on every device.
 #[test]
 fn deterministic_backward_is_bitwise_stable() {

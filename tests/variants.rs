@@ -133,20 +133,22 @@ fn bad_sinks_are_errors() -> Result<()> {
 }
 
 /// MLA's absorbed decode reads v as the first Dv columns of the same latent cache as k: v a
-/// (strided) view of k (the CUDA SIMT kernel then loads each key row once). Against the
+/// (strided) view of k (the CUDA kernels then load each key row once). Against the
 /// reference on the same views, every device.
 #[test]
 fn value_as_a_view_of_the_key_cache() -> Result<()> {
     for device in devices() {
         let (mut rng, seed) = common::rng();
-        for ((dqk, dv), dtype) in [(576, 512), (192, 128)].into_iter().flat_map(|d| [(d, DType::F32), (d, DType::BF16)])
-        {
-            let q = randn(&mut rng, &[2, 3, 16, dqk], 1.0)?.to_dtype(dtype)?.to_device(&device)?;
+        // (576, 512): 48 rows of one KV head, one decode row of 16 heads, 128 heads (on CUDA the
+        // wide-head split kernel's 64- and 16-row tiles, reading the values out of the key tile)
+        let shapes = [((576, 512), 3, 16), ((576, 512), 1, 16), ((576, 512), 1, 128), ((192, 128), 3, 16)];
+        for (((dqk, dv), sq, heads), dtype) in shapes.into_iter().flat_map(|s| [(s, DType::F32), (s, DType::BF16)]) {
+            let q = randn(&mut rng, &[2, sq, heads, dqk], 1.0)?.to_dtype(dtype)?.to_device(&device)?;
             let kv = randn(&mut rng, &[2, 100, 1, dqk], 1.0)?.to_dtype(dtype)?.to_device(&device)?;
             let v = kv.narrow(3, 0, dv)?;
             let opts = FlashAttnOptions::new(0.05).causal(true);
             let (out, _) = flash_attn_with_lse(&q, &kv, &v, &opts)?;
-            assert_eq!(out.dims(), &[2, 3, 16, dv]);
+            assert_eq!(out.dims(), &[2, sq, heads, dv]);
             let f64_on_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F64);
             let truth =
                 candle_flash::reference::attention(&f64_on_cpu(&q)?, &f64_on_cpu(&kv)?, &f64_on_cpu(&v)?, &opts)?;

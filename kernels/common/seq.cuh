@@ -175,6 +175,13 @@ struct SeqInfo {
 // Head dim of v, o, dout and dv (flash_api.h: dv == 0 means d).
 __host__ __device__ inline int head_dim_v(const CfFwdParams& p) { return p.dv > 0 ? p.dv : p.d; }
 
+// Whether v is k's own storage, the first dv columns of each of its rows (MLA: the value is a
+// view of the compressed latent that is also the key). The kernels then load each key row once.
+__host__ __device__ inline bool v_is_view_of_k(const CfFwdParams& p) {
+    return p.v == p.k && head_dim_v(p) <= p.d && p.v_batch_stride == p.k_batch_stride &&
+           p.v_row_stride == p.k_row_stride && p.v_head_stride == p.k_head_stride;
+}
+
 // KV head read by query head h (GQA / MQA: h / group).
 __device__ __forceinline__ int kv_head(const CfFwdParams& p, int h) { return h / (p.h / p.hkv); }
 

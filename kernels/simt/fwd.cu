@@ -8,13 +8,6 @@
 
 namespace cf {
 
-// Whether v is k's own storage, the first dv columns of each of its rows (MLA: the value is a
-// view of the compressed latent that is also the key). The kernel then loads each key row once.
-__host__ __device__ inline bool v_is_view_of_k(const CfFwdParams& p) {
-    return p.v == p.k && head_dim_v(p) <= p.d && p.v_batch_stride == p.k_batch_stride &&
-           p.v_row_stride == p.k_row_stride && p.v_head_stride == p.k_head_stride;
-}
-
 // CTA: kBlockM query rows of one head, kThreads threads per row (SimtRowTraits). Thread (r, sub)
 // computes the scores of keys sub + kThreads k of each block and owns output columns
 // sub + kThreads m. (Launch bounds with one block per SM: without the minimum, ptxas held the
