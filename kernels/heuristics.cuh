@@ -68,18 +68,16 @@ inline SplitPlan plan_split(const CfFwdParams& p) {
     return sp;
 }
 
-// The wide-head split kernel (sm80/fwd_wide_split.cu) for a call, or kNone: f16 / bf16 past the
-// 256-column tiles (d in (256, 576] or dv in (256, 512]), no prefix ranges, and every row of a KV
-// group (group heads x seqlen_q queries) at most 128 (decode, MTP / speculative steps; longer
-// query blocks of such heads run on the SIMT kernels). Rows per CTA: 16 when the group's rows
-// fit, else 64; when a configuration takes more shared memory than the device gives a block
-// (smem_optin), the next one that fits: 16 rows, a shorter ring.
+// The wide-head kernel (sm80/fwd_wide_split.cu) for a call, or kNone (the SIMT kernels): f16 /
+// bf16 past the 256-column tiles (d in (256, 576] or dv in (256, 512]), no prefix ranges. Rows
+// per CTA: 16 when a KV group's rows (group heads x seqlen_q queries) fit, else 64; when a
+// configuration takes more shared memory than the device gives a block (smem_optin), the next one
+// that fits: 16 rows, a shorter ring.
 inline WideSplit wide_split_config(const CfFwdParams& p, bool v_in_k, int smem_optin) {
     const int dv = p.dv > 0 ? p.dv : p.d;
     if ((p.dtype != CF_F16 && p.dtype != CF_BF16) || p.prefix_ranges != nullptr) return WideSplit::kNone;
     if ((p.d <= 256 && dv <= 256) || p.d > kWideSplitQkDim || dv > kWideSplitVDim) return WideSplit::kNone;
-    if ((int64_t)(p.h / p.hkv) * p.seqlen_q > 128) return WideSplit::kNone;
-    const bool rows16 = (p.h / p.hkv) * p.seqlen_q <= 16;
+    const bool rows16 = (int64_t)(p.h / p.hkv) * p.seqlen_q <= 16;
     const WideSplit in_k[] = {WideSplit::kRows64VInK3, WideSplit::kRows16VInK4, WideSplit::kRows16VInK2};
     const WideSplit apart[] = {WideSplit::kRows64V2, WideSplit::kRows16V2};
     auto smem = [](WideSplit w) {
@@ -101,19 +99,24 @@ inline int wide_split_rows(WideSplit w) {
     return w == WideSplit::kRows64VInK3 || w == WideSplit::kRows64V2 ? 64 : 16;
 }
 
-// Its split-KV plan: one CTA per SM (the tiles take 100-225 KB), so the key range is cut until
-// the grid fills one wave of SMs (the fewest splits within 5% of the best last-wave share), each
-// split at least 4 key blocks; always through the partials (bytes > 0).
+// Its plan. Decode shapes (a KV group's rows, group heads x seqlen_q queries, at most 128: decode,
+// MTP / speculative steps): a CTA takes every row of one KV group (pack = group), and, one CTA per
+// SM (the tiles take 100-225 KB), the key range is cut until the grid fills one wave of SMs (the
+// fewest splits within 5% of the best last-wave share), each split at least 4 key blocks. Longer
+// query blocks: one head's query block a CTA (pack = 1), one split. One split writes o directly
+// (no workspace).
 inline SplitPlan plan_wide_split(const CfFwdParams& p, WideSplit w, int sms) {
     SplitPlan sp{};
     sp.wide = w;
-    sp.pack = p.h / p.hkv;
+    const int group = p.h / p.hkv;
+    const bool decode = (int64_t)group * p.seqlen_q <= 128;
+    sp.pack = decode ? group : 1;
     const int rows = wide_split_rows(w);
-    sp.mblocks = (sp.pack * p.seqlen_q + rows - 1) / rows;
-    const int64_t base = (int64_t)sp.mblocks * p.hkv * p.b;
+    sp.mblocks = (int)(((int64_t)sp.pack * p.seqlen_q + rows - 1) / rows);
+    const int64_t base = (int64_t)sp.mblocks * (p.h / sp.pack) * p.b;
     const int nkb = std::max(1, (p.seqlen_k + kWideSplitBlockN - 1) / kWideSplitBlockN);
     int nsplit = 1;
-    if (base < sms) {
+    if (decode && base < sms) {
         const int max_split = (int)std::min<int64_t>({(int64_t)128, (int64_t)std::max(1, nkb / 4),
                                                       (int64_t)(INT32_MAX / 2) / std::max<int64_t>(1, sp.mblocks)});
         auto efficiency = [&](int n) {
@@ -127,6 +130,7 @@ inline SplitPlan plan_wide_split(const CfFwdParams& p, WideSplit w, int sms) {
     }
     sp.bps = (nkb + nsplit - 1) / nsplit;
     sp.nsplit = (nkb + sp.bps - 1) / sp.bps;  // no chunk left empty
+    if (sp.nsplit == 1) return sp;
     const size_t part_rows = (size_t)sp.nsplit * p.b * p.h * p.seqlen_q;
     sp.opart_bytes = round256(part_rows * kWideSplitVDim * sizeof(float));
     sp.bytes = sp.opart_bytes + part_rows * sizeof(float);

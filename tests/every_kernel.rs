@@ -100,10 +100,11 @@ fn simt_wide_head_dims() {
     }
 }
 
-/// The wide-head split-KV decode kernel (kernels/sm80/fwd_wide_split.cu) in each configuration
-/// an H100 / H200 picks: 16 and 64 rows a CTA (two row blocks at 128 heads), v a tensor of its own
-/// and v a view of the key cache (MLA's latent); causal over 333 keys (a partial key block); the
-/// forward against the f64 reference on the same views.
+/// The wide-head kernel (kernels/sm80/fwd_wide_split.cu) in each configuration an H100 / H200
+/// picks: decode shapes with 16 and 64 rows a CTA (two row blocks at 128 heads) through the
+/// split-KV partials and their combine, longer query blocks written directly, v a tensor of its
+/// own and v a view of the key cache (MLA's latent); causal over 333 keys (a partial key block);
+/// the forward against the f64 reference on the same views.
 #[test]
 fn wide_split_decode() {
     let Some(gpu) = common::cuda_device() else { return };
@@ -114,6 +115,9 @@ fn wide_split_decode() {
         (1, 128, 1, 576, 512, true),
         (1, 8, 4, 512, 512, false),
         (3, 16, 2, 512, 512, false),
+        // query blocks of one head a CTA (more than 128 rows a KV group), o written directly
+        (150, 4, 2, 512, 512, false),
+        (140, 2, 1, 576, 512, true),
     ];
     for dtype in [DType::F16, DType::BF16] {
         for (sq, h, hkv, d, dv, view) in shapes {

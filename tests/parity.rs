@@ -208,6 +208,15 @@ fn wide_head_dims() {
         cases.push(Case::new(dtype, (1, 113), (16, 1), 576).dv(512).causal());
         cases.push(Case::new(dtype, (0, 0), (4, 1), 576).dv(512).varlen(&[(3, 40), (0, 9), (1, 17)]).causal());
         cases.push(Case::new(dtype, (20, 9), (4, 2), 264).dv(136).alibi(1));
+        // past 128 rows a KV group (CUDA: one query block of one head a CTA, o written directly;
+        // causal with Sq > Sk: rows that see no key)
+        cases.push(Case::new(dtype, (200, 130), (2, 1), 512).causal().sinks(-8.0, 6.0));
+        cases.push(
+            Case::new(dtype, (0, 0), (2, 2), 576)
+                .dv(512)
+                .varlen(&[(150, 170), (0, 20), (140, 0)])
+                .window(Some(40), Some(10)),
+        );
     }
     sweep(&cases, true);
 }

@@ -169,6 +169,7 @@ cudaError_t run_fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* works
     sa.bps = sp.bps;
     sa.pack = sp.pack;
     sa.mblocks = sp.mblocks;
+    sa.direct = false;
     sa.opart = static_cast<float*>(workspace);
     sa.lpart = reinterpret_cast<float*>(static_cast<char*>(workspace) + sp.opart_bytes);
     cudaError_t e = sp.deep ? launch_split<SplitTraits<T, D, 4>>(p, sa, stream) : launch_split<SplitTraits<T, D, 2>>(p, sa, stream);

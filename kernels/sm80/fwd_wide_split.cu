@@ -1,14 +1,15 @@
-// Split-KV forward for decode shapes of wide heads on tensor cores (mma.sync, sm_80 and later),
-// f16 / bf16: the head dims the 64 / 128 split kernel (fwd_split.cu) does not take, d up to 576
-// and dv up to 512. MLA's absorbed decode ((576, 512), one KV head, 16-128 query heads, v the
-// first 512 columns of the latent cache that is also k) and 512-wide heads (Gemma 4's global
-// layers) run here; longer query blocks of such heads run on the SIMT kernels.
+// Forward of wide heads on tensor cores (mma.sync, sm_80 and later), f16 / bf16: the head dims
+// the 64-256 tiles do not take, d up to 576 and dv up to 512. MLA's absorbed decode ((576, 512),
+// one KV head, 16-128 query heads, v the first 512 columns of the latent cache that is also k)
+// and 512-wide heads (Gemma 4's global layers), decode and prefill.
 //
-// Every query row of every query head of one KV head is a row of the CTA's tile (row r = head
-// h0 + r / sq, query r % sq), so a key block is read once for all of them; when v is a view of k
-// (v_is_view_of_k) P V reads the value columns out of the K tile, so the cache is read once. The
-// key range is cut into nsplit chunks (heuristics.cuh plan_wide_split); each CTA writes its
-// rows' normalised partial O and lse, split_combine_kernel merges them (and the sink).
+// A CTA's rows are `pack` query heads x their queries (row r = head h0 + r / sq, query r % sq):
+// for decode shapes every query head of one KV head (pack = the group), so a key block is read
+// once for all of them; for longer query blocks one head (pack = 1), a query block a CTA. When v
+// is a view of k (v_is_view_of_k) P V reads the value columns out of the K tile, so the cache
+// is read once. Decode cuts the key range into nsplit chunks (heuristics.cuh plan_wide_split);
+// each CTA writes its rows' normalised partial O and lse, split_combine_kernel merges them (and
+// the sink). With one chunk (`direct`) the CTA writes o and lse itself.
 //
 // CTA: 8 warps, kBlockM rows (16 or 64), key blocks of 32 in a ring of kStages (cp.async, one
 // commit group per block). Per key block, three steps between three barriers:
@@ -53,13 +54,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) wide_split_fwd_kernel(const 
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q4 = lane & 3;
-    const int mb = blockIdx.x % sa.mblocks, split = blockIdx.x / sa.mblocks, hk = blockIdx.y, b = blockIdx.z;
+    // (direct, causal-like masks: the last query blocks see the most keys, so they start first)
+    const bool reversed = sa.direct && p.window_right >= 0 && p.window_left < 0;
+    const int mx = blockIdx.x % sa.mblocks, split = blockIdx.x / sa.mblocks, b = blockIdx.z;
+    const int mb = reversed ? sa.mblocks - 1 - mx : mx;
+    const int h0 = blockIdx.y * sa.pack, hk = kv_head(p, h0);
     const SeqInfo si(p, b, KvKind<KvPath::kAny>{});
     const int sq = si.sq, R = sa.pack * sq;
     const int m0 = mb * BM;
     if (m0 >= R) return;
     const int nrows = min(BM, R - m0);
-    const int h0 = hk * sa.pack;
     const int dch = p.d / E, dvch = head_dim_v(p) / E;
     // the query-index range of this CTA's rows (the whole sequence when they span two heads)
     int i_lo, i_hi;
@@ -77,10 +81,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) wide_split_fwd_kernel(const 
     mk.key_range(i_lo, i_hi, n_lo, n_hi);
     const int nb_lo = max(n_lo / BN, split * sa.bps);
     const int nb_hi = min((n_hi + BN - 1) / BN, (split + 1) * sa.bps);
-    if (n_hi <= n_lo || nb_hi <= nb_lo) {
+    const int dv = head_dim_v(p);
+    if (n_hi <= n_lo || nb_hi <= nb_lo) {  // no key: -inf partials, or o = 0 and lse = the sink
         for (int r = tid; r < nrows; r += NTH) {
-            const int rr = m0 + r;
-            sa.lpart[(part_b + h0 + rr / sq) * SQ + rr % sq] = -INFINITY;
+            const int rr = m0 + r, head = h0 + rr / sq, query = rr % sq;
+            if (!sa.direct) {
+                sa.lpart[(part_b + head) * SQ + query] = -INFINITY;
+                continue;
+            }
+            T* og = si.o<T>(p, head) + (int64_t)query * p.o_row_stride;
+            for (int c = 0; c < dv; c += E) *reinterpret_cast<uint4*>(og + c) = make_uint4(0, 0, 0, 0);
+            si.lse(p, head)[query] = sink_logit(p, head);
         }
         return;
     }
@@ -225,12 +236,19 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) wide_split_fwd_kernel(const 
     cp_async_wait<0>();
 
     // Epilogue: 1 / l and lse per row (the sink is the combine's), then the normalised partials.
+    // (direct: the sink joins the denominator here, as in the one-pass kernels)
     {
         float lse;
-        const float inv = softmax.finish_row(0, 1.f, lse);
+        const float sink = sa.direct && row_ok ? sink_logit(p, s_head) : -INFINITY;
+        const float inv = softmax.finish_row(0, 1.f, lse, sink);
         if (tid % TPR == 0) {
             sInv[sr] = inv;
-            if (row_ok) sa.lpart[(part_b + s_head) * SQ + s_query] = lse;
+            if (row_ok) {
+                if (sa.direct)
+                    si.lse(p, s_head)[s_query] = lse;
+                else
+                    sa.lpart[(part_b + s_head) * SQ + s_query] = lse;
+            }
         }
     }
     __syncthreads();
@@ -238,12 +256,22 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) wide_split_fwd_kernel(const 
     for (int hh = 0; hh < 2; ++hh) {
         const int rl = o_mt * 16 + g + 8 * hh;
         if (rl < nrows) {
-            const int rr = m0 + rl;
+            const int rr = m0 + rl, head = h0 + rr / sq, query = rr % sq;
             const float inv = sInv[rl];
-            float* op = sa.opart + ((part_b + h0 + rr / sq) * SQ + rr % sq) * DV + o_c0 + 2 * q4;
+            if (sa.direct) {
+                T* og = si.o<T>(p, head) + (int64_t)query * p.o_row_stride + o_c0 + 2 * q4;
 #pragma unroll
-            for (int t = 0; t < NTV; ++t)
-                *reinterpret_cast<float2*>(op + 8 * t) = make_float2(acc[0][t][2 * hh] * inv, acc[0][t][2 * hh + 1] * inv);
+                for (int t = 0; t < NTV; ++t)
+                    if (o_c0 + 8 * t < dv)
+                        *reinterpret_cast<uint32_t*>(og + 8 * t) =
+                            pack2<T>(acc[0][t][2 * hh] * inv, acc[0][t][2 * hh + 1] * inv);
+            } else {
+                float* op = sa.opart + ((part_b + head) * SQ + query) * DV + o_c0 + 2 * q4;
+#pragma unroll
+                for (int t = 0; t < NTV; ++t)
+                    *reinterpret_cast<float2*>(op + 8 * t) =
+                        make_float2(acc[0][t][2 * hh] * inv, acc[0][t][2 * hh + 1] * inv);
+            }
         }
     }
 }
@@ -253,19 +281,20 @@ cudaError_t launch_wide_split(const CfFwdParams& p, const SplitArgs& sa, cudaStr
     auto kern = wide_split_fwd_kernel<Kt>;
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
     if (e != cudaSuccess) return e;
-    const dim3 grid(sa.mblocks * sa.nsplit, p.hkv, p.b);
+    const dim3 grid(sa.mblocks * sa.nsplit, p.h / sa.pack, p.b);
     kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, sa);
     return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t run_fwd_wide_split(const CfFwdParams& p, const SplitPlan& sp, void* workspace, cudaStream_t stream) {
-    if (workspace == nullptr) return cudaErrorInvalidValue;
+    if (workspace == nullptr && sp.nsplit > 1) return cudaErrorInvalidValue;
     SplitArgs sa;
     sa.nsplit = sp.nsplit;
     sa.bps = sp.bps;
     sa.pack = sp.pack;
     sa.mblocks = sp.mblocks;
+    sa.direct = sp.nsplit == 1;
     sa.opart = static_cast<float*>(workspace);
     sa.lpart = reinterpret_cast<float*>(static_cast<char*>(workspace) + sp.opart_bytes);
     cudaError_t e;
@@ -277,7 +306,7 @@ cudaError_t run_fwd_wide_split(const CfFwdParams& p, const SplitPlan& sp, void* 
         case WideSplit::kRows64V2: e = launch_wide_split<WideSplitTraits<T, 64, false, 2>>(p, sa, stream); break;
         default: return cudaErrorInvalidValue;
     }
-    if (e != cudaSuccess) return e;
+    if (e != cudaSuccess || sa.direct) return e;
     const int64_t nrow = (int64_t)p.b * p.h * p.seqlen_q;
     split_combine_kernel<T, kWideSplitVDim><<<(unsigned)((nrow + 3) / 4), 128, 0, stream>>>(p, sa);
     return cudaGetLastError();

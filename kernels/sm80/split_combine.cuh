@@ -11,6 +11,8 @@ struct SplitArgs {
     float* opart;  // [nsplit][b][h][seqlen_q][dpad]
     float* lpart;  // [nsplit][b][h][seqlen_q]
     int nsplit, bps, pack, mblocks;
+    // The wide-head kernel with one split: it writes o and lse itself (no partials, no combine).
+    bool direct;
 };
 
 // One warp per (b, h, i) row: lse = log sum_s exp(lse_s); o = sum_s exp(lse_s - lse) o_s. An
