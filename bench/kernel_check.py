@@ -112,7 +112,7 @@ def build(gencode, force=False):
     os.makedirs(BUILD, exist_ok=True)
     nvcc = os.environ.get("NVCC", "nvcc")
     flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", "-Xptxas", "-v"] + gencode
-    flags += os.environ.get("CF_NVCC_FLAGS", "").split()  # build-time variants, e.g. -DCF_BWD_OVERLAP_P=1
+    flags += os.environ.get("CF_NVCC_FLAGS", "").split()  # extra nvcc flags, e.g. -DCF_BWD_TRACE
     # The library is current if it is newer than every source and was built with these flags
     # (a variant build must not be mistaken for the default one, or the other way round).
     stamp = os.path.join(BUILD, "nvcc-flags.txt")

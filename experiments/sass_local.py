@@ -45,7 +45,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("source", help="a kernels/ .cu file")
     ap.add_argument("filter", nargs="?", default="", help="substring of the (mangled) kernel names")
-    ap.add_argument("--flags", default="", help="extra nvcc flags, e.g. -DCF_BWD_LATE_FLUSH=0")
+    ap.add_argument("--flags", default="", help="extra nvcc flags, e.g. -DCF_BWD_TRACE")
     ap.add_argument("--dump", help="write the selected kernels' SASS here")
     a = ap.parse_args()
     nvcc = os.path.join(ROOT, ".cuda", "root", "bin", "nvcc")

@@ -117,20 +117,14 @@ struct WideSplitTraits {
 };
 
 // ------------------------------------------------------------------ forward (sm_90a wgmma)
-#ifndef CF_FWD_EARLY_RESCALE
-#define CF_FWD_EARLY_RESCALE -1
-#endif
 // Where the e4m3 d <= 128 forward transposes V (8-bit wgmma reads V^T): inside the attention
 // kernel (sm90/fwd.cu FwdVTranspose: the producer warpgroup, from a raw TMA-loaded V tile) or in
-// the pre-pass (fp8_transpose_v_kernel, into the workspace). 1: in the kernel on the 128-key tile
-// (below 4096 keys), the pre-pass for the 256-key tile; 2: in the kernel on both; 0: pre-pass on
-// both (A/B runs). H100 / H200 (bench/NOTES.md "FP8: V transposed inside the kernel"): in the
-// kernel +2-15% at 1k-2k, but 5-13% slower on the 256-key tile (4k-16k), where the transpose's
-// shared-memory stores slow the consumers' softmax more than the pre-pass costs (~1-2%).
-#ifndef CF_FP8_VT_IN_KERNEL
-#define CF_FP8_VT_IN_KERNEL 1
-#endif
-constexpr bool kFp8VtInKernelShort = CF_FP8_VT_IN_KERNEL >= 1, kFp8VtInKernelLong = CF_FP8_VT_IN_KERNEL >= 2;
+// the pre-pass (fp8_transpose_v_kernel, into the workspace): in the kernel on the 128-key tile
+// (below 4096 keys), the pre-pass for the 256-key tile. H100 / H200 (bench/NOTES.md "FP8: V
+// transposed inside the kernel"): in the kernel +2-15% at 1k-2k, but 5-13% slower on the 256-key
+// tile (4k-16k), where the transpose's shared-memory stores slow the consumers' softmax more than
+// the pre-pass costs (~1-2%).
+constexpr bool kFp8VtInKernelShort = true, kFp8VtInKernelLong = false;
 // Warp-specialised CTA: kNWarpGroups consumer warpgroups, each owning 64 query rows (one m64
 // wgmma tile) and looping over kBlockN keys per step, plus one producer warpgroup that issues
 // the cp.async loads of Q and of the K / V ring (kStages stages, mbarrier-guarded).
@@ -204,10 +198,8 @@ struct FwdSm90Traits {
     // and P V (FlashAttention-3's place, off the step's critical tail). Early pays where O is
     // large: 16-bit d = 256 (H100: +6-8% at 8k-16k on the 64-key tile, +1-3% on the 80-key one);
     // at d = 64 / 128 / 192 it measured level (within +-3%), on e4m3 1-4% slower.
-    // CF_FWD_EARLY_RESCALE=0 / 1 forces it for A/B runs.
     // (Never with kSerialPV: its step rescales O between its two products, P V being complete.)
-    static constexpr bool kEarlyRescale =
-        !kSerialPV && (CF_FWD_EARLY_RESCALE < 0 ? (!kFp8 && kHeadDim == 256) : CF_FWD_EARLY_RESCALE != 0);
+    static constexpr bool kEarlyRescale = !kSerialPV && !kFp8 && kHeadDim == 256;
     static constexpr int kQBytes = kBlockM * kHeadDimPad * kElemBytes;
     static constexpr int kKVStageBytes = kBlockN * kHeadDimPad * kElemBytes;
     static constexpr int kVtKeys = kFp8 ? (kBlockN + 127) / 128 * 128 : kBlockN;  // keys of a V stage
@@ -235,7 +227,7 @@ struct FwdSm90Traits {
 //   D = 64, longer:  192 x 128 tiles (3 consumer warpgroups at 160 registers, the producer at 32;
 //            +2-14% over 192 x 96 from 4k: bench/NOTES.md "Forward d = 64: 192 x 128"; 128 x 128
 //            and persistent launches measured 2-10% slower than 192 x 96 there).
-//   D = 96 / 128: 128 x 128 tiles, persistent; 2 stages and O in its own buffer (CF_FWD_D128_SEPO).
+//   D = 96 / 128: 128 x 128 tiles, persistent; 2 stages and O in its own buffer.
 //   D = 192: 128 x 64 tiles, 3 stages, persistent (Q 48 KB + K/V 144 KB).
 //   D = 256: 128 x 64 tiles, 2 stages, persistent (Q 64 KB + K/V 128 KB). O 128 + S 32 + P 16.
 // and for long sequences (heuristics.cuh fwd_sm90_config) wider key blocks in 2 stages, which
@@ -246,38 +238,18 @@ struct FwdSm90Traits {
 //            of loop-invariant words spilled, loaded once per block).
 //   H100, same runs (bench/NOTES.md "Forward: wider key blocks"): +10-15% from 8k at d = 192 /
 //   256, +4-5% at d = 128; up to 17% slower at 512-2k causal (fewer stages, wider diagonal blocks).
-// The wide widths are build-time parameters for A/B runs (CF_FWD_D*_LONG_BN; 16-key multiples).
-#ifndef CF_FWD_D128_LONG_BN
-#define CF_FWD_D128_LONG_BN 176
-#endif
-#ifndef CF_FWD_D192_LONG_BN
-#define CF_FWD_D192_LONG_BN 96
-#endif
-#ifndef CF_FWD_D256_LONG_BN
-#define CF_FWD_D256_LONG_BN 80
-#endif
 // D = 96 (64 < d <= 96): the d = 128 shapes with 96 columns of products (25% fewer than on the
 // 128 tile, which d = 96 ran before; shared memory keeps 128 columns: kHeadDimPad). O takes 48
 // registers instead of 64, so the long block is 192 keys (S 96 + P 48 + O 48). H100, bf16 /
 // f16 (bench/NOTES.md "Forward: a 96-column tile"): +6-11% over the 128 tile at every N, the
-// 192-key block +2-7% over 176 from 8k. CF_FWD_D96_TILE=0 sends d = 96 to the 128 tile (A/B).
-#ifndef CF_FWD_D96_TILE
-#define CF_FWD_D96_TILE 1
-#endif
-#ifndef CF_FWD_D96_LONG_BN
-#define CF_FWD_D96_LONG_BN 192
-#endif
+// 192-key block +2-7% over 176 from 8k.
 // The 128 x 128 tiles of d = 96 / 128 (below the wide blocks' lengths): 2 stages and O in a buffer
-// of its own (CF_FWD_D128_SEPO 1), or 3 stages with O staged in Q's rows (0: the producer cannot
-// load the next tile's Q until the epilogue has stored O). H100: 1 is +1-12% at N <= 2048, level
-// at 4096 against the wide block (bench/NOTES.md "Forward: O in its own buffer for short tiles").
+// of its own, not 3 stages with O staged in Q's rows (there the producer cannot load the next
+// tile's Q until the epilogue has stored O). H100: +1-12% at N <= 2048, level at 4096 against the
+// wide block (bench/NOTES.md "Forward: O in its own buffer for short tiles").
 // The same at d = 192's 128 x 64 tile (2 stages + O) measured -2% / +4% at 512: not taken.
-#ifndef CF_FWD_D128_SEPO
-#define CF_FWD_D128_SEPO 1
-#endif
-template <typename T>
-using FwdSm90TraitsD96 = FwdSm90Traits<T, 96, 128, 2, CF_FWD_D128_SEPO ? 2 : 3, true, true, CF_FWD_D128_SEPO != 0>;
-template <typename T> using FwdSm90TraitsD96Long = FwdSm90Traits<T, 96, CF_FWD_D96_LONG_BN, 2, 2, true, true, false>;
+template <typename T> using FwdSm90TraitsD96 = FwdSm90Traits<T, 96, 128, 2, 2, true, true, true>;
+template <typename T> using FwdSm90TraitsD96Long = FwdSm90Traits<T, 96, 192, 2, 2, true, true, false>;
 template <typename T> using FwdSm90TraitsD64Short = FwdSm90Traits<T, 64, 128, 2, 4, true, true, true>;
 template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 128, 3, 4, true, false, false>;
 // D = 64 without masks up to 2048 queries: the same 192 x 128 tile, persistent with its own O
@@ -286,13 +258,12 @@ template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 128, 3, 4, t
 // one-CTA-per-tile launch at 4k, 2-4% slower from 8k; under causal masks 15-20% slower than
 // 128 x 128 at 512-2k (bench/NOTES.md, 2026-11-26, commit 7202f51).
 template <typename T> using FwdSm90TraitsD64Persistent = FwdSm90Traits<T, 64, 128, 3, 4, true, true, true>;
-template <typename T>
-using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, CF_FWD_D128_SEPO ? 2 : 3, true, true, CF_FWD_D128_SEPO != 0>;
+template <typename T> using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, 2, true, true, true>;
 template <typename T> using FwdSm90TraitsD192 = FwdSm90Traits<T, 192, 64, 2, 3, true, true, false>;
 template <typename T> using FwdSm90TraitsD256 = FwdSm90Traits<T, 256, 64, 2, 2, true, true, false>;
-template <typename T> using FwdSm90TraitsD128Long = FwdSm90Traits<T, 128, CF_FWD_D128_LONG_BN, 2, 2, true, true, false>;
-template <typename T> using FwdSm90TraitsD192Long = FwdSm90Traits<T, 192, CF_FWD_D192_LONG_BN, 2, 2, true, true, false>;
-template <typename T> using FwdSm90TraitsD256Long = FwdSm90Traits<T, 256, CF_FWD_D256_LONG_BN, 2, 2, true, true, false>;
+template <typename T> using FwdSm90TraitsD128Long = FwdSm90Traits<T, 128, 176, 2, 2, true, true, false>;
+template <typename T> using FwdSm90TraitsD192Long = FwdSm90Traits<T, 192, 96, 2, 2, true, true, false>;
+template <typename T> using FwdSm90TraitsD256Long = FwdSm90Traits<T, 256, 80, 2, 2, true, true, false>;
 // e4m3 inputs (Out = f16 / bf16 output), 128 x 128 tiles, persistent, ping-pong:
 //   D = 128 (d <= 128): Q 16 KB + K, V^T 4 x 2 x 16 KB + O 32 KB + raw V 16 KB (V transposed in
 //   the kernel, kFp8VtInKernelShort) = 192 KB. O 64 + S 64 + P 16 registers.
@@ -303,30 +274,10 @@ template <typename T> using FwdSm90TraitsD256Long = FwdSm90Traits<T, 256, CF_FWD
 //   against the former 128 x 192 (3 stages, overlapped P V): +4-6% non-causal and +1-4% causal at
 //   8k-16k (bench/NOTES.md "FP8: 256 keys, serial P V"). The 128 x 192 tile had been +0-7% over
 //   128 x 128 at 8k-16k, level at 4k, 4-14% slower up to 2k ("FP8 forward: wider key blocks").
-//   CF_FP8_D128_LONG_BN picks another width for A/B runs (up to 224: overlapped, 3 stages up to
-//   192).
-//   CF_FP8_D128_BN (build-time): the key width of the short-sequence tile; 256 runs it serial.
-#ifndef CF_FP8_D128_BN
-#define CF_FP8_D128_BN 128
-#endif
-// The V^T pre-pass (sm90/fwd.cu fp8_transpose_v_kernel): halves of 64 keys per CTA, whose
-// loads a thread has in flight together (bench/NOTES.md "The V^T pre-pass").
-#ifndef CF_FP8_VT_HALVES
-#define CF_FP8_VT_HALVES 2
-#endif
-#ifndef CF_FP8_D128_STAGES
-#define CF_FP8_D128_STAGES (CF_FP8_D128_BN == 128 ? 4 : 2)
-#endif
 template <typename O>
-using FwdSm90Fp8TraitsD128 =
-    FwdSm90Traits<__nv_fp8_e4m3, 128, CF_FP8_D128_BN, 2, CF_FP8_D128_STAGES, true, true, true, O, kFp8VtInKernelShort>;
-#ifndef CF_FP8_D128_LONG_BN
-#define CF_FP8_D128_LONG_BN 256
-#endif
+using FwdSm90Fp8TraitsD128 = FwdSm90Traits<__nv_fp8_e4m3, 128, 128, 2, 4, true, true, true, O, kFp8VtInKernelShort>;
 template <typename O>
-using FwdSm90Fp8TraitsD128Long =
-    FwdSm90Traits<__nv_fp8_e4m3, 128, CF_FP8_D128_LONG_BN, 2, CF_FP8_D128_LONG_BN <= 192 ? 3 : 2, true, true, true, O,
-                  kFp8VtInKernelLong>;
+using FwdSm90Fp8TraitsD128Long = FwdSm90Traits<__nv_fp8_e4m3, 128, 256, 2, 2, true, true, true, O, kFp8VtInKernelLong>;
 template <typename O> using FwdSm90Fp8TraitsD256 = FwdSm90Traits<__nv_fp8_e4m3, 256, 128, 2, 2, true, true, true, O>;
 
 // ------------------------------------------------------------------ backward (tensor cores)
@@ -414,90 +365,31 @@ struct BwdDqTraits {
 // (the TMA ring); dS^T [2][kBlockN][kBlockM]; lse, dsum [kStages][kBlockM] (f32); dQ staging
 // [2 warpgroups][kDqSlots][kDqRows][64] (f32, for the bulk reductions); the ring's mbarriers.
 // dK/dV staged through Q/dO at the end.
-// How far the plain-logit step overlaps its elementwise work with its own products (d = 128 /
-// d = 64 tiles; build-time, for A/B runs; bench/NOTES.md "Backward v6"): 0 = backward v5's
-// lockstep step (P^T and dS^T after both products), 1 = P^T while dP^T runs, 2 = also dS^T while
-// dV's product runs. Defaults: 1 at d = 128 (2 measured no better); 0 at d = 64, whose 64-query
-// S^T and dP^T leave no room (1 / 2 spilled 76 / 20 bytes).
-#ifndef CF_BWD_OVERLAP_P
-#define CF_BWD_OVERLAP_P 1
-#endif
-#ifndef CF_BWD_OVERLAP_P64
-#define CF_BWD_OVERLAP_P64 0
-#endif
-// The 80-query step (d = 128): 0, since with P^T computed under dP^T ptxas serialised every
-// wgmma of the kernel (C7512: S^T, dP^T 40 + 40 accumulators beside dK, dV 64 + 64).
-#ifndef CF_BWD_OVERLAP_P80
-#define CF_BWD_OVERLAP_P80 0
-#endif
-// A producer warpgroup per head-dim tile (build-time, for A/B runs; bench/NOTES.md "Backward
-// v7"): 1 = a third warpgroup issues the Q / dO loads (its first warp; setmaxnreg lowers it to
-// kProducerRegs), the two consumer warpgroups take the registers it frees, and warp 0 copies the
-// lse / dsum rows; 0 = warp 0 of the consumers issues all of them between its products (backward
-// v5-v6). Defaults: on at d = 128 (+2-14% at d = 96 / 128 from N = 2k), off at d = 64 (within
-// noise, -5% at 512).
-#ifndef CF_BWD_PRODUCER
-#define CF_BWD_PRODUCER 1
-#endif
-// The sm_90a backward kernels' CTA order under causal-like masks (common/bwd_work.cuh DkdvCta):
-// 1 = key block slowest (every head's heaviest key blocks first), 0 = the launch order.
-#ifndef CF_BWD_HEAVY_FIRST
-#define CF_BWD_HEAVY_FIRST 1
-#endif
-// Beyond 4 waves, the waves' worth of trailing groups that still take that order (heuristics.cuh
-// bwd_heavy_groups; 0 = none).
-#ifndef CF_BWD_TAIL_WAVES
-#define CF_BWD_TAIL_WAVES 2
-#endif
-// GQA backward (heuristics.cuh plan_bwd; build-time, for A/B runs): the grid size in CTAs under
-// which the query heads of a KV head are split over several CTAs, and the key length from which
-// the sm_90a backward gives every query head its own CTAs.
-#ifndef CF_BWD_GQA_SPLIT_TARGET
-#define CF_BWD_GQA_SPLIT_TARGET 264
-#endif
-#ifndef CF_BWD_GQA_SPLIT_KEYS
-#define CF_BWD_GQA_SPLIT_KEYS 4096
-#endif
-#ifndef CF_BWD_PRODUCER64
-#define CF_BWD_PRODUCER64 0
-#endif
-// dQ staging tiles per warpgroup of the d = 64 / 128 kernel (build-time, for A/B runs): 1 or 2
-// (2 measured level, 0.97-1.03x: bench/NOTES.md, 2026-11-26, commit 2059c30).
-#ifndef CF_BWD_DQ_SLOTS
-#define CF_BWD_DQ_SLOTS 1
-#endif
-// The d = 128 kernel's warpgroups in ping-pong (build-time, for A/B runs; sm90/bwd.cuh): 0 / 1
-// (1 measured 2-7% slower on an H100, kernel_check 184/184: bench/NOTES.md, 2026-11-26, commit 2059c30).
-#ifndef CF_BWD_PINGPONG
-#define CF_BWD_PINGPONG 0
-#endif
-// Stages of the d = 64 / 128 kernel's Q / dO ring (build-time, for A/B runs): 2 or 3.
-#ifndef CF_BWD_STAGES
-#define CF_BWD_STAGES 2
-#endif
-// dQ by turns in the 64-query d = 96 / 128 step (sm90/bwd.cuh, build-time for A/B runs; not the
-// deterministic kernel): 1 = the warpgroups take turns computing a step's whole dQ (m64 x n128:
-// 240 instead of 256 KB of operand reads from shared memory a step; -3.6% time under ncu, +1-2%
-// under sustained load: bench/NOTES.md, 2026-11-27, commit df99929), 0 = each computes half of dQ's
-// columns every step.
+// The plain-logit step at d = 96 / 128 computes P^T while dP^T's product runs (bench/NOTES.md
+// "Backward v6"; also dS^T while dV's product runs measured no better); the d = 64 step keeps
+// backward v5's lockstep (P^T and dS^T after both products): its 64-query S^T and dP^T leave no
+// room (the overlaps spilled 76 / 20 bytes).
+// A producer warpgroup at d = 96 / 128 (bench/NOTES.md "Backward v7"): a third warpgroup issues
+// the Q / dO loads (its first warp; setmaxnreg lowers it to kProducerRegs), the two consumer
+// warpgroups take the registers it frees, and warp 0 copies the lse / dsum rows: +2-14% at
+// d = 96 / 128 from N = 2k. At d = 64 warp 0 of the consumers issues all loads between its
+// products (within noise, -5% at 512 with the producer).
+// The Q / dO ring has 2 stages (a third at d = 128 measured 1-2% slower); dQ is staged in one tile
+// per warpgroup, or two with dQ by turns (2 tiles measured level, 0.97-1.03x); the warpgroups do
+// not run in ping-pong (2-7% slower on an H100): bench/NOTES.md, 2026-11-26, commit 2059c30.
+// dQ by turns in the 64-query d = 96 / 128 step (sm90/bwd.cuh; not the deterministic kernel): the
+// warpgroups take turns computing a step's whole dQ (m64 x n128: 240 instead of 256 KB of operand
+// reads from shared memory a step; -3.6% time under ncu, +1-2% under sustained load against each
+// computing half of dQ's columns every step: bench/NOTES.md, 2026-11-27, commit df99929).
 // (Tried and dropped on 2026-11-27 (commit df99929): dQ split by keys, each warpgroup a partial over
 // its own 64 keys, summed through shared memory: 4-9% slower, commit b799cc6.)
-#ifndef CF_BWD_DQ_TURNS
-#define CF_BWD_DQ_TURNS 1
-#endif
-// The d = 64 backward's wgmma descriptors (build-time, for A/B runs): 1 = advanced from one base
-// per tile as every other sm90 kernel does (sm90/wgmma.cuh desc_advance), 0 = derived from each
-// k16 step's address. Advancing cut the d = 128 backward's instructions 15% and its time 2.6%
-// under ncu, but made the d = 64 backward 2% slower (bench/NOTES.md, 2026-11-27, commit 17d890a).
-#ifndef CF_BWD64_DESC_ADVANCE
-#define CF_BWD64_DESC_ADVANCE 0
-#endif
+// The d = 64 backward's wgmma descriptors are derived from each k16 step's address; the other
+// sm90 kernels advance them from one base per tile (sm90/wgmma.cuh desc_advance), which cut the
+// d = 128 backward's instructions 15% and its time 2.6% under ncu, but made the d = 64 backward
+// 2% slower (bench/NOTES.md, 2026-11-27, commit 17d890a).
 
-// kBlockM_ (d = 128 only; heuristics.cuh bwd_sm90_block_m chooses): 64 or 80 query rows per step.
-// With 80 (FA3's d = 128 step), S^T / dP^T are m64 x n80 per warpgroup and 80 rows are no whole
-// m64 tile, so dQ is computed transposed: dQ^T = K^T dS^T (m64 = the warpgroup's 64 columns of
-// dQ, n80 = the queries), with dS stored as [80 queries][128 keys] (stmatrix .trans from the
-// dS^T accumulators: a K-major B operand) and dQ^T staged into the [80][64] tile by scalar stores.
+// kBlockM_: query rows per step, 128 at d = 64, else 64. (FA3's 80-query d = 128 step measured
+// level with 64 from 4k and 2-6% slower below: bench/NOTES.md, 2026-11-26, commit f0052a2.)
 template <typename T_, int kHeadDim_, bool kGeneralLogits_, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64)>
 struct BwdSm90Traits {
     using Elem = T_;
@@ -510,19 +402,17 @@ struct BwdSm90Traits {
     static constexpr bool kGeneralLogits = kGeneralLogits_;
     static constexpr int kBlockN = 128;
     static constexpr int kBlockM = kBlockM_;
-    // dQ as dQ^T = K^T dS^T (dS stored [kBlockM][kBlockN]); otherwise dQ = dS K (dS^T stored)
-    static constexpr bool kDqTransposed = kBlockM == 80;
     // rows of one warpgroup's dQ staging tile (f32 x 64 columns)
     static constexpr int kDqRows = kHeadDim == 64 ? 64 : kBlockM;
-    // dQ by turns (CF_BWD_DQ_TURNS; the ordered kernel keeps the column split): each warpgroup's
-    // staging region holds a 64 x 128 tile (two slots' worth)
-    static constexpr bool kProducerWG = (kHeadDim == 64 ? CF_BWD_PRODUCER64 : CF_BWD_PRODUCER) != 0;
-    static constexpr bool kDqTurns = CF_BWD_DQ_TURNS != 0 && CF_BWD_PINGPONG == 0 && kHeadDim >= 96 &&
-                                     kBlockM == 64 && kProducerWG;
-    static constexpr int kDqSlots = kBlockM == 80 ? 1 : kDqTurns ? 2 : CF_BWD_DQ_SLOTS;
+    // the producer warpgroup (above: d = 96 / 128)
+    static constexpr bool kProducerWG = kHeadDim != 64;
+    // dQ by turns (the ordered kernel keeps the column split): each warpgroup's staging region
+    // holds a 64 x 128 tile (two slots' worth)
+    static constexpr bool kDqTurns = kHeadDim >= 96 && kBlockM == 64 && kProducerWG;
+    static constexpr int kDqSlots = kDqTurns ? 2 : 1;
     // wgmma descriptors of the k16 steps advanced from one base per tile (sm90/wgmma.cuh
-    // desc_advance: -15% instructions at d = 128) or derived from each step's address
-    static constexpr bool kDescAdvance = kHeadDim != 64 || CF_BWD64_DESC_ADVANCE != 0;
+    // desc_advance: -15% instructions at d = 128) or, at d = 64, derived from each step's address
+    static constexpr bool kDescAdvance = kHeadDim != 64;
     static constexpr int kNConsumerThreads = 256;
     static constexpr int kNThreads = kNConsumerThreads + (kProducerWG ? 128 : 0);
     // With the producer warpgroup: launch registers 168, the producer keeps kProducerRegs (TMA and
@@ -533,18 +423,10 @@ struct BwdSm90Traits {
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs0 = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / kNConsumerThreads) & ~7;
     static constexpr int kConsumerRegs = kConsumerRegs0 > 240 ? 240 : kConsumerRegs0;
-    // 1: P^T computed while dP^T is in flight; 2: also dS^T while dV's product runs (bwd.cuh)
-    static constexpr int kOverlapP = kGeneralLogits      ? 0
-                                     : kHeadDim == 64    ? CF_BWD_OVERLAP_P64
-                                     : kBlockM_ == 80    ? CF_BWD_OVERLAP_P80
-                                                         : CF_BWD_OVERLAP_P;
-    // The warpgroups' ping-pong schedule (sm90/bwd.cuh; build-time CF_BWD_PINGPONG): the 64-query
-    // d = 128 step with the producer warpgroup.
-    static constexpr bool kPingPong = CF_BWD_PINGPONG != 0 && kProducerWG && kHeadDim == 128 && kBlockM == 64;
-    // Stages of the Q / dO / lse / dsum ring (a third fits only the 64-query d = 128 step: 48
-    // bytes too many at d = 64, none left by the 80-query step). The ping-pong needs three: warp 0
-    // copies a step's lse / dsum rows two steps ahead (one step ahead would be too late).
-    static constexpr int kStages = kPingPong ? 3 : kHeadDim >= 96 && kBlockM == 64 ? CF_BWD_STAGES : 2;
+    // P^T computed while dP^T is in flight (plain logits at d = 96 / 128, above; bwd.cuh)
+    static constexpr bool kOverlapP = !kGeneralLogits && kHeadDim != 64;
+    // Stages of the Q / dO / lse / dsum ring
+    static constexpr int kStages = 2;
     static constexpr int kSmemBytes = 2 * kBlockN * kHeadDimPad * 2 + 2 * kStages * kBlockM * kHeadDimPad * 2 +
                                       2 * kBlockN * kBlockM * 2 + 2 * kStages * kBlockM * 4 + 2 * kDqSlots * kDqRows * 64 * 4 +
                                       2 * kStages * 8;
@@ -554,7 +436,7 @@ struct BwdSm90Traits {
     // dQ = dS K is m64 x n64 per warpgroup: split over query rows (d = 64) or columns (d = 128);
     // dQ^T is m64 x n80 per warpgroup, split over columns
     static_assert((kHeadDim == 64 && kBlockM == 128) || (kHeadDim == 96 && kBlockM == 64) ||
-                      (kHeadDim == 128 && (kBlockM == 64 || kBlockM == 80)),
+                      (kHeadDim == 128 && kBlockM == 64),
                   "dQ split");
     static_assert(2 * kBlockM >= kBlockN, "dK/dV staging fits in Q / dO");
     static_assert(kSmemBytes <= 227 * 1024, "sm_90 shared memory");

@@ -155,6 +155,11 @@ struct BwdPlan {
 // sm90: the sm_90a dK/dV kernels run. Deterministic mode there adds dQ in the dK/dV kernel too,
 // each query block's reductions in key-block order (BwdWs::dq_sem, counters after dq_accum),
 // instead of the mma.sync kernels' separate dQ pass, which recomputes S and dP.
+// GQA backward (plan_bwd below): the grid size in CTAs under which the query heads of a KV head
+// are split over several CTAs (~2 waves of 132 SMs), and the key length from which the sm_90a
+// backward gives every query head its own CTAs (the measurements below).
+constexpr int64_t kBwdGqaSplitTarget = 264;
+constexpr int kBwdGqaSplitKeys = 4096;
 inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc, bool sm90) {
     const CfFwdParams& f = p.fwd;
     BwdPlan pl{};
@@ -184,9 +189,9 @@ inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc, bool sm90) {
         const bool causal_narrow = sm90 && f.d <= 128 && f.window_right >= 0 && f.window_left < 0;
         const int key_block = causal_narrow ? 128 : 64;
         const int64_t ctas = (int64_t)((f.seqlen_k + key_block - 1) / key_block) * f.hkv * f.b;
-        const int64_t target = CF_BWD_GQA_SPLIT_TARGET;
+        const int64_t target = kBwdGqaSplitTarget;
         int want = ctas >= target ? 1 : (int)((target + ctas - 1) / ctas);
-        if (causal_narrow && f.seqlen_k >= CF_BWD_GQA_SPLIT_KEYS) want = group;
+        if (causal_narrow && f.seqlen_k >= kBwdGqaSplitKeys) want = group;
         if (want > group) want = group;
         pl.hps = (group + want - 1) / want;
         pl.nsplit = (group + pl.hps - 1) / pl.hps;
@@ -225,26 +230,8 @@ inline bool fwd_sm90_takes(int rounded_d) { return rounded_d >= 64; }
 // d <= 32 stays on mma.sync. d = 96 has its own tile: the 128 tile's step with 96 columns of
 // S^T / dP^T / dV / dK products (config.cuh BwdSm90Traits::kHeadDimPad); it ran on the 128 tile
 // with zero-filled columns before (faster than the mma.sync 96 tile: bench/NOTES.md "Backward
-// v4–v5"), which CF_BWD_D96_TILE=0 restores for A/B runs.
-#ifndef CF_BWD_D96_TILE
-#define CF_BWD_D96_TILE 1
-#endif
-inline int bwd_sm90_tile(int rounded_d) {
-    return rounded_d == 96 && !CF_BWD_D96_TILE ? 128 : rounded_d >= 64 ? rounded_d : 0;
-}
-// Query rows per step of the Hopper backward's 128 head-dim tile: 64, or 80 (FA3's d = 128 step:
-// 25% more products per step against the step's fixed costs). CF_BWD_BM80 (build-time, for A/B
-// runs): 0 = always 64 (the 80 kernels are not built), 1 = 80 without causal or window masks
-// (FA3's choice), 2 = always 80. Default 0: the 80 step measured level with 64 from 4k and 2-6%
-// slower below (bench/NOTES.md, 2026-11-26, commit f0052a2: the 80-query step); its P^T cannot
-// overlap dP^T's product (ptxas then serialised every wgmma for registers).
-#ifndef CF_BWD_BM80
-#define CF_BWD_BM80 0
-#endif
-inline int bwd_sm90_block_m(const CfFwdParams& f) {
-    const bool masked = has_window(f);
-    return CF_BWD_BM80 == 2 || (CF_BWD_BM80 == 1 && !masked) ? 80 : 64;
-}
+// v4–v5").
+inline int bwd_sm90_tile(int rounded_d) { return rounded_d >= 64 ? rounded_d : 0; }
 // Whether a grid starts every head's heaviest CTAs first, across heads: the dK/dV kernels take
 // their CTAs key block slowest (common/bwd_work.cuh DkdvCta), the query-block grids (the mma.sync
 // forward and dQ kernels) query block slowest, last first (common/mask.cuh QueryBlockCta). Under
@@ -269,19 +256,20 @@ inline bool heavy_first_order(const CfFwdParams& f, int64_t ctas, int64_t slots,
 // the last groups' start in the last waves: a list-scheduling model (experiments/cta_order_model.py)
 // puts the makespan 5-7% above ideal where a group has fewer key blocks than a wave has slots
 // (d = 128 causal at 2k-8k, d = 256 at 4k), <1% from there on (16k). There the last
-// CF_BWD_TAIL_WAVES waves' worth of groups run key block slowest (model: 1-1.3% above ideal;
+// kBwdTailWaves waves' worth of groups run key block slowest (model: 1-1.3% above ideal;
 // measured -2 to +6.5%, +3% on average, bench/NOTES.md, 2026-11-27, commit 2031cb3), and the CTAs
 // running together still come from a few heads: every group in that order cost 20-45% at 1k-4k
 // (L2).
+constexpr int kBwdTailWaves = 2;
 // The rule both launchers share, for `groups` groups of `blocks` CTAs whose first CTA carries the
-// most work: the trailing groups that hold CF_BWD_TAIL_WAVES waves, or 0 where no group's heavy
+// most work: the trailing groups that hold kBwdTailWaves waves, or 0 where no group's heavy
 // CTA can start late (a group as long as a wave, one wave in all) or the grid's flat CTA index would
 // not fit 32 bits (DkdvCta computes it unsigned; the forward's launcher refuses grids of more than
 // INT32_MAX tiles before it asks).
 inline int trailing_heavy_groups(int64_t blocks, int64_t groups, int64_t slots) {
-    if (CF_BWD_TAIL_WAVES <= 0 || blocks <= 0 || blocks >= slots) return 0;
+    if (blocks <= 0 || blocks >= slots) return 0;
     if (blocks * groups <= slots || blocks * groups > (int64_t)UINT32_MAX) return 0;
-    return (int)std::min<int64_t>(groups, (CF_BWD_TAIL_WAVES * slots + blocks - 1) / blocks);
+    return (int)std::min<int64_t>(groups, (kBwdTailWaves * slots + blocks - 1) / blocks);
 }
 inline int bwd_heavy_groups(const CfFwdParams& f, int64_t key_blocks, int64_t groups, int64_t slots) {
     if (heavy_first_order(f, key_blocks * groups, slots)) return (int)groups;
@@ -289,7 +277,7 @@ inline int bwd_heavy_groups(const CfFwdParams& f, int64_t key_blocks, int64_t gr
 }
 // The one-tile-per-CTA sm_90a forward (the d = 64 192 x 128 tile; sm90/tile_scheduler.cuh): under
 // causal masks each head's query blocks go heaviest first, and the last groups' heaviest tiles
-// would start in the last waves, as in the backward above. Same rule: the last CF_BWD_TAIL_WAVES
+// would start in the last waves, as in the backward above. Same rule: the last kBwdTailWaves
 // waves' worth of (head, sequence) groups run query block slowest, where a head has fewer query
 // blocks than a wave has slots.
 inline int fwd_heavy_groups(const CfFwdParams& f, int64_t query_blocks, int64_t groups, int64_t slots) {
@@ -352,8 +340,8 @@ constexpr int kFp8VtSeqGap = 3 * kFp8KeyPad;
 __host__ __device__ inline int64_t fp8_vt_varlen_col0(int64_t row0, int b) {
     return (row0 + 15) / 16 * 16 + (int64_t)kFp8VtSeqGap * b;
 }
-// Whether the kernel fwd_fp8 runs for p transposes V itself (config.cuh CF_FP8_VT_IN_KERNEL, the
-// traits' kVtInKernel): then no workspace, and V is read through a row map like K's.
+// Whether the kernel fwd_fp8 runs for p transposes V itself (config.cuh kFp8VtInKernelShort /
+// Long, the traits' kVtInKernel): then no workspace, and V is read through a row map like K's.
 inline bool fwd_fp8_vt_in_kernel(const CfFwdParams& p) {
     return fwd_fp8_tile(p.d) == 128 && (fwd_fp8_long(p) ? kFp8VtInKernelLong : kFp8VtInKernelShort);
 }
@@ -384,9 +372,7 @@ inline FwdSm90Config fwd_sm90_config(const CfFwdParams& p) {
             if (p.seqlen_q > kFwdSm90D64ShortMaxSeq) return FwdSm90Config::kD64;
             return masked ? FwdSm90Config::kD64Short : FwdSm90Config::kD64Persistent;
         }
-        case 96:
-            if (CF_FWD_D96_TILE) return fwd_sm90_long(p, 128) ? FwdSm90Config::kD96Long : FwdSm90Config::kD96;
-            [[fallthrough]];  // the 128 tile (A/B runs)
+        case 96: return fwd_sm90_long(p, 128) ? FwdSm90Config::kD96Long : FwdSm90Config::kD96;
         case 128: return fwd_sm90_long(p, 128) ? FwdSm90Config::kD128Long : FwdSm90Config::kD128;
         case 192: return fwd_sm90_long(p, 192) ? FwdSm90Config::kD192Long : FwdSm90Config::kD192;
         default: return fwd_sm90_long(p, 256) ? FwdSm90Config::kD256Long : FwdSm90Config::kD256;

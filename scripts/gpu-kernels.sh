@@ -7,8 +7,9 @@
 #   bash scripts/gpu-kernels.sh [check|grid|all]   (on the GPU machine, with .baseline/ copied along)
 # Env: CF_PREBUILT=1 (libraries built here and carried: bench/out*, .baseline/out), VARIANTS (more
 # builds, checked and timed in the grid: "name=dir ...", each built here with
-#   CF_BUILD_DIR=dir CF_NVCC_FLAGS="-DCF_BWD_PRODUCER=0" python3 bench/kernel_check.py --build-only
-# ), POINTS / DIMS / REPS (bench/grid.py).
+#   CF_BUILD_DIR=dir CF_NVCC_FLAGS="..." python3 bench/kernel_check.py --build-only
+# or from another revision's kernels (CF_KDIR); the kernels' -DCF_* variant switches were removed,
+# the variants are in git before commit 9991ad4), POINTS / DIMS / REPS (bench/grid.py).
 # Making the baseline of revision REV (here, once; .baseline is listed in .git/info/exclude):
 #   mkdir -p .git/info && echo /.baseline/ >> .git/info/exclude && rm -rf .baseline && mkdir .baseline &&
 #   git archive REV kernels | tar -x -C .baseline && git show REV:bench/kernel_check.py > .baseline/kernel_check_old.py

@@ -113,7 +113,7 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
   san memcheck-varlen memcheck -- gpu-bin/tests/parity varlen
   san memcheck-bad-seqlens memcheck -- gpu-bin/tests/errors bad_seqlens
   # GQA backward with 4096+ keys under a causal mask: one query head per CTA and the in-kernel
-  # sums of the dK / dV partials (plan_bwd, CF_BWD_GQA_SPLIT_KEYS), through the crate.
+  # sums of the dK / dV partials (plan_bwd, kBwdGqaSplitKeys), through the crate.
   san memcheck-gqa-many-keys memcheck -- gpu-bin/tests/parity gqa_backward_many_keys
 fi
 

@@ -478,19 +478,9 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
         return logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General>, general)
                                  : launch_sm90(bwd_dkdv_sm90_kernel<Plain>, plain);
     };
-    if constexpr (sizeof(T) == 2 && D == 64) {
+    if constexpr (sizeof(T) == 2 && (D == 64 || D == 96 || D == 128)) {
         if (wgmma) {
             if ((e = run(BwdSm90Traits<T, D, false>{}, BwdSm90Traits<T, D, true>{})) != cudaSuccess) return e;
-            done = summed_dkv = true;
-        }
-    } else if constexpr (sizeof(T) == 2 && (D == 96 || D == 128)) {
-        if (wgmma) {
-            if constexpr (CF_BWD_BM80 != 0 && D == 128)
-                e = bwd_sm90_block_m(f) == 80 ? run(BwdSm90Traits<T, D, false, 80>{}, BwdSm90Traits<T, D, true, 80>{})
-                                              : run(BwdSm90Traits<T, D, false, 64>{}, BwdSm90Traits<T, D, true, 64>{});
-            else
-                e = run(BwdSm90Traits<T, D, false, 64>{}, BwdSm90Traits<T, D, true, 64>{});
-            if (e != cudaSuccess) return e;
             done = summed_dkv = true;
         }
     } else if constexpr (sizeof(T) == 2 && (D == 192 || D == 256)) {

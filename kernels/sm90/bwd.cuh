@@ -32,12 +32,6 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
-// Build-time switch for A/B runs (bench/NOTES.md, 2026-11-26, commit f0052a2): the dQ tile's flush
-// a step late (1, default: +3-8% at d = 64, level at d = 128) or at the end of its own step (0).
-#ifndef CF_BWD_LATE_FLUSH
-#define CF_BWD_LATE_FLUSH 1
-#endif
-
 namespace cf {
 
 #ifdef CF_BWD_TRACE
@@ -245,7 +239,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     constexpr int NA = BM / 2;   // accumulators of an m64 x BM product
     constexpr int ND = D / 2;    // accumulators of an m64 x D product
     constexpr int NQ = 32;       // accumulators of the m64 x n64 dQ slice
-    constexpr bool kDqT = Kt::kDqTransposed;  // dQ^T = K^T dS^T (BM = 80)
     constexpr bool kDA = Kt::kDescAdvance;    // how the k16 steps' wgmma descriptors are built
 
     extern __shared__ __align__(1024) unsigned char smem_sm90[];
@@ -255,7 +248,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     constexpr int NST = Kt::kStages;
     T* sQ = sV + BN * DP;          // [NST][BM*DP]
     T* sdO = sQ + NST * BM * DP;   // [NST][BM*DP]
-    T* sdS = sdO + NST * BM * DP;  // [2][BN][BM] (dS^T, double-buffered; kDqT: dS, [2][BM][BN])
+    T* sdS = sdO + NST * BM * DP;  // [2][BN][BM] (dS^T, double-buffered)
     float* sL = reinterpret_cast<float*>(sdS + 2 * BN * BM);  // [NST][BM]
     float* sD = sL + NST * BM;                                // [NST][BM]
     float* sDq = sD + NST * BM;  // [2 warpgroups][kDqSlots][kDqRows][64] dQ staging (f32)
@@ -265,7 +258,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
     const int g = lane >> 2, q4 = lane & 3;
-    const DkdvWork<T, BN, BM, CF_BWD_HEAVY_FIRST != 0, false, kOrdered, true> w(p, ws);  // StepDivider
+    // CTAs key block slowest under causal-like masks (heuristics.cuh heavy_first_order: measured there)
+    const DkdvWork<T, BN, BM, true, false, kOrdered, true> w(p, ws);  // StepDivider
     if (w.empty()) return;
     const SeqInfo& si = w.si;
     const MaskInfo& mk = w.mk;
@@ -279,7 +273,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         else __syncthreads();
     };
     const Pipeline<NST> pipe(smem_addr(bars));
-    // dQ by turns (config.cuh CF_BWD_DQ_TURNS); the ordered kernel keeps the column split
+    // dQ by turns (config.cuh BwdSm90Traits::kDqTurns); the ordered kernel keeps the column split
     constexpr bool kDqTurns = Kt::kDqTurns && !kOrdered;
     auto load_step = [&](int it) {
         bwd_load_step<BM, DP, Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
@@ -305,7 +299,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         }
         setmaxnreg_inc<Kt::kConsumerRegs>();
         if (warp == 0 && total_it > 0) load_rows(0);
-        if (Kt::kPingPong && warp == 0 && total_it > 1) load_rows(1);  // two steps ahead (below)
     }
     float dk[ND], dv[ND];
 #pragma unroll
@@ -380,7 +373,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         wg_commit();
     };
 
-    constexpr bool kLateFlush = CF_BWD_LATE_FLUSH != 0 && !kDqT;
+    // The dQ tile's flush a step late (flush_dq below), not at the end of its own step: +3-8% at
+    // d = 64, level at d = 128 (bench/NOTES.md, 2026-11-26, commit f0052a2).
     // kOrdered: step s's reductions wait for their turn (sm90/tma.cuh DqOrder; thread 0 of the
     // warpgroup, which issues them), and the turn passes on once they have completed: dq_signal,
     // after the next P^T / dS^T (~1000 cycles after the late flush's issue). At the dS^T barrier
@@ -414,40 +408,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // rows and columns 64w.. (panel w of K and of dq_accum)). Waits for every product this
     // warpgroup has issued.
     auto dq_step = [&](int s) {
-        const int buf = s & 1;
-        const uint32_t tdSi = tdS + buf * BN * BM * 2;
-        if constexpr (kDqT) {
-            // dQ^T = K^T dS^T: A = K^T (panel wg of K, MN-major: the warpgroup's 64 columns of dQ),
-            // B = dS [BM][BN] (K-major); all BM query rows, columns 64 wg.. (panel wg of dq_accum)
-            float dqt[BM / 2];
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < NS; ++kk)
-                wgmma_ss<BM, T, 1, 0>(dqt, desc_mn_major<kDA>(tK + wg * BN * kPanelRowBytes, BN, kk),
-                                      desc_k_major<kDA>(tdSi, BM, kk), kk > 0);
-            wg_commit();
-            wg_wait<0>();
-            reg_fence(dqt);
-            wait_dq_tile_free();
-            dq_turn(s);
-            reduce_dqt_tile<BM>(dqt, dq_tile(s), dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
-            return;
-        }
         float dq[NQ];
         issue_dq(dq, s);
         wg_wait<0>();
         reg_fence(dq);
         CF_BTRACE(trace, wg, s, 9);
         wait_dq_tile_free();
-        if constexpr (kLateFlush) {
-            stage_dq_tile<NQ / 4>(dq, 0, dq_tile(s), 16 * wq + g, q4);  // flushed by flush_dq(s)
-        } else {
-            dq_turn(s);
-            reduce_dq_tile<NQ / 4>(dq, 0, dq_tile(s), dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
-        }
+        stage_dq_tile<NQ / 4>(dq, 0, dq_tile(s), 16 * wq + g, q4);  // flushed by flush_dq(s)
         CF_BTRACE(trace, wg, s, 10);
     };
-    // kLateFlush: step s's staged dQ tile goes out (fence, barrier, bulk reduction) in step s + 1,
+    // The late flush: step s's staged dQ tile goes out (fence, barrier, bulk reduction) in step s + 1,
     // right after that step's S^T / dP^T are issued, instead of at the end of step s, where both
     // warpgroups did it with the tensor cores idle (bwd_trace.py: ~600 of a ~4600-cycle step).
     auto flush_dq = [&](int s) {
@@ -473,17 +443,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
         const float* cL = sL + st * BM;
         const float* cD = sD + st * BM;
-        if constexpr (Kt::kOverlapP == 2) {
-            // P^T while dP^T runs, dS^T while dV's product runs (plain logits: no derivative factor)
-            wg_wait<1>();
-            reg_fence(sT);
-            bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
-            pack_a(pa, sT);
-            issue_rs(dv, pa, tdO);
-            wg_wait<1>();  // S^T and dP^T done (dV may still run)
-            reg_fence(dpT);
-            bwd_ds<BM>(sT, dpT, cD, q4);
-        } else if constexpr (Kt::kOverlapP == 1) {
+        if constexpr (Kt::kOverlapP) {
             // P^T while dP^T runs
             wg_wait<1>();
             reg_fence(sT);
@@ -507,102 +467,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         }
     };
 
-    if constexpr (Kt::kPingPong) {
-        // ---- ping-pong schedule (build-time CF_BWD_PINGPONG, off: measured 2-7% slower than the
-        // lockstep below, bench/NOTES.md, 2026-11-26, commit 2059c30). The two warpgroups take turns
-        // at the tensor cores, one batch per turn: A(s) = S^T(s), dP^T(s); B(s) = dV(s), dK(s).
-        // Turns go W0.A(s), W1.A(s), W0.B(s), W1.B(s), W0.A(s + 1), ...: a warpgroup's elementwise
-        // work (P^T and dS^T between its A and B; dS^T's stores and dQ after B) runs while the
-        // other warpgroup's batch is on the tensor cores, instead of both meeting at one barrier
-        // per step. dQ(s) needs both halves of dS^T(s), so it runs a step late, after B(s + 1)
-        // completed and outside the turns: with dQ in B, or dV / dK left in flight into the next
-        // step, ptxas serialised every wgmma of the kernel (C7514) and spilled 268-480 bytes.
-        // Named barriers, each phase one warpgroup's 128 arrivals and the other's 128 syncs:
-        //   5 + w           warpgroup w's turn (w waits, the other passes it)
-        //   7 + 2 buf + w   w's rows of dS^T(s) are in buffer buf = s & 1 (and w has read step
-        //                   s's lse / dsum: warp 0 copies step s + 3's rows into that stage after it)
-        //   11 + 2 buf + w  w's dQ product has read buffer buf (before the other rewrites its rows)
-        const bool atomic = ws.dq_accum != nullptr;
-        auto turn_wait = [&] { named_bar_sync(5 + wg, 256); };
-        auto turn_pass = [&] { named_bar_arrive(5 + (wg ^ 1), 256); };
-        auto ds_full_arrive = [&](int s) { named_bar_arrive(7 + 2 * (s & 1) + wg, 256); };
-        auto ds_full_sync = [&](int s) { named_bar_sync(7 + 2 * (s & 1) + (wg ^ 1), 256); };
-        auto ds_empty_arrive = [&](int s) { named_bar_arrive(11 + 2 * (s & 1) + wg, 256); };
-        auto ds_empty_sync = [&](int s) { named_bar_sync(11 + 2 * (s & 1) + (wg ^ 1), 256); };
-        // dQ(s) (its product complete): staged and reduced into dq_accum
-        auto stage_dq = [&](float (&dq)[NQ], int s) {
-            wait_dq_tile_free();
-            dq_turn(s);  // (signals the previous step's reduction first)
-            reduce_dq_tile<NQ / 4>(dq, 0, dq_tile(s), dq_dst(s), 1 + wg, wt, 16 * wq + g, q4);
-        };
-        if (wg == 1 && total_it > 0) named_bar_arrive(5, 256);  // warpgroup 0 takes the first turn
-        for (int it = 0; it < total_it; ++it) {
-            float dq[NQ];
-            uint32_t pa[MS][4], dsa[MS][4];
-            const int hq = w.head(it), m0 = w.row0(it);
-            const int st = pipe.stage(it);
-            pipe.consumer_wait(it);
-            const uint32_t tQ = smem_addr(sQ + st * BM * DP), tdO = smem_addr(sdO + st * BM * DP);
-            const LogitInfo li(f, b, hq);
-            float sT[NA], dpT[NA];
-            turn_wait();
-            issue_s_dp(sT, dpT, tQ, tdO);
-            turn_pass();
-            wg_wait<1>();  // S^T(it) done (dP^T(it) may still run)
-            reg_fence(sT);
-            const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
-            const float* cL = sL + st * BM;
-            const float* cD = sD + st * BM;
-            if constexpr (Kt::kOverlapP > 0) {  // plain logits: P^T while dP^T runs
-                bwd_p<BM>(li, mk, sT, cL, full, m0, n0 + key_l0, q4);
-                wg_wait<0>();
-                reg_fence(dpT);
-                bwd_ds<BM>(sT, dpT, cD, q4);
-            } else {
-                wg_wait<0>();
-                reg_fence(dpT);
-                bwd_p_ds<BM, Kt::kGeneralLogits ? Logits::kGeneral : Logits::kPlain>(li, mk, sT, dpT, cL, cD, full, m0,
-                                                                                   n0 + key_l0, q4);
-            }
-            pack_a(pa, sT);
-            pack_a(dsa, dpT);
-            if (it > 0) ds_full_sync(it - 1);  // the other warpgroup's dS^T(it - 1) (and lse / dsum reads)
-            if (warp == 0 && it + 2 < total_it) load_rows(it + 2);  // into the stage step it - 1 used
-            turn_wait();
-            issue_rs(dv, pa, tdO);
-            issue_rs(dk, dsa, tQ);
-            if (!(wg == 1 && it == total_it - 1)) turn_pass();  // the last turn is warpgroup 1's
-            if (atomic) {
-                if (it >= 2) ds_empty_sync(it);  // the other warpgroup's dQ(it - 2) has read this buffer
-                store_ds(dsa, it & 1);
-                fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)
-            }
-            ds_full_arrive(it);
-            // B(it) done (dQ inside the B batch, or dV / dK left in flight into the next step,
-            // made ptxas serialise every wgmma of the kernel: C7514)
-            drain_step(pa, dsa);
-            pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
-            if (atomic && it > 0) {
-                issue_dq(dq, it - 1);
-                wg_wait<0>();
-                reg_fence(dq);
-                if (it + 1 < total_it) ds_empty_arrive(it - 1);  // (the last two have no reader)
-                stage_dq(dq, it - 1);
-            }
-        }
-        if (total_it > 0) {
-            const int last = total_it - 1;
-            ds_full_sync(last);
-            if (atomic) {
-                float dq[NQ];
-                issue_dq(dq, last);
-                wg_wait<0>();
-                reg_fence(dq);
-                stage_dq(dq, last);
-            }
-        }
-    } else if constexpr (kDqTurns) {
-        // ---- dQ by turns (config.cuh CF_BWD_DQ_TURNS). The warpgroups take turns at dQ: step s's
+    if constexpr (kDqTurns) {
+        // ---- dQ by turns (config.cuh BwdSm90Traits::kDqTurns). The warpgroups take turns at dQ: step s's
         // owner, warpgroup s & 1, computes all of dQ(s) = dS(s) K as m64 x n128 x k128 (8 wgmma
         // instead of 2 x 8 of n64: each k16 step reads dS's 2 KB once for all 128 columns, so a
         // step's operand reads from shared memory fall from 256 to 240 KB; ncu counts the d = 128
@@ -711,8 +577,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // ---- S^T = K Q^T, dP^T = V dO^T
         float sT[NA], dpT[NA];
         issue_s_dp(sT, dpT, tQ, tdO);
-        if constexpr (kLateFlush)
-            if (ws.dq_accum != nullptr && it > 0) flush_dq(it - 1);
+        if (ws.dq_accum != nullptr && it > 0) flush_dq(it - 1);
         CF_BTRACE(trace, wg, it, 2);
 
         // ---- P^T, dS^T, then dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
@@ -726,35 +591,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         if (ws.dq_accum != nullptr) {
             // ---- dS^T -> shared (overlaps the dV / dK products), then dQ = dS K
             const int buf = it & 1;
-            if constexpr (kDqT) {
-                // dS [BM][BN]: stmatrix .trans of the four 8 x 8 blocks (keys x queries) of k16
-                // step kq; lane 8i + r addresses query row r of block i (i & 1: keys + 8, i >> 1:
-                // queries + 8), whose 16 bytes are its 8 keys
-                const int mi = lane >> 3;
-                const uint32_t base = smem_addr(sdS + buf * BN * BM);
-#pragma unroll
-                for (int kq = 0; kq < MS; ++kq)
-                    stmatrix_x4_trans(base + panel_offset(BM, 16 * kq + 8 * (mi >> 1) + (lane & 7),
-                                                          64 * wg + 16 * wq + 8 * (mi & 1)),
-                                      dsa[kq]);
-            } else {
-                store_ds(dsa, buf);
-            }
+            store_ds(dsa, buf);
             fence_async_smem();
             CF_BTRACE(trace, wg, it, 7);
             dq_signal();  // (without the late flush: the reduction of the last step)
             named_bar_sync(kBarDs, 256);  // both warpgroups' dS (dS^T) rows are in place
             CF_BTRACE(trace, wg, it, 8);
-            if constexpr (kDqT) {
-                wg_wait<1>();  // dV's product done: its P^T registers are free for dQ^T's 40 accumulators
-                               // (with them still pinned, ptxas serialised every wgmma: C7512)
-                reg_fence(dv);
-                reg_fence(pa);
-            }
             dq_step(it);
             reg_fence(dv);
             reg_fence(dk);
-            if constexpr (!kDqT) reg_fence(pa);
+            reg_fence(pa);
             reg_fence(dsa);
             pipe.consumer_release(it, lane);  // this warp is done with the stage's Q / dO
             CF_BTRACE(trace, wg, it, 11);
@@ -768,8 +614,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         }
     }
 
-    if constexpr (kLateFlush)
-        if (ws.dq_accum != nullptr && total_it > 0) flush_dq(total_it - 1);
+    if (ws.dq_accum != nullptr && total_it > 0) flush_dq(total_it - 1);
     }  // lockstep schedule
     dq_signal();
     if (ws.dq_accum != nullptr && wt == 0) bulk_wait<0>();  // the last reduction is done with shared memory

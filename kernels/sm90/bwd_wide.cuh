@@ -32,11 +32,6 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
-// Build-time switch for A/B runs: the wide kernels' rotated query-block order without masks
-// (common/bwd_work.cuh DkdvWork kRotate).
-#ifndef CF_BWD_WIDE_ROTATE
-#define CF_BWD_WIDE_ROTATE 1
-#endif
 
 namespace cf {
 
@@ -85,7 +80,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3, wt = tid & 127;  // warpgroup, warp / thread within it
     const int g = lane >> 2, q4 = lane & 3;
-    const DkdvWork<T, BN, BM, CF_BWD_HEAVY_FIRST != 0, CF_BWD_WIDE_ROTATE != 0, kOrdered> w(p, ws);
+    // CTAs key block slowest under causal-like masks (heuristics.cuh heavy_first_order), and the
+    // rotated query-block order without masks (common/bwd_work.cuh DkdvWork kRotate)
+    const DkdvWork<T, BN, BM, true, true, kOrdered> w(p, ws);
     const bool trace = blockIdx.x == 1 && blockIdx.y == 0 && blockIdx.z == 0;
     (void)trace;
     if (w.empty()) return;

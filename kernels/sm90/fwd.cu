@@ -130,7 +130,8 @@ __device__ __forceinline__ int64_t fp8_vt_col0(const SeqInfo& si) {
 // conflict on every byte read (ncu: 38 us for the 33.5 MB of V at B * N = 16384, H = 16,
 // d = 128, i.e. 1.45 TB/s; ~8% of a 2k forward).
 constexpr int kVtTile = 64;                       // keys of a half, columns of d of a CTA
-constexpr int kVtHalves = CF_FP8_VT_HALVES;       // config.cuh
+// halves of 64 keys per CTA, whose loads a thread has in flight together (bench/NOTES.md "The V^T pre-pass")
+constexpr int kVtHalves = 2;
 constexpr int kVtKeys = kVtHalves * kVtTile;      // keys of a CTA (divides kFp8KeyPad)
 static_assert(kFp8KeyPad % kVtKeys == 0, "padded key counts are whole CTAs");
 __device__ __forceinline__ int fp8_vt_chunk(int key, int chunk) { return chunk ^ ((key >> 4) & 3); }

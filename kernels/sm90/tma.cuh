@@ -271,24 +271,6 @@ __device__ __forceinline__ void reduce_dq_tile(const float (&dq)[4 * NJ], int j0
     flush_dq_tile(tile, gdst, wg_bar, wt);
 }
 
-// The transposed product's dQ tile: [ROWS][64] f32 (same tiled layout) from the m64 x nROWS
-// accumulators of dQ^T = K^T dS^T (element 4j + e: column c0 + 8 (e >> 1) of the panel, row
-// 8j + 2 q4 + (e & 1)), c0 = 16 * warp + lane / 4. Scalar stores: a warp's 8 lanes of one q4
-// write 8 consecutive floats of one chunk, its 4 q4 rows sit at 4 distinct chunk positions
-// (row & 7 differs), so the 32 lanes hit 32 banks. Then, as reduce_dq_tile, one bulk reduction
-// of ROWS * 256 bytes by thread wt == 0, after the warpgroup's barrier `wg_bar`.
-template <int ROWS>
-__device__ __forceinline__ void reduce_dqt_tile(const float (&dqt)[ROWS / 2], float* tile, float* gdst, int wg_bar,
-                                                int wt, int c0, int q4) {
-#pragma unroll
-    for (int j = 0; j < ROWS / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int row = 8 * j + 2 * q4 + (e & 1), col = c0 + 8 * (e >> 1);
-            tile[row * 64 + (((col >> 3) ^ (row & 7)) << 3) + (col & 7)] = dqt[4 * j + e];
-        }
-    flush_dq_tile(tile, gdst, wg_bar, wt, ROWS * 64 * 4);
-}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace cf
