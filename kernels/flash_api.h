@@ -118,8 +118,10 @@ typedef struct {
     // [0, sk), so any values give defined rows and no access outside the tensors. Forward only.
     const int32_t* prefix_ranges;
     // Head dim of v, o (and dout, dv): 0 means d (MLA's value head dim of its own otherwise).
-    // d <= 256 with dv == d and no prefix_ranges run on the tensor-core kernels; a wider head
-    // (d or dv up to 576), dv != d or prefix ranges run on the SIMT kernels.
+    // d <= 256 with dv == d and no prefix_ranges run on the tensor-core kernels; the f16 / bf16
+    // forward of a wider head (d <= 576, dv <= 512) on the wide-head tensor-core kernel; the
+    // rest (the backward of wider heads, dv != d up to 256, f32 past 256, prefix ranges) on the
+    // SIMT kernels.
     int32_t dv;
     int32_t prefix_max_ranges;
 } CfFwdParams;
