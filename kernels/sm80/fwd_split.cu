@@ -37,15 +37,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
     const int h0 = gi * sa.pack;
     const int hk = kv_head(p, h0);
     const int dch = p.d / E;
-    // query-index range of this CTA's rows (whole sequence when they span two heads)
     int i_lo, i_hi;
-    if (m0 / sq == (m0 + nrows - 1) / sq) {
-        i_lo = m0 % sq;
-        i_hi = (m0 + nrows - 1) % sq;
-    } else {
-        i_lo = 0;
-        i_hi = sq - 1;
-    }
+    packed_query_range(m0, nrows, sq, i_lo, i_hi);
 
     const T* kg = si.k<T>(p, hk);
     const T* vg = si.v<T>(p, hk);

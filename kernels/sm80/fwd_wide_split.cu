@@ -65,15 +65,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) wide_split_fwd_kernel(const 
     if (m0 >= R) return;
     const int nrows = min(BM, R - m0);
     const int dch = p.d / E, dvch = head_dim_v(p) / E;
-    // the query-index range of this CTA's rows (the whole sequence when they span two heads)
     int i_lo, i_hi;
-    if (m0 / sq == (m0 + nrows - 1) / sq) {
-        i_lo = m0 % sq;
-        i_hi = (m0 + nrows - 1) % sq;
-    } else {
-        i_lo = 0;
-        i_hi = sq - 1;
-    }
+    packed_query_range(m0, nrows, sq, i_lo, i_hi);
     const int64_t SQ = p.seqlen_q;
     const int64_t part_b = ((int64_t)split * p.b + b) * p.h;  // + head, then * SQ + query
     const MaskInfo mk(sq, si.sk, p.window_left, p.window_right);

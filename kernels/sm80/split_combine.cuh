@@ -15,6 +15,19 @@ struct SplitArgs {
     bool direct;
 };
 
+// The query indices [i_lo, i_hi] that the rows [m0, m0 + nrows) of a packed tile (row r = head
+// r / sq, query r % sq: a KV group's heads x queries) cover: the rows' own range when they lie in
+// one head, the whole sequence when they span two.
+__device__ __forceinline__ void packed_query_range(int m0, int nrows, int sq, int& i_lo, int& i_hi) {
+    if (m0 / sq == (m0 + nrows - 1) / sq) {
+        i_lo = m0 % sq;
+        i_hi = (m0 + nrows - 1) % sq;
+    } else {
+        i_lo = 0;
+        i_hi = sq - 1;
+    }
+}
+
 // One warp per (b, h, i) row: lse = log sum_s exp(lse_s); o = sum_s exp(lse_s - lse) o_s. An
 // attention sink is one more partial, with lse_s = its logit and o_s = 0 (the splits know none).
 // D: the row length of the partials (the kernel's value head-dim tile); head_dim_v(p) columns are
