@@ -5,7 +5,7 @@
 //! Elsewhere, or when autograd tracks an input, they are the candle compositions (bitwise what
 //! the model computed before).
 
-use crate::params::{validate_add_rms_norm, validate_silu_mul};
+use crate::serving_params::{validate_add_rms_norm, validate_silu_mul};
 use candle_core::{Result, Tensor};
 
 /// `(sum, rms_norm(sum) * weight)` with `sum = x + residual` (`x` itself without a residual),

@@ -51,6 +51,7 @@ pub mod op;
 pub mod paged;
 pub mod params;
 pub mod reference;
+pub mod serving_params;
 
 pub use paged::{rope_write_paged_kv, write_paged_kv};
 pub use params::{

@@ -1,6 +1,6 @@
 //! Writing a paged K/V cache: new rows go straight into their pages, in place.
 
-use crate::params::{validate_cache_write, validate_rope_cache_write};
+use crate::serving_params::{validate_cache_write, validate_rope_cache_write};
 use candle_core::{DType, Result, Tensor};
 
 /// Slot value that marks a row to skip (candle's scatter skips its index type's maximum).
