@@ -46,10 +46,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 2) split_fwd_kernel(const CfFwd
     const int64_t part_b = ((int64_t)split * p.b + b) * p.h;  // + head, then * SQ + i
 
     const MaskInfo mk(sq, si.sk, p.window_left, p.window_right);
-    int n_lo, n_hi;
-    mk.key_range(i_lo, i_hi, n_lo, n_hi);
-    const int nb_lo = max(n_lo / BN, split * sa.bps);
-    const int nb_hi = min((n_hi + BN - 1) / BN, (split + 1) * sa.bps);
+    int n_lo, n_hi, nb_lo, nb_hi;
+    split_key_blocks<BN>(mk, i_lo, i_hi, split, sa.bps, n_lo, n_hi, nb_lo, nb_hi);
     if (n_hi <= n_lo || nb_hi <= nb_lo) {
         for (int r = tid; r < nrows; r += NTH) {
             const int rr = m0 + r;

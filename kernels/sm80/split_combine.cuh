@@ -28,6 +28,16 @@ __device__ __forceinline__ void packed_query_range(int m0, int nrows, int sq, in
     }
 }
 
+// The keys [n_lo, n_hi) that the query rows [i_lo, i_hi] see (MaskInfo::key_range) and, of the
+// blocks of BN keys they touch, those of split `split` (bps blocks a split): [nb_lo, nb_hi).
+template <int BN>
+__device__ __forceinline__ void split_key_blocks(const MaskInfo& mk, int i_lo, int i_hi, int split, int bps, int& n_lo,
+                                                 int& n_hi, int& nb_lo, int& nb_hi) {
+    mk.key_range(i_lo, i_hi, n_lo, n_hi);
+    nb_lo = max(n_lo / BN, split * bps);
+    nb_hi = min((n_hi + BN - 1) / BN, (split + 1) * bps);
+}
+
 // One warp per (b, h, i) row: lse = log sum_s exp(lse_s); o = sum_s exp(lse_s - lse) o_s. An
 // attention sink is one more partial, with lse_s = its logit and o_s = 0 (the splits know none).
 // D: the row length of the partials (the kernel's value head-dim tile); head_dim_v(p) columns are
