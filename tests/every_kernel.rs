@@ -127,8 +127,11 @@ fn wide_split_decode() {
             let v = if view { k.narrow(3, 0, dv).unwrap() } else { randn(&mut rng, &[2, 333, hkv, dv]) };
             let opts = candle_flash::FlashAttnOptions::new(0.05).causal(true);
             let on = |t: &Tensor, dev: &Device| t.to_device(dev).unwrap();
-            let (out, _) =
-                candle_flash::flash_attn_with_lse(&on(&q, &gpu), &on(&k, &gpu), &on(&v, &gpu), &opts).unwrap();
+            // the view taken on the GPU: to_device copies a view's storage, so a view moved there
+            // would be a tensor of its own
+            let k_gpu = on(&k, &gpu);
+            let v_gpu = if view { k_gpu.narrow(3, 0, dv).unwrap() } else { on(&v, &gpu) };
+            let (out, _) = candle_flash::flash_attn_with_lse(&on(&q, &gpu), &k_gpu, &v_gpu, &opts).unwrap();
             let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
             let truth = candle_flash::reference::attention(&f64s(&q), &f64s(&k), &f64s(&v), &opts).unwrap();
             let naive = candle_flash::reference::attention(&q, &k, &v, &opts).unwrap();
