@@ -14,6 +14,14 @@ static_assert(sizeof(CfFwdParams) == 368 && sizeof(CfBwdParams) == 512, "change 
 
 namespace cf {
 
+// Whether the environment variable `name` is set to anything but empty or "0": the
+// CANDLE_FLASH_* switches that send calls to other kernels (to compare them, and to test them on
+// shapes another kernel would take). Read once by each switch.
+static bool env_switch(const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+
 __global__ void sm90a_probe_kernel(int* out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     *out = 1;
@@ -32,9 +40,8 @@ bool sm90a_available() {
     const int known = cache[dev].load();
     if (known != 0) return known == 2;
     bool ok = false;
-    const char* off = std::getenv("CANDLE_FLASH_DISABLE_SM90A");
     int major = 0, minor = 0;
-    if (!(off && off[0] && off[0] != '0') &&
+    if (!env_switch("CANDLE_FLASH_DISABLE_SM90A") &&
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
         major == 9 && minor == 0) {
@@ -188,10 +195,7 @@ int check_fwd(const CfFwdParams* p, bool probe_maps = false) {
 // A100's too): where the device has less than they need, the SIMT kernels.
 // CANDLE_FLASH_F32_SIMT=1 keeps f32 on the SIMT kernels (to compare).
 bool f32_simt_forced() {
-    static const bool forced = [] {
-        const char* v = std::getenv("CANDLE_FLASH_F32_SIMT");
-        return v != nullptr && v[0] != '\0' && v[0] != '0';
-    }();
+    static const bool forced = env_switch("CANDLE_FLASH_F32_SIMT");
     return forced;
 }
 bool f32_fwd_tensor_cores(const CfFwdParams& p) {
@@ -229,10 +233,7 @@ bool bwd_tensor_cores(const CfBwdParams& p) {
 // CANDLE_FLASH_DISABLE_WIDE_SPLIT=1 keeps the decode shapes of wide heads on the SIMT kernels
 // (to compare, and to test those kernels on the shapes the wide split kernel takes).
 bool wide_split_disabled() {
-    static const bool off = [] {
-        const char* v = std::getenv("CANDLE_FLASH_DISABLE_WIDE_SPLIT");
-        return v != nullptr && v[0] != '\0' && v[0] != '0';
-    }();
+    static const bool off = env_switch("CANDLE_FLASH_DISABLE_WIDE_SPLIT");
     return off;
 }
 

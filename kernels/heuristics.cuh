@@ -74,21 +74,13 @@ inline SplitPlan plan_split(const CfFwdParams& p) {
 // configuration takes more shared memory than the device gives a block (smem_optin), the next one
 // that fits: 16 rows, a shorter ring.
 inline WideSplit wide_split_config(const CfFwdParams& p, bool v_in_k, int smem_optin) {
-    const int dv = p.dv > 0 ? p.dv : p.d;
+    const int dv = head_dim_v(p);
     if ((p.dtype != CF_F16 && p.dtype != CF_BF16) || p.prefix_ranges != nullptr) return WideSplit::kNone;
     if ((p.d <= 256 && dv <= 256) || p.d > kWideSplitQkDim || dv > kWideSplitVDim) return WideSplit::kNone;
     const bool rows16 = (int64_t)(p.h / p.hkv) * p.seqlen_q <= 16;
     const WideSplit in_k[] = {WideSplit::kRows64VInK3, WideSplit::kRows16VInK4, WideSplit::kRows16VInK2};
     const WideSplit apart[] = {WideSplit::kRows64V2, WideSplit::kRows16V2};
-    auto smem = [](WideSplit w) {
-        switch (w) {
-            case WideSplit::kRows16VInK4: return WideSplitTraits<__half, 16, true, 4>::kSmemBytes;
-            case WideSplit::kRows16VInK2: return WideSplitTraits<__half, 16, true, 2>::kSmemBytes;
-            case WideSplit::kRows64VInK3: return WideSplitTraits<__half, 64, true, 3>::kSmemBytes;
-            case WideSplit::kRows16V2: return WideSplitTraits<__half, 16, false, 2>::kSmemBytes;
-            default: return WideSplitTraits<__half, 64, false, 2>::kSmemBytes;
-        }
-    };
+    auto smem = [](WideSplit w) { return with_wide_split_traits<__half>(w, [](auto kt) { return decltype(kt)::kSmemBytes; }); };
     const WideSplit* list = v_in_k ? in_k : apart;
     const int n = v_in_k ? 3 : 2;
     for (int k = rows16 ? 1 : 0; k < n; ++k)

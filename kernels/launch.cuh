@@ -81,9 +81,22 @@ size_t simt_fwd_smem_bytes(const CfFwdParams& p, SimtShape shape);
 // per SM (deeper K/V ring). Partials live in the caller's workspace: opart (f32, [nsplit][b][h]
 // [seqlen_q][head-dim tile]) then lpart (f32, [nsplit][b][h][seqlen_q]); bytes = 0 when nsplit == 1.
 // wide != kNone: the wide-head kernel (sm80/fwd_wide_split.cu) in that configuration (config.cuh
-// WideSplitTraits: rows per CTA, v read from k's tile, ring depth); it always writes partials
-// (bytes > 0 also when nsplit == 1), its pack is the whole KV group.
+// WideSplitTraits: rows per CTA, v read from k's tile, ring depth; with_wide_split_traits maps one
+// to the other); pack is the whole KV group for decode shapes, 1 for longer query blocks.
 enum class WideSplit { kNone, kRows16VInK4, kRows16VInK2, kRows64VInK3, kRows16V2, kRows64V2 };
+// Calls f(Traits{}) with the WideSplitTraits of element type T that configuration w names (the one
+// table from configuration to traits: the plan asks their shared memory, the launcher launches
+// them); w != kNone.
+template <typename T, typename F>
+decltype(auto) with_wide_split_traits(WideSplit w, F&& f) {
+    switch (w) {
+        case WideSplit::kRows16VInK4: return f(WideSplitTraits<T, 16, true, 4>{});
+        case WideSplit::kRows16VInK2: return f(WideSplitTraits<T, 16, true, 2>{});
+        case WideSplit::kRows64VInK3: return f(WideSplitTraits<T, 64, true, 3>{});
+        case WideSplit::kRows16V2: return f(WideSplitTraits<T, 16, false, 2>{});
+        default: return f(WideSplitTraits<T, 64, false, 2>{});
+    }
+}
 struct SplitPlan {
     int nsplit, bps, pack, mblocks;
     bool deep;

@@ -288,15 +288,9 @@ cudaError_t run_fwd_wide_split(const CfFwdParams& p, const SplitPlan& sp, void* 
     sa.direct = sp.nsplit == 1;
     sa.opart = static_cast<float*>(workspace);
     sa.lpart = reinterpret_cast<float*>(static_cast<char*>(workspace) + sp.opart_bytes);
-    cudaError_t e;
-    switch (sp.wide) {
-        case WideSplit::kRows16VInK4: e = launch_wide_split<WideSplitTraits<T, 16, true, 4>>(p, sa, stream); break;
-        case WideSplit::kRows16VInK2: e = launch_wide_split<WideSplitTraits<T, 16, true, 2>>(p, sa, stream); break;
-        case WideSplit::kRows64VInK3: e = launch_wide_split<WideSplitTraits<T, 64, true, 3>>(p, sa, stream); break;
-        case WideSplit::kRows16V2: e = launch_wide_split<WideSplitTraits<T, 16, false, 2>>(p, sa, stream); break;
-        case WideSplit::kRows64V2: e = launch_wide_split<WideSplitTraits<T, 64, false, 2>>(p, sa, stream); break;
-        default: return cudaErrorInvalidValue;
-    }
+    if (sp.wide == WideSplit::kNone) return cudaErrorInvalidValue;
+    const cudaError_t e =
+        with_wide_split_traits<T>(sp.wide, [&](auto kt) { return launch_wide_split<decltype(kt)>(p, sa, stream); });
     if (e != cudaSuccess || sa.direct) return e;
     const int64_t nrow = (int64_t)p.b * p.h * p.seqlen_q;
     split_combine_kernel<T, kWideSplitVDim><<<(unsigned)((nrow + 3) / 4), 128, 0, stream>>>(p, sa);
