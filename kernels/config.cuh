@@ -1,7 +1,8 @@
 // Every tile configuration of every kernel family, in one place: kernels read their shapes from
 // these traits, the static_asserts say what the kernel code assumes. Which configuration runs
-// for a call is decided in dispatch.cu (with the plans of heuristics.cuh), nowhere else.
+// for a call is decided by the plan layer (plan.cuh, plan.cu), nowhere else.
 #pragma once
+#include <type_traits>
 #include "common/tile.cuh"
 
 namespace cf {
@@ -12,6 +13,19 @@ constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
 inline int round_head_dim(int d) {
     return d <= 32 ? 32 : d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : d <= 192 ? 192 : 256;
 }
+// Calls f(std::integral_constant<int, D>{}) for head-dim tile `tile` (one of kHeadDims; 256 for
+// any other value): the one switch from a plan's tile to the instantiation of that tile.
+template <typename F>
+decltype(auto) with_head_dim_tile(int tile, F&& f) {
+    switch (tile) {
+        case 32: return f(std::integral_constant<int, 32>{});
+        case 64: return f(std::integral_constant<int, 64>{});
+        case 96: return f(std::integral_constant<int, 96>{});
+        case 128: return f(std::integral_constant<int, 128>{});
+        case 192: return f(std::integral_constant<int, 192>{});
+        default: return f(std::integral_constant<int, 256>{});
+    }
+}
 
 // Columns of a head-dim tile in the sm_90a kernels' shared memory: whole 128-byte panels (the
 // wgmma swizzle's width), zeros past d; the products read only the tile's own columns.
@@ -20,7 +34,7 @@ constexpr int panel_padded_cols(int cols, int elem_bytes) { return (cols * elem_
 // ------------------------------------------------------------------ forward (tensor cores)
 // CTA = kNWarps warps over kBlockM query rows (each warp owns kMTiles m16 tiles), looping over
 // kBlockN keys per step. Shared memory: Q [kBlockM][D] + K [kBlockN][D] + V [kBlockN][D].
-// kPaged: K/V read through the paged block table (its own instantiation, chosen in dispatch.cu):
+// kPaged: K/V read through the paged block table (its own instantiation, chosen by the plan):
 // 64 query rows for d = 96 / 128, since with 128 (two m16 tiles per warp) the page lookups on top
 // of the accumulators made the kernel spill (ptxas -v: 32 / 168 bytes; also with the K load
 // moved after P V). Measured consequence: with a left-bounded window the 128-row contiguous tile
@@ -53,7 +67,7 @@ struct FwdTraits {
     static_assert(kBlockM == 16 * kNWarps * kMTiles, "warps own whole m16 tiles");
     static_assert(kBlockN % 16 == 0, "P*V k-steps of 16 keys");
     static_assert(kSmemBytes <= 160 * 1024 || (kHopperTile_ && kSmemBytes <= 227 * 1024),
-                  "must fit sm_80's 163 KB (the Hopper tile: Hopper's 227 KB, dispatch.cu checks)");
+                  "must fit sm_80's 163 KB (the Hopper tile: Hopper's 227 KB, plan.cu checks)");
     static_assert(!kHopperTile_ || (kF32 && kHeadDim == 256), "the Hopper tile is f32 d = 256's");
 };
 
@@ -221,7 +235,7 @@ struct FwdSm90Traits {
     static_assert(kConsumerRegs > kLaunchRegs, "setmaxnreg: consumers gain what the producer gives up");
     static_assert(kNWarpGroups <= 4, "named barriers 1..kNWarpGroups; ping-pong barriers count 256 threads");
 };
-// The configurations dispatch.cu chooses from (H100 measurements, bf16, B*N = 16384):
+// The configurations the plan chooses from (plan.cuh fwd_sm90_config; H100 measurements, bf16, B*N = 16384):
 //   D = 64, seqlen_q <= 2048: 128 x 128 tiles, persistent (tiles are short: hiding their
 //            prologue / epilogue matters most); 4 stages, output in its own buffer.
 //   D = 64, longer:  192 x 128 tiles (3 consumer warpgroups at 160 registers, the producer at 32;
@@ -230,7 +244,7 @@ struct FwdSm90Traits {
 //   D = 96 / 128: 128 x 128 tiles, persistent; 2 stages and O in its own buffer.
 //   D = 192: 128 x 64 tiles, 3 stages, persistent (Q 48 KB + K/V 144 KB).
 //   D = 256: 128 x 64 tiles, 2 stages, persistent (Q 64 KB + K/V 128 KB). O 128 + S 32 + P 16.
-// and for long sequences (heuristics.cuh fwd_sm90_config) wider key blocks in 2 stages, which
+// and for long sequences (plan.cuh fwd_sm90_config) wider key blocks in 2 stages, which
 // spread the per-block fixed costs (row max / sum, the O rescale, barriers) over more keys:
 //   D = 128: 128 x 176 (FlashAttention-3's tile; Q 32 KB + K/V 176 KB; S 88 + P 44 + O 64).
 //   D = 192: 128 x 96 (Q 48 KB + K/V 144 KB; S 48 + P 24 + O 96).
@@ -248,37 +262,83 @@ struct FwdSm90Traits {
 // tile's Q until the epilogue has stored O). H100: +1-12% at N <= 2048, level at 4096 against the
 // wide block (bench/NOTES.md "Forward: O in its own buffer for short tiles").
 // The same at d = 192's 128 x 64 tile (2 stages + O) measured -2% / +4% at 512: not taken.
-template <typename T> using FwdSm90TraitsD96 = FwdSm90Traits<T, 96, 128, 2, 2, true, true, true>;
-template <typename T> using FwdSm90TraitsD96Long = FwdSm90Traits<T, 96, 192, 2, 2, true, true, false>;
-template <typename T> using FwdSm90TraitsD64Short = FwdSm90Traits<T, 64, 128, 2, 4, true, true, true>;
-template <typename T> using FwdSm90TraitsD64 = FwdSm90Traits<T, 64, 128, 3, 4, true, false, false>;
 // D = 64 without masks up to 2048 queries: the same 192 x 128 tile, persistent with its own O
 // buffer (Q 24 KB + K/V 128 KB + O 24 KB), so that the next tile's loads overlap the epilogue.
 // H100: +1-2% over the 128 x 128 tile at 512-1k, +10% at 2k; level or 1% slower than the
 // one-CTA-per-tile launch at 4k, 2-4% slower from 8k; under causal masks 15-20% slower than
 // 128 x 128 at 512-2k (bench/NOTES.md, 2026-11-26, commit 7202f51).
-template <typename T> using FwdSm90TraitsD64Persistent = FwdSm90Traits<T, 64, 128, 3, 4, true, true, true>;
-template <typename T> using FwdSm90TraitsD128 = FwdSm90Traits<T, 128, 128, 2, 2, true, true, true>;
-template <typename T> using FwdSm90TraitsD192 = FwdSm90Traits<T, 192, 64, 2, 3, true, true, false>;
-template <typename T> using FwdSm90TraitsD256 = FwdSm90Traits<T, 256, 64, 2, 2, true, true, false>;
-template <typename T> using FwdSm90TraitsD128Long = FwdSm90Traits<T, 128, 176, 2, 2, true, true, false>;
-template <typename T> using FwdSm90TraitsD192Long = FwdSm90Traits<T, 192, 96, 2, 2, true, true, false>;
-template <typename T> using FwdSm90TraitsD256Long = FwdSm90Traits<T, 256, 80, 2, 2, true, true, false>;
+// The table of these configurations, one row each: the enum FwdSm90Config, the traits aliases
+// (FwdSm90Traits<name><T>; the e4m3 rows' parameter is the output type), the visitor below
+// (plan.cu and dispatch.cu) and sm90/fwd.cu's instantiations are generated from it, so a
+// configuration is added in one place. Columns: name, head-dim tile, key block, consumer
+// warpgroups, K/V stages, ping-pong (the consumer warpgroups take turns at the softmax),
+// persistent (tiles from a scheduler, not one CTA each), O in a buffer of its own (else staged in
+// Q's rows).
+//        name            D    keys WGs stages ping-pong persistent O-buffer
+#define CF_FWD_SM90_CONFIGS(X)                                        \
+    X(D64Short,      64,  128, 2,  4,     true,     true,      true)  \
+    X(D64,           64,  128, 3,  4,     true,     false,     false) \
+    X(D64Persistent, 64,  128, 3,  4,     true,     true,      true)  \
+    X(D96,           96,  128, 2,  2,     true,     true,      true)  \
+    X(D128,          128, 128, 2,  2,     true,     true,      true)  \
+    X(D192,          192, 64,  2,  3,     true,     true,      false) \
+    X(D256,          256, 64,  2,  2,     true,     true,      false) \
+    X(D96Long,       96,  192, 2,  2,     true,     true,      false) \
+    X(D128Long,      128, 176, 2,  2,     true,     true,      false) \
+    X(D192Long,      192, 96,  2,  2,     true,     true,      false) \
+    X(D256Long,      256, 80,  2,  2,     true,     true,      false)
 // e4m3 inputs (Out = f16 / bf16 output), 128 x 128 tiles, persistent, ping-pong:
 //   D = 128 (d <= 128): Q 16 KB + K, V^T 4 x 2 x 16 KB + O 32 KB + raw V 16 KB (V transposed in
 //   the kernel, kFp8VtInKernelShort) = 192 KB. O 64 + S 64 + P 16 registers.
 //   D = 256: Q 32 KB + K, V^T 2 x 2 x 32 KB + O 64 KB = 224 KB. O 128 + S 64 + P 16.
 //   (3 consumer warpgroups at d = 128, 192 x 128: 160 registers each, spilled 144 bytes.)
-//   D = 128 long (heuristics.cuh fwd_fp8_long): 128 x 256, 2 stages, P V serial (kSerialPV): Q 16
+//   D = 128 long (plan.cuh fwd_fp8_long): 128 x 256, 2 stages, P V serial (kSerialPV): Q 16
 //   KB + (K 32 KB + V^T 32 KB) x 2 + O 32 KB = 176 KB; S 128 + O 64 registers, no spills. H100,
 //   against the former 128 x 192 (3 stages, overlapped P V): +4-6% non-causal and +1-4% causal at
 //   8k-16k (bench/NOTES.md "FP8: 256 keys, serial P V"). The 128 x 192 tile had been +0-7% over
 //   128 x 128 at 8k-16k, level at 4k, 4-14% slower up to 2k ("FP8 forward: wider key blocks").
-template <typename O>
-using FwdSm90Fp8TraitsD128 = FwdSm90Traits<__nv_fp8_e4m3, 128, 128, 2, 4, true, true, true, O, kFp8VtInKernelShort>;
-template <typename O>
-using FwdSm90Fp8TraitsD128Long = FwdSm90Traits<__nv_fp8_e4m3, 128, 256, 2, 2, true, true, true, O, kFp8VtInKernelLong>;
-template <typename O> using FwdSm90Fp8TraitsD256 = FwdSm90Traits<__nv_fp8_e4m3, 256, 128, 2, 2, true, true, true, O>;
+// The e4m3 rows: the same columns, then V transposed in the kernel (kVtInKernel) or by a pre-pass.
+//        name            D    keys WGs stages ping-pong persistent O-buffer V^T in the kernel
+#define CF_FWD_SM90_FP8_CONFIGS(X)                                                          \
+    X(Fp8D128,       128, 128, 2,  4,     true,     true,      true,    kFp8VtInKernelShort) \
+    X(Fp8D128Long,   128, 256, 2,  2,     true,     true,      true,    kFp8VtInKernelLong)  \
+    X(Fp8D256,       256, 128, 2,  2,     true,     true,      true,    false)
+
+#define CF_FWD_SM90_ALIAS(name, d, bn, wg, st, pp, pers, sep) \
+    template <typename T> using FwdSm90Traits##name = FwdSm90Traits<T, d, bn, wg, st, pp, pers, sep>;
+#define CF_FWD_SM90_FP8_ALIAS(name, d, bn, wg, st, pp, pers, sep, vt) \
+    template <typename O> using FwdSm90Traits##name = FwdSm90Traits<__nv_fp8_e4m3, d, bn, wg, st, pp, pers, sep, O, vt>;
+CF_FWD_SM90_CONFIGS(CF_FWD_SM90_ALIAS)
+CF_FWD_SM90_FP8_CONFIGS(CF_FWD_SM90_FP8_ALIAS)
+#undef CF_FWD_SM90_ALIAS
+#undef CF_FWD_SM90_FP8_ALIAS
+
+#define CF_FWD_SM90_ENUM(name, ...) k##name,
+enum class FwdSm90Config { CF_FWD_SM90_CONFIGS(CF_FWD_SM90_ENUM) CF_FWD_SM90_FP8_CONFIGS(CF_FWD_SM90_ENUM) };
+#undef CF_FWD_SM90_ENUM
+// Whether configuration c is one of the e4m3 rows.
+constexpr bool fwd_sm90_is_fp8(FwdSm90Config c) { return c >= FwdSm90Config::kFp8D128; }
+// Its name (the table's first column), for cf_fwd_describe.
+inline const char* fwd_sm90_config_name(FwdSm90Config c) {
+#define CF_FWD_SM90_NAME(name, ...) #name,
+    static const char* const names[] = {CF_FWD_SM90_CONFIGS(CF_FWD_SM90_NAME) CF_FWD_SM90_FP8_CONFIGS(CF_FWD_SM90_NAME)};
+#undef CF_FWD_SM90_NAME
+    return names[(int)c];
+}
+// Calls f(Traits{}) with the traits of configuration c: a 16-bit row with element type T, an
+// e4m3 row with output type T (the one map from configuration to traits, for the plan and the
+// launch alike).
+template <typename T, typename F>
+decltype(auto) with_fwd_sm90_traits(FwdSm90Config c, F&& f) {
+#define CF_FWD_SM90_CASE(name, ...) \
+    case FwdSm90Config::k##name: return f(FwdSm90Traits##name<T>{});
+    switch (c) {
+        CF_FWD_SM90_CONFIGS(CF_FWD_SM90_CASE)
+        CF_FWD_SM90_FP8_CONFIGS(CF_FWD_SM90_CASE)
+    }
+#undef CF_FWD_SM90_CASE
+    return f(FwdSm90TraitsD128<T>{});  // not reached: every enumerator has its case
+}
 
 // ------------------------------------------------------------------ backward (tensor cores)
 // dK/dV kernel: CTA = 8 warps over kBlockN keys of one KV head, looping over kBlockM query rows
@@ -295,7 +355,7 @@ template <typename O> using FwdSm90Fp8TraitsD256 = FwdSm90Traits<__nv_fp8_e4m3, 
 // double-buffered up to d = 64 (d = 128 single: 163 KB otherwise). f32 at d = 192 / 256
 // (kF32Wide): 32 query rows per step (64 would need 288 KB at d = 256), layout A's warps 16 x 16
 // (the 32 rows leave 8 per warp otherwise) and layout C 4 warps wide; 160 KB at d = 192 (every
-// sm_80 part), 208 KB at d = 256 (Hopper's 227 KB: dispatch.cu asks the device).
+// sm_80 part), 208 KB at d = 256 (Hopper's 227 KB: plan.cu asks the device).
 template <typename T_, int kHeadDim_>
 struct BwdTraits {
     using Elem = T_;
@@ -335,7 +395,7 @@ struct BwdTraits {
     static_assert((kBlockN / 8) % 8 == 0, "P/dS rows: 8-chunk swizzle (transposed reads)");
     static_assert(kAKeys % 16 == 0 && kAKeys / 8 / kAHalves >= 1, "layout A: whole n8 tiles per half");
     static_assert(kSmemBytes <= 163 * 1024 || (kF32Wide && kSmemBytes <= 227 * 1024),
-                  "must fit sm_80's 163 KB (f32 at d = 256: Hopper's 227 KB, dispatch.cu checks)");
+                  "must fit sm_80's 163 KB (f32 at d = 256: Hopper's 227 KB, plan.cu checks)");
 };
 
 // Deterministic dQ kernel: like the forward, 4 warps each owning 16 query rows, looping over
@@ -346,7 +406,7 @@ struct BwdDqTraits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = 64;
     static constexpr bool kF32Wide = sizeof(T_) == 4 && kHeadDim > 128;
-    // f32 at d = 192 / 256: 16-key blocks (144 / 192 KB; the latter Hopper's, dispatch.cu checks)
+    // f32 at d = 192 / 256: 16-key blocks (144 / 192 KB; the latter Hopper's, plan.cu checks)
     static constexpr int kBlockN = kF32Wide ? 16 : kHeadDim <= (sizeof(T_) == 4 ? 64 : 128) ? 64 : 32;
     static constexpr int kNWarps = 4;
     static constexpr int kNThreads = kNWarps * 32;

@@ -1,12 +1,10 @@
-// The entry points of flash_api.h and the one place where every runtime choice is made: argument
-// checks, the architecture (sm_90a wgmma kernels or sm_80 mma.sync ones), the kernel family
-// (f32 SIMT, tensor cores, split-KV decode), the tile configuration (head-dim tile; the sm_90a
-// configuration) and the workspace plans (heuristics.cuh). Launchers (launch.cuh) only launch.
+// The entry points of flash_api.h: argument checks, then the call's plan (plan.cuh, plan.cu:
+// every runtime choice, made there) and its launch: the launcher the plan names, with the plan's
+// values (launch.cuh). Nothing here chooses a kernel.
 #include "flash_api.h"
-#include "heuristics.cuh"
+#include "plan.cuh"
 #include "sm90/tma.cuh"
-#include <atomic>
-#include <cstdlib>
+#include <cstdio>
 
 // The sizes src/cuda/ffi.rs asserts for its mirrors (LP64): a field added on one side only fails
 // to compile on both.
@@ -14,89 +12,7 @@ static_assert(sizeof(CfFwdParams) == 368 && sizeof(CfBwdParams) == 512, "change 
 
 namespace cf {
 
-// Whether the environment variable `name` is set to anything but empty or "0": the
-// CANDLE_FLASH_* switches that send calls to other kernels (to compare them, and to test them on
-// shapes another kernel would take). Read once by each switch.
-static bool env_switch(const char* name) {
-    const char* v = std::getenv(name);
-    return v != nullptr && v[0] != '\0' && v[0] != '0';
-}
-
-__global__ void sm90a_probe_kernel(int* out) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    *out = 1;
-#else
-    *out = 0;
-#endif
-}
-
-bool sm90a_available() {
-    static std::atomic<int> cache[64];  // per device: 0 = not probed, 1 = no, 2 = yes
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-        (void)cudaGetLastError();
-        return false;
-    }
-    const int known = cache[dev].load();
-    if (known != 0) return known == 2;
-    bool ok = false;
-    int major = 0, minor = 0;
-    if (!env_switch("CANDLE_FLASH_DISABLE_SM90A") &&
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
-        major == 9 && minor == 0) {
-        // sm_90a SASS runs only on sm_90; what the device actually runs (SASS or JIT-compiled
-        // compute_90 PTX, which has no wgmma) is known only by asking a kernel.
-        int* flag = nullptr;
-        int host = 0;
-        if (cudaMalloc(&flag, sizeof(int)) == cudaSuccess) {
-            sm90a_probe_kernel<<<1, 1>>>(flag);
-            ok = cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && host == 1;
-            (void)cudaFree(flag);
-        }
-    }
-    (void)cudaGetLastError();
-    cache[dev].store(ok ? 2 : 1);
-    return ok;
-}
-
-// A device attribute read once per device: they are asked on every forward of a decode shape
-// (the SM count, by cf_fwd_workspace_size and again by cf_fwd), by every persistent launch and by
-// the f32 tile choices (the shared-memory limit), like sm90a_available().
-template <cudaDeviceAttr kAttr>
-cudaError_t cached_device_attribute(int& value) {
-    static std::atomic<int> cache[64];
-    return cached_per_device(cache, value, [](int dev, int& v) { return cudaDeviceGetAttribute(&v, kAttr, dev); });
-}
-cudaError_t current_sm_count(int& sms) { return cached_device_attribute<cudaDevAttrMultiProcessorCount>(sms); }
-// The most dynamic shared memory one block may opt in to (Hopper 227 KB, A100 163 KB, the other
-// sm_8x parts 99 KB): the f32 tiles at d = 192 / 256 need more than the smallest.
-cudaError_t current_smem_optin(int& bytes) {
-    return cached_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(bytes);
-}
-
 namespace {
-// Whether the device gives a block `bytes` of shared memory (false if it cannot be asked).
-bool smem_fits(int bytes) {
-    int have = 0;
-    if (current_smem_optin(have) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return false;
-    }
-    return have >= bytes;
-}
-
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-// Alignment needed by the 16-byte vector loads/stores (and TMA rows) of the tensor-core kernels:
-// strides in elements of elem_bytes bytes (2: f16 / bf16, 1: e4m3) that are whole 16 bytes.
-// Batch strides are unused (and not checked) for varlen sides.
-bool tensor_aligned(const void* ptr, int64_t batch_stride, int64_t row_stride, int64_t head_stride,
-                    bool varlen, int elem_bytes = 2) {
-    auto stride_ok = [&](int64_t s) { return (s * elem_bytes) % 16 == 0; };
-    return aligned16(ptr) && stride_ok(row_stride) && stride_ok(head_stride) &&
-           (varlen || stride_ok(batch_stride));
-}
-
 // e4m3 inputs: what the sm_90a FP8 kernel needs (the caller dequantizes when this fails with
 // CF_ERR_UNSUPPORTED_DTYPE): f16 / bf16 output, d a multiple of 16 (TMA rows of 16-byte
 // multiples), rows 16-byte aligned, contiguous K/V, valid descale divisors, a tensor-map encoder
@@ -124,15 +40,8 @@ int check_fwd_e4m3(const CfFwdParams* p, bool probe_maps) {
     return CF_OK;
 }
 
-// What only the SIMT kernels run (flash_api.h): a head dim past the tensor-core tiles' 256, a
-// value head dim of its own, mm_prefix_ranges (a second key interval per row, which the
-// tensor-core kernels' one-interval masks do not carry). Their shape: kNarrow up to 256
-// columns, kWide past it (config.cuh SimtShape).
+// The largest head dim (and value head dim) any kernel runs: the SIMT kernels' wide shape.
 constexpr int kMaxHeadDim = 576;
-bool simt_only(const CfFwdParams& p) { return p.d > 256 || head_dim_v(p) != p.d || p.prefix_ranges != nullptr; }
-SimtShape simt_shape(const CfFwdParams& p) {
-    return std::max(p.d, head_dim_v(p)) > simt_max_head_dim(SimtShape::kNarrow) ? SimtShape::kWide : SimtShape::kNarrow;
-}
 
 // probe_maps: see check_fwd_e4m3 (e4m3 only).
 int check_fwd(const CfFwdParams* p, bool probe_maps = false) {
@@ -188,198 +97,44 @@ int check_fwd(const CfFwdParams* p, bool probe_maps = false) {
 }
 
 
-// f32 runs on tensor cores (3xTF32: sm80/fwd.cu, sm80/bwd.cuh) when its tensors meet the 16-byte
-// rules of the tile loads (tensor_aligned with 4-byte elements: rows and strides of multiples of
-// 4 floats), else on the SIMT kernels, which take any stride. Some tiles at d = 192 / 256 take
-// more shared memory than sm_80's 99 KB parts have (the backward's at d = 256: more than the
-// A100's too): where the device has less than they need, the SIMT kernels.
-// CANDLE_FLASH_F32_SIMT=1 keeps f32 on the SIMT kernels (to compare).
-bool f32_simt_forced() {
-    static const bool forced = env_switch("CANDLE_FLASH_F32_SIMT");
-    return forced;
-}
-bool f32_fwd_tensor_cores(const CfFwdParams& p) {
-    if (p.dtype != CF_F32 || f32_simt_forced() || simt_only(p)) return false;
-    // the 64 x 32 tiles take 96 / 128 KB at d = 192 / 256: the latter more than sm_86 / sm_89 give
-    const int rd = round_head_dim(p.d);
-    if (rd > 128 && !smem_fits(rd == 192 ? FwdTraits<float, 192>::kSmemBytes : FwdTraits<float, 256>::kSmemBytes))
-        return false;
-    const bool vq = p.cu_seqlens_q != nullptr, vk = p.cu_seqlens_k != nullptr && p.block_table == nullptr;
-    return tensor_aligned(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, vq, 4) &&
-           tensor_aligned(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, vk, 4) &&
-           tensor_aligned(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, vk, 4) &&
-           tensor_aligned(p.o, p.o_batch_stride, p.o_row_stride, p.o_head_stride, vq, 4);
-}
-bool f32_bwd_tensor_cores(const CfBwdParams& p) {
-    const CfFwdParams& f = p.fwd;
-    if (!f32_fwd_tensor_cores(f)) return false;
-    const int rd = round_head_dim(f.d);
-    if (rd > 128) {
-        const int need = rd == 192 ? std::max(BwdTraits<float, 192>::kSmemBytes, BwdDqTraits<float, 192>::kSmemBytes)
-                                   : std::max(BwdTraits<float, 256>::kSmemBytes, BwdDqTraits<float, 256>::kSmemBytes);
-        if (!smem_fits(need)) return false;
-    }
-    const bool vq = f.cu_seqlens_q != nullptr, vk = f.cu_seqlens_k != nullptr;
-    return tensor_aligned(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride, vq, 4) &&
-           tensor_aligned(p.dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, vq, 4) &&
-           tensor_aligned(p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, vk, 4) &&
-           tensor_aligned(p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, vk, 4);
-}
-// Whether the backward runs the tensor-core kernels (their workspace plan differs: plan_bwd).
-bool bwd_tensor_cores(const CfBwdParams& p) {
-    return simt_only(p.fwd) ? false : p.fwd.dtype != CF_F32 || f32_bwd_tensor_cores(p);
-}
+// ---- running a plan: the launcher it names, with its values
 
-// CANDLE_FLASH_DISABLE_WIDE_SPLIT=1 keeps the decode shapes of wide heads on the SIMT kernels
-// (to compare, and to test those kernels on the shapes the wide split kernel takes).
-bool wide_split_disabled() {
-    static const bool off = env_switch("CANDLE_FLASH_DISABLE_WIDE_SPLIT");
-    return off;
-}
-
-// The split-KV plan of a call (heuristics.cuh): the wide-head kernel's for the decode shapes of
-// heads past 256 columns, none on the SIMT kernels; the one decision that both sizes the
-// workspace (cf_fwd_workspace_size) and picks the kernel.
-SplitPlan split_plan(const CfFwdParams& p) {
-    if (!wide_split_disabled()) {
-        int optin = 0, sms = 0;
-        if (current_smem_optin(optin) != cudaSuccess || current_sm_count(sms) != cudaSuccess) {
-            (void)cudaGetLastError();
-            optin = 0;
-        }
-        const WideSplit w = wide_split_config(p, v_is_view_of_k(p), optin);
-        if (w != WideSplit::kNone) return plan_wide_split(p, w, sms);
+template <typename T>
+cudaError_t run_fwd_plan(const CfFwdParams& p, const FwdPlan& pl, void* ws, cudaStream_t s) {
+    switch (pl.kernel) {
+        case FwdKernel::kSimt:
+            return pl.simt == SimtShape::kWide ? run_fwd_simt<T, SimtShape::kWide>(p, s)
+                                               : run_fwd_simt<T, SimtShape::kNarrow>(p, s);
+        case FwdKernel::kSplit:
+            return pl.tile == 64 ? run_fwd_split<T, 64>(p, pl.split, ws, s) : run_fwd_split<T, 128>(p, pl.split, ws, s);
+        case FwdKernel::kWideSplit:
+            if constexpr (sizeof(T) == 2) return run_fwd_wide_split<T>(p, pl.split, ws, s);
+            return cudaErrorInvalidValue;  // not planned: f16 / bf16 only
+        case FwdKernel::kWgmma:
+            if constexpr (sizeof(T) == 2)
+                return with_fwd_sm90_traits<T>(pl.sm90, [&](auto kt) {
+                    return launch_fwd_sm90<decltype(kt)>(p, pl.cta_order, ws, s);
+                });
+            return cudaErrorInvalidValue;  // not planned: 16-bit and e4m3 (output type T) only
+        default:
+            return with_head_dim_tile(pl.tile, [&](auto dc) -> cudaError_t {
+                constexpr int D = decltype(dc)::value;
+                const bool across = pl.cta_order > 0;
+                if constexpr (D == 256 && sizeof(T) == 4) {
+                    if (pl.hopper_tile)
+                        return pl.paged ? run_fwd_tc<T, D, true, true>(p, across, s) : run_fwd_tc<T, D, false, true>(p, across, s);
+                }
+                return pl.paged ? run_fwd_tc<T, D, true, false>(p, across, s) : run_fwd_tc<T, D, false, false>(p, across, s);
+            });
     }
-    if (simt_only(p) || (p.dtype == CF_F32 && !f32_fwd_tensor_cores(p))) {
-        SplitPlan none{};
-        none.nsplit = 1;
-        return none;
-    }
-    return plan_split(p);
 }
 
 template <typename T>
-cudaError_t fwd_split(const CfFwdParams& p, const SplitPlan& sp, void* ws, cudaStream_t s) {
-    return round_head_dim(p.d) == 64 ? run_fwd_split<T, 64>(p, sp, ws, s) : run_fwd_split<T, 128>(p, sp, ws, s);
-}
-
-template <typename T>
-cudaError_t fwd_sm90(const CfFwdParams& p, cudaStream_t s) {
-    switch (fwd_sm90_config(p)) {
-        case FwdSm90Config::kD64Short: return launch_fwd_sm90<FwdSm90TraitsD64Short<T>>(p, nullptr, s);
-        case FwdSm90Config::kD64: return launch_fwd_sm90<FwdSm90TraitsD64<T>>(p, nullptr, s);
-        case FwdSm90Config::kD64Persistent: return launch_fwd_sm90<FwdSm90TraitsD64Persistent<T>>(p, nullptr, s);
-        case FwdSm90Config::kD96: return launch_fwd_sm90<FwdSm90TraitsD96<T>>(p, nullptr, s);
-        case FwdSm90Config::kD128: return launch_fwd_sm90<FwdSm90TraitsD128<T>>(p, nullptr, s);
-        case FwdSm90Config::kD192: return launch_fwd_sm90<FwdSm90TraitsD192<T>>(p, nullptr, s);
-        case FwdSm90Config::kD96Long: return launch_fwd_sm90<FwdSm90TraitsD96Long<T>>(p, nullptr, s);
-        case FwdSm90Config::kD256: return launch_fwd_sm90<FwdSm90TraitsD256<T>>(p, nullptr, s);
-        case FwdSm90Config::kD128Long: return launch_fwd_sm90<FwdSm90TraitsD128Long<T>>(p, nullptr, s);
-        case FwdSm90Config::kD192Long: return launch_fwd_sm90<FwdSm90TraitsD192Long<T>>(p, nullptr, s);
-        default: return launch_fwd_sm90<FwdSm90TraitsD256Long<T>>(p, nullptr, s);
-    }
-}
-
-// e4m3 inputs (check_fwd_e4m3 passed): the FP8 wgmma kernel, output type O.
-template <typename O>
-cudaError_t fwd_fp8(const CfFwdParams& p, void* ws, cudaStream_t s) {
-    if (fwd_fp8_tile(p.d) == 256) return launch_fwd_sm90<FwdSm90Fp8TraitsD256<O>>(p, ws, s);
-    return fwd_fp8_long(p) ? launch_fwd_sm90<FwdSm90Fp8TraitsD128Long<O>>(p, ws, s)
-                           : launch_fwd_sm90<FwdSm90Fp8TraitsD128<O>>(p, ws, s);
-}
-
-// mma.sync forward: paged K/V has its own instantiation (sm80/fwd.cu says why).
-template <typename T, int D, bool kHopperTile = false>
-cudaError_t fwd_sm80(const CfFwdParams& p, cudaStream_t s) {
-    return p.block_table != nullptr ? run_fwd_tc<T, D, true, kHopperTile>(p, s)
-                                    : run_fwd_tc<T, D, false, kHopperTile>(p, s);
-}
-
-template <typename T>
-cudaError_t fwd_simt(const CfFwdParams& p, cudaStream_t s) {
-    return simt_shape(p) == SimtShape::kWide ? run_fwd_simt<T, SimtShape::kWide>(p, s)
-                                             : run_fwd_simt<T, SimtShape::kNarrow>(p, s);
-}
-
-// f32 forward: the 3xTF32 mma.sync kernel of the rounded head dim, or the SIMT kernel.
-cudaError_t fwd_f32(const CfFwdParams& p, void* ws, cudaStream_t s) {
-    if (!f32_fwd_tensor_cores(p)) return fwd_simt<float>(p, s);
-    const SplitPlan sp = split_plan(p);
-    if (sp.nsplit > 1) return fwd_split<float>(p, sp, ws, s);
-    switch (round_head_dim(p.d)) {
-        case 32: return fwd_sm80<float, 32>(p, s);
-        case 64: return fwd_sm80<float, 64>(p, s);
-        case 96: return fwd_sm80<float, 96>(p, s);
-        case 128: return fwd_sm80<float, 128>(p, s);
-        case 192: return fwd_sm80<float, 192>(p, s);
-        default:  // Hopper: the 128-row 8-warp tile (config.cuh FwdTraits kHopperTile), paged K/V
-                  // too (a paged call must give the contiguous call's bits)
-            return smem_fits(FwdTraits<float, 256, false, true>::kSmemBytes) ? fwd_sm80<float, 256, true>(p, s)
-                                                                             : fwd_sm80<float, 256>(p, s);
-    }
-}
-
-// f16 / bf16 forward: split-KV for decode shapes (wide heads too), else the wgmma kernel on
-// Hopper for the head-dim tiles it takes (heuristics.cuh), else the mma.sync kernel; the SIMT
-// kernel for what only it runs.
-template <typename T>
-cudaError_t fwd_tc(const CfFwdParams& p, void* ws, cudaStream_t s) {
-    const SplitPlan sp = split_plan(p);
-    if (sp.wide != WideSplit::kNone) return run_fwd_wide_split<T>(p, sp, ws, s);
-    if (simt_only(p)) return fwd_simt<T>(p, s);
-    if (sp.nsplit > 1) return fwd_split<T>(p, sp, ws, s);
-    const int rd = round_head_dim(p.d);
-    if (fwd_sm90_takes(rd) && sm90a_available()) return fwd_sm90<T>(p, s);
-    switch (round_head_dim(p.d)) {
-        case 32: return fwd_sm80<T, 32>(p, s);
-        case 64: return fwd_sm80<T, 64>(p, s);
-        case 96: return fwd_sm80<T, 96>(p, s);
-        case 128: return fwd_sm80<T, 128>(p, s);
-        case 192: return fwd_sm80<T, 192>(p, s);
-        default: return fwd_sm80<T, 256>(p, s);
-    }
-}
-
-// The head-dim tile of the wgmma backward for this call, 0 when the mma.sync / SIMT kernels run
-// (f32, no sm_90a, or a tile bwd_sm90_tile leaves to mma.sync). cf_bwd's dq_accum layout follows it.
-int bwd_sm90_tile_for(const CfFwdParams& f) {
-    return f.dtype != CF_F32 && !simt_only(f) && sm90a_available() ? bwd_sm90_tile(round_head_dim(f.d)) : 0;
-}
-
-// Tensor-core backward: the wgmma dK/dV kernels on Hopper (bwd_sm90_tile_for says which tile),
-// else the mma.sync kernels of the rounded head dim.
-template <typename T>
-cudaError_t bwd_tc(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
-    const int rd = round_head_dim(p.fwd.d);
-    const int tile90 = bwd_sm90_tile_for(p.fwd);
-    const bool wgmma = tile90 != 0;
-    switch (wgmma ? tile90 : rd) {
-        case 32: return run_bwd_tc<T, 32>(p, ws, wgmma, s);
-        case 64: return run_bwd_tc<T, 64>(p, ws, wgmma, s);
-        case 96: return run_bwd_tc<T, 96>(p, ws, wgmma, s);
-        case 128: return run_bwd_tc<T, 128>(p, ws, wgmma, s);
-        case 192: return run_bwd_tc<T, 192>(p, ws, wgmma, s);
-        default: return run_bwd_tc<T, 256>(p, ws, wgmma, s);
-    }
-}
-
-
-template <typename T>
-cudaError_t bwd_simt(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
-    return simt_shape(p.fwd) == SimtShape::kWide ? run_bwd_simt<T, SimtShape::kWide>(p, ws, s)
-                                                 : run_bwd_simt<T, SimtShape::kNarrow>(p, ws, s);
-}
-
-// f32 backward (after dsum) on the 3xTF32 mma.sync kernels.
-cudaError_t bwd_f32(const CfBwdParams& p, const BwdWs& ws, cudaStream_t s) {
-    switch (round_head_dim(p.fwd.d)) {
-        case 32: return run_bwd_tc<float, 32>(p, ws, false, s);
-        case 64: return run_bwd_tc<float, 64>(p, ws, false, s);
-        case 96: return run_bwd_tc<float, 96>(p, ws, false, s);
-        case 128: return run_bwd_tc<float, 128>(p, ws, false, s);
-        case 192: return run_bwd_tc<float, 192>(p, ws, false, s);
-        default: return run_bwd_tc<float, 256>(p, ws, false, s);
-    }
+cudaError_t run_bwd_plan(const CfBwdParams& p, const BwdWs& ws, const BwdPlan& pl, cudaStream_t s) {
+    if (pl.kernel == BwdKernel::kSimt)
+        return pl.simt == SimtShape::kWide ? run_bwd_simt<T, SimtShape::kWide>(p, ws, s)
+                                           : run_bwd_simt<T, SimtShape::kNarrow>(p, ws, s);
+    return with_head_dim_tile(pl.tile, [&](auto dc) { return run_bwd_tc<T, decltype(dc)::value>(p, ws, pl, s); });
 }
 
 int check_bwd(const CfBwdParams* p) {
@@ -420,8 +175,8 @@ extern "C" {
 size_t cf_fwd_workspace_size(const CfFwdParams* p) {
     using namespace cf;
     if (check_fwd(p) != CF_OK || p->b == 0 || p->seqlen_q == 0) return 0;
-    if (p->dtype == CF_E4M3) return fp8_vt_layout(*p).bytes;
-    return split_plan(*p).bytes;
+    FwdPlan pl;
+    return plan_fwd(*p, PlanFor::kWorkspace, pl) == cudaSuccess ? pl.workspace : 0;
 }
 
 int cf_fwd_check(const CfFwdParams* p) { return cf::check_fwd(p, /*probe_maps=*/true); }
@@ -431,23 +186,41 @@ int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream) {
     const int st = check_fwd(p);
     if (st != CF_OK) return st;
     if (p->b == 0 || p->seqlen_q == 0) return CF_OK;
-    cudaError_t e;
-    switch (p->dtype) {
-        case CF_F32: e = fwd_f32(*p, workspace, stream); break;
-        case CF_F16: e = fwd_tc<__half>(*p, workspace, stream); break;
-        case CF_BF16: e = fwd_tc<__nv_bfloat16>(*p, workspace, stream); break;
-        default:
-            if (workspace == nullptr && fp8_vt_layout(*p).bytes != 0) return CF_ERR_BAD_ARGUMENT;  // V^T pre-pass
-            e = p->o_dtype == CF_F16 ? fwd_fp8<__half>(*p, workspace, stream) : fwd_fp8<__nv_bfloat16>(*p, workspace, stream);
-            break;
+    FwdPlan pl;
+    cudaError_t e = plan_fwd(*p, PlanFor::kLaunch, pl);
+    if (e != cudaSuccess) return (int)e;
+    if (p->dtype == CF_E4M3) {
+        if (workspace == nullptr && pl.workspace != 0) return CF_ERR_BAD_ARGUMENT;  // V^T pre-pass
+        // the output type is the e4m3 configuration's parameter
+        e = p->o_dtype == CF_F16 ? run_fwd_plan<__half>(*p, pl, workspace, stream)
+                                 : run_fwd_plan<__nv_bfloat16>(*p, pl, workspace, stream);
+        return (int)e;
     }
-    return (int)e;
+    return (int)with_element_type(p->dtype, [&](auto t) { return run_fwd_plan<decltype(t)>(*p, pl, workspace, stream); });
+}
+
+int cf_fwd_describe(const CfFwdParams* p, char* buf, size_t cap) {
+    using namespace cf;
+    if (buf == nullptr || cap == 0) return CF_ERR_BAD_ARGUMENT;
+    buf[0] = '\0';
+    const int st = check_fwd(p);
+    if (st != CF_OK) return st;
+    if (p->b == 0 || p->seqlen_q == 0) {
+        std::snprintf(buf, cap, "none");
+        return CF_OK;
+    }
+    FwdPlan pl;
+    const cudaError_t e = plan_fwd(*p, PlanFor::kLaunch, pl);
+    if (e != cudaSuccess) return (int)e;
+    describe_fwd_plan(pl, buf, cap);
+    return CF_OK;
 }
 
 size_t cf_bwd_workspace_size(const CfBwdParams* p) {
     using namespace cf;
     if (check_bwd(p) != CF_OK) return 0;
-    return plan_bwd(*p, bwd_tensor_cores(*p), bwd_sm90_tile_for(p->fwd) != 0).total;
+    BwdPlan pl;
+    return plan_bwd(*p, PlanFor::kWorkspace, pl) == cudaSuccess ? pl.total : 0;
 }
 
 int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
@@ -460,7 +233,9 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
         if (f.sinks == nullptr || p->dsinks == nullptr || f.h == 0) return CF_OK;
         return (int)cudaMemsetAsync(p->dsinks, 0, sizeof(float) * f.h, stream);
     }
-    const BwdPlan pl = plan_bwd(*p, bwd_tensor_cores(*p), bwd_sm90_tile_for(f) != 0);
+    BwdPlan pl;
+    cudaError_t e = plan_bwd(*p, PlanFor::kLaunch, pl);
+    if (e != cudaSuccess) return (int)e;
     if (pl.total > 0 && workspace == nullptr) return CF_ERR_BAD_ARGUMENT;
     char* base = static_cast<char*>(workspace);
     BwdWs ws;
@@ -468,16 +243,15 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
     ws.dq_accum = pl.atomic_dq ? reinterpret_cast<float*>(base + pl.dq_off) : nullptr;
     ws.dkv = pl.nsplit > 1 ? reinterpret_cast<float*>(base + pl.dkv_off) : nullptr;
     ws.nsplit = pl.nsplit;
-    ws.dq_tiled = pl.atomic_dq && bwd_sm90_tile_for(f) != 0;
+    ws.dq_tiled = pl.atomic_dq && (pl.kernel == BwdKernel::kWgmma || pl.kernel == BwdKernel::kWgmmaWide);
     ws.hps = pl.hps;
-    ws.heavy_first = 0;  // set per launch by the sm_90a dK/dV kernels' launcher (sm80/bwd.cuh)
+    ws.heavy_first = 0;  // each launch's copy takes the plan's CTA order (run_bwd_tc)
     ws.total_q = pl.total_q;
     ws.total_k = pl.total_k;
     ws.dq_sem = pl.ordered_dq ? reinterpret_cast<int*>(base + pl.sem_off) : nullptr;
     ws.dq_sem_blocks = pl.sem_blocks;
     ws.dkv_count = pl.dkv_in_kernel ? reinterpret_cast<int*>(base + pl.cnt_off) : nullptr;
 
-    cudaError_t e;
     if (pl.atomic_dq || pl.dkv_in_kernel) {
         // dq_accum, the dQ order's counters and the dK / dV counters: one memset
         const size_t lo = pl.atomic_dq ? pl.dq_off : pl.cnt_off;
@@ -487,20 +261,24 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
     if ((e = run_bwd_dot_do_o(*p, ws, stream)) != cudaSuccess) return (int)e;
     if (f.sinks != nullptr && p->dsinks != nullptr && (e = run_bwd_sink_grad(*p, ws, stream)) != cudaSuccess)
         return (int)e;
-    if (!bwd_tensor_cores(*p)) {
-        switch (f.dtype) {
-            case CF_F32: e = bwd_simt<float>(*p, ws, stream); break;
-            case CF_F16: e = bwd_simt<__half>(*p, ws, stream); break;
-            default: e = bwd_simt<__nv_bfloat16>(*p, ws, stream); break;
-        }
-        return (int)e;
+    return (int)with_element_type(f.dtype, [&](auto t) { return run_bwd_plan<decltype(t)>(*p, ws, pl, stream); });
+}
+
+int cf_bwd_describe(const CfBwdParams* p, char* buf, size_t cap) {
+    using namespace cf;
+    if (buf == nullptr || cap == 0) return CF_ERR_BAD_ARGUMENT;
+    buf[0] = '\0';
+    const int st = check_bwd(p);
+    if (st != CF_OK) return st;
+    if (p->fwd.b == 0 || (p->fwd.seqlen_q == 0 && p->fwd.seqlen_k == 0)) {
+        std::snprintf(buf, cap, "none");
+        return CF_OK;
     }
-    switch (f.dtype) {
-        case CF_F32: e = bwd_f32(*p, ws, stream); break;
-        case CF_F16: e = bwd_tc<__half>(*p, ws, stream); break;
-        default: e = bwd_tc<__nv_bfloat16>(*p, ws, stream); break;
-    }
-    return (int)e;
+    BwdPlan pl;
+    const cudaError_t e = plan_bwd(*p, PlanFor::kLaunch, pl);
+    if (e != cudaSuccess) return (int)e;
+    describe_bwd_plan(pl, buf, cap);
+    return CF_OK;
 }
 
 // The sinks' gradient needs dsum alone: the workspace is dsum's rows, [h][total_q] f32.

@@ -262,6 +262,14 @@ typedef struct {
 
 int cf_quantize_e4m3(const CfQuantizeParams* p, cudaStream_t stream);
 
+// The plan cf_fwd / cf_bwd would run for p (kernel family and configuration, head-dim tile,
+// split, dQ mode, CTA orders, workspace bytes; "none" when there is nothing to compute), as one
+// line of text into buf (cap bytes, NUL-terminated, cut to fit): which kernel a call runs, for
+// tests and benchmarks. The same checks as cf_fwd / cf_bwd; nothing is launched (but the
+// device's one-time probes and occupancy queries the plan reads).
+int cf_fwd_describe(const CfFwdParams* p, char* buf, size_t cap);
+int cf_bwd_describe(const CfBwdParams* p, char* buf, size_t cap);
+
 // Text for any status returned above (static storage, never NULL).
 const char* cf_error_string(int status);
 

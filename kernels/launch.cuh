@@ -1,6 +1,8 @@
 // Host-side launchers, one per (kernel family, dtype, tile configuration); defined and
-// explicitly instantiated next to their kernels (sm80/, sm90/, simt/). Which one runs is decided
-// in dispatch.cu only: a launcher launches what it is asked to, it makes no choice of its own.
+// explicitly instantiated next to their kernels (sm80/, sm90/, simt/). Which one runs, and with
+// which CTA order, split and workspace, is the plan's (plan.cuh, plan.cu); dispatch.cu calls the
+// launcher the plan names with the plan's values: a launcher launches what it is asked to and
+// makes no choice of its own.
 #pragma once
 #include <cuda_runtime.h>
 #include <atomic>
@@ -9,6 +11,17 @@
 #include "config.cuh"
 
 namespace cf {
+
+// Calls f(T{}) with the element type of dtype (f32, f16, bf16): the one switch from a
+// dtype code to the instantiations of its element type.
+template <typename F>
+decltype(auto) with_element_type(int dtype, F&& f) {
+    switch (dtype) {
+        case CF_F32: return f(float{});
+        case CF_F16: return f(__half{});
+        default: return f(__nv_bfloat16{});
+    }
+}
 
 // True when the current device is an sm_90 GPU and this library carries sm_90a code (the wgmma
 // kernels). Probed once per device with a one-thread kernel; CANDLE_FLASH_DISABLE_SM90A=1 turns
@@ -20,7 +33,7 @@ cudaError_t current_sm_count(int& sms);
 cudaError_t current_smem_optin(int& bytes);
 
 // A positive value read once per device and kept in `cache` (0 = not read yet): device
-// attributes (dispatch.cu), occupancies (wave_slots), asked on hot paths. `read(dev, value)` asks
+// attributes (plan.cu), occupancies (wave_slots), asked on hot paths. `read(dev, value)` asks
 // the runtime.
 template <typename Read>
 cudaError_t cached_per_device(std::atomic<int> (&cache)[64], int& value, Read read) {
@@ -62,17 +75,18 @@ inline int read_and_clear_trace(const Sym& sym, long long* dst) {
 
 // mma.sync forward (sm80/fwd.cu), every head-dim tile of config.cuh; kPaged: K/V through the
 // block table (p.block_table set), else contiguous; kHopperTile: FwdTraits' 128-row 8-warp tile
-// (f32, d = 256, 192 KB of shared memory).
-template <typename T, int D, bool kPaged, bool kHopperTile = false>
-cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream);
-// sm_90a wgmma forward (sm90/fwd.cu) with configuration Kt (one of the FwdSm90Traits* of
-// config.cuh); call only when sm90a_available(). The workspace (cf_fwd's) holds V^T for e4m3
-// inputs whose kernel does not transpose V itself (Fp8VtLayout, heuristics.cuh), unused
-// otherwise (may be NULL then).
+// (f32, d = 256, 192 KB of shared memory). across_heads: the plan's CTA order (FwdPlan::cta_order).
+template <typename T, int D, bool kPaged, bool kHopperTile>
+cudaError_t run_fwd_tc(const CfFwdParams& p, bool across_heads, cudaStream_t stream);
+// sm_90a wgmma forward (sm90/fwd.cu) with configuration Kt (a row of config.cuh's
+// CF_FWD_SM90_CONFIGS table); call only when sm90a_available(). tail: the plan's CTA order
+// (FwdPlan::cta_order, 0 for persistent configurations). The workspace (cf_fwd's) holds V^T for
+// e4m3 inputs whose kernel does not transpose V itself (Fp8VtLayout, plan.cuh), unused otherwise
+// (may be NULL then).
 template <typename Kt>
-cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t stream);
+cudaError_t launch_fwd_sm90(const CfFwdParams& p, int tail, void* workspace, cudaStream_t stream);
 // SIMT forward (simt/fwd.cu), element type T, shape kShape (config.cuh SimtShape), and the
-// dynamic shared memory it asks for a call (dispatch.cu checks it fits before choosing it).
+// dynamic shared memory it asks for a call (the plan checks it fits before choosing it).
 template <typename T, SimtShape kShape>
 cudaError_t run_fwd_simt(const CfFwdParams& p, cudaStream_t stream);
 size_t simt_fwd_smem_bytes(const CfFwdParams& p, SimtShape shape);
@@ -97,6 +111,11 @@ decltype(auto) with_wide_split_traits(WideSplit w, F&& f) {
         default: return f(WideSplitTraits<T, 64, false, 2>{});
     }
 }
+// Its name (cf_fwd_describe).
+inline const char* wide_split_name(WideSplit w) {
+    static const char* const names[] = {"none", "Rows16VInK4", "Rows16VInK2", "Rows64VInK3", "Rows16V2", "Rows64V2"};
+    return names[(int)w];
+}
 struct SplitPlan {
     int nsplit, bps, pack, mblocks;
     bool deep;
@@ -114,13 +133,15 @@ cudaError_t run_fwd_wide_split(const CfFwdParams& p, const SplitPlan& sp, void* 
 cudaError_t run_bwd_dot_do_o(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
 // After dsum: the attention sinks' gradient into p.dsinks (simt/bwd.cu; p.fwd.sinks set).
 cudaError_t run_bwd_sink_grad(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);
-// Tensor-core backward after dsum (sm80/bwd.cuh, instantiated in sm80/bwd_{f16,bf16}.cu): dK/dV
-// (+ dQ accumulation when ws.dq_accum) with the sm_90a wgmma kernels (sm90/bwd.cuh for D = 64 /
-// 128, sm90/bwd_wide.cuh for 192 / 256; bulk reductions into the tiled dq_accum) when `wgmma`,
-// else the mma.sync one (f32 atomics into the row layout); then the dQ pass (deterministic) or
-// the dQ conversion, then the split reduction (ws.nsplit > 1).
+// Tensor-core backward after dsum (sm80/bwd.cuh, instantiated in sm80/bwd_{f16,bf16,tf32}.cu) as
+// plan pl says (plan.cuh BwdPlan): dK/dV (+ dQ accumulation when ws.dq_accum) with the sm_90a
+// wgmma kernels (sm90/bwd.cuh for D = 64 / 96 / 128, sm90/bwd_wide.cuh for 192 / 256; bulk
+// reductions into the tiled dq_accum) or the mma.sync one (f32 atomics into the row layout);
+// then the dQ pass (deterministic) or the dQ conversion, then the split reduction
+// (pl.reduce_dkv); each grid in the plan's CTA order.
+struct BwdPlan;
 template <typename T, int D>
-cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaStream_t stream);
+cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, const BwdPlan& pl, cudaStream_t stream);
 // SIMT backward after dsum (simt/bwd.cu): dK/dV, then dQ, no workspace beyond dsum.
 template <typename T, SimtShape kShape>
 cudaError_t run_bwd_simt(const CfBwdParams& p, const BwdWs& ws, cudaStream_t stream);

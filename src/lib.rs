@@ -60,7 +60,7 @@ pub use params::{
 };
 
 use candle_core::{Result, Tensor};
-pub use op::AttnGrads;
+pub use op::{AttnGrads, KernelPlans};
 use op::{FlashAttnOp, LseSlot, SinkGradOp};
 use std::sync::Arc;
 
@@ -100,6 +100,22 @@ pub fn flash_attn_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnO
         _ => out,
     };
     Ok((out, lse.get()?))
+}
+
+/// The CUDA kernels a call runs, as the kernels' plan layer chose them ([`KernelPlans`]): for
+/// tests that assert which kernel a case runs, and for benchmarks. The call's forward runs (the
+/// backward's plan reads its output and LSE, and the output stands in for the output's
+/// gradient); no backward runs. The inputs go through what [`flash_attn_with_options`] does to
+/// them first (the zero-padded value head dim, aligned copies). An error off CUDA.
+pub fn describe_kernel_plans(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttnOptions) -> Result<KernelPlans> {
+    let shape = params::validate(q, k, v, opts)?;
+    if pads_value_head_dim(q, &shape, opts) {
+        let d = shape.head_dim.max(shape.head_dim_v);
+        return describe_kernel_plans(&pad_head_dim(q, d)?, &pad_head_dim(k, d)?, &pad_head_dim(v, d)?, opts);
+    }
+    let (q, k, v) = (aligned(q)?, aligned(k)?, aligned(v)?);
+    let (out, lse) = flash_attn_with_lse(&q, &k, &v, opts)?;
+    op::describe_plans(&shape, opts, op::BwdInputs { q: &q, k: &k, v: &v, out: &out, grad_out: &out, lse: &lse })
 }
 
 /// Whether a call with a value head dim of its own (Dv ≠ Dqk, MLA) runs the kernels of one head

@@ -179,6 +179,44 @@ pub struct AttnGrads {
     pub dsinks: Option<Tensor>,
 }
 
+/// The plans of a CUDA call (the kernels' plan layer, `cf_fwd_describe` / `cf_bwd_describe` in
+/// kernels/flash_api.h): which kernel family and configuration, head-dim tile, split, dQ mode,
+/// CTA orders and workspace the forward and the backward run, one line each (e.g.
+/// `"wgmma D128Long order=0 workspace=0"`). `backward` is `None` for forward-only calls (paged
+/// K/V, multimodal prefix ranges).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelPlans {
+    pub forward: String,
+    pub backward: Option<String>,
+}
+
+/// The plans of a call on CUDA, from its (aligned) inputs and the forward's output and LSE.
+pub(crate) fn describe_plans(shape: &AttnShape, opts: &FlashAttnOptions, x: BwdInputs<&Tensor>) -> Result<KernelPlans> {
+    #[cfg(feature = "cuda")]
+    if x.q.device().is_cuda() {
+        let [gq, gk, gv] = [x.q, x.k, x.v].map(|t| t.storage_and_layout());
+        let forward = crate::cuda::describe_forward(
+            shape,
+            opts,
+            device_storage::<candle_core::CudaStorage>("q", &gq)?,
+            device_storage::<candle_core::CudaStorage>("k", &gk)?,
+            device_storage::<candle_core::CudaStorage>("v", &gv)?,
+        )?;
+        drop((gq, gk, gv));
+        if opts.paged.is_some() || opts.mm_prefix_ranges.is_some() {
+            return Ok(KernelPlans { forward, backward: None });
+        }
+        validate_backward(shape, opts, &x)?;
+        let x = backward_inputs(x)?;
+        let guards = x.as_ref().try_map(|_, t| Ok(t.storage_and_layout()))?;
+        let inputs = guards.as_ref().try_map(|name, g| device_storage::<candle_core::CudaStorage>(name, g))?;
+        let backward = crate::cuda::describe_backward(shape, opts, inputs)?;
+        return Ok(KernelPlans { forward, backward: Some(backward) });
+    }
+    let _ = (shape, opts);
+    bail!("candle-flash: kernel plans describe the CUDA kernels; {:?} has none", x.q.device().location())
+}
+
 /// CUDA: contiguous inputs keep the kernels' addressing simple (the gradient candle hands us
 /// may be a broadcast view); copies are O(N) and only for strided inputs. The CPU path reads
 /// any layout while it converts to f32 (`cpu::dense_f32`), so a copy there would be a second one.

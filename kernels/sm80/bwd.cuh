@@ -11,10 +11,11 @@
 #pragma once
 #include "../config.cuh"
 #include "../common/bwd_work.cuh"
-#include "../heuristics.cuh"
+#include "../plan.cuh"
 #include "../launch.cuh"
 #include "../sm90/bwd.cuh"
 #include "../sm90/bwd_wide.cuh"
+#include <type_traits>
 
 namespace cf {
 
@@ -427,76 +428,82 @@ static cudaError_t set_smem(K kern, int smem) {
     return cudaSuccess;
 }
 
-template <typename T, int D>
-cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaStream_t stream) {
-    const CfFwdParams& f = p.fwd;
-    cudaError_t e;
-    // dK/dV (+ atomic dQ): one CTA per kBlockN keys of a KV head (and GQA split); the sm_90a
-    // kernels also take the TMA maps of Q and dO (query blocks of kBlockM rows) as `extra`
-    auto dkdv_grid = [&](auto traits) {
-        using Kt = decltype(traits);
-        return dim3((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
-    };
-    // Every kernel takes its CTA order (`heavy_first`, over the CTAs of one wave of it) in its
-    // copy of ws; a query-block grid (`query_grid`) is then launched in QueryBlockCta's layout.
-    auto launch_grid = [&](auto kern, auto traits, dim3 grid, bool sm90, bool query_grid, auto... extra) -> cudaError_t {
-        using Kt = decltype(traits);
-        cudaError_t err = set_smem(kern, Kt::kSmemBytes);
-        if (err != cudaSuccess || grid.x == 0) return err;
-        int64_t slots = 0;
-        if ((err = wave_slots<Kt>(kern, Kt::kNThreads, Kt::kSmemBytes, slots)) != cudaSuccess) return err;
-        const int64_t ctas = (int64_t)grid.x * grid.y * grid.z;
-        BwdWs kws = ws;
-        if (sm90)
-            kws.heavy_first = bwd_heavy_groups(f, grid.x, (int64_t)grid.y * grid.z, slots);
-        else if (query_grid)
-            kws.heavy_first = mma_sync_heavy_first(f, ctas, slots, true);
-        else  // DkdvCta: every group key block slowest, or none
-            kws.heavy_first = mma_sync_heavy_first(f, ctas, slots, false) ? (int)(grid.y * grid.z) : 0;
-        if (query_grid) grid = QueryBlockCta::grid(grid.x, grid.y, grid.z, kws.heavy_first);
-        kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, kws, extra...);
-        return cudaGetLastError();
-    };
-    auto launch_dkdv = [&](auto kern, auto traits) { return launch_grid(kern, traits, dkdv_grid(traits), false, false); };
-    // the sm_90a kernels also take the TMA maps of Q and dO
-    auto launch_sm90 = [&](auto kern, auto traits) -> cudaError_t {
-        using Kt = decltype(traits);
-        return launch_grid(kern, traits, dkdv_grid(traits), true, false, make_bwd_tma_maps(p, Kt::kBlockM));
-    };
-    bool done = false;
-    // the sm_90a d <= 128 kernel ran: with ws.dkv_count it summed the GQA partials itself
-    [[maybe_unused]] bool summed_dkv = false;
-    // deterministic mode with dQ in the dK/dV kernel (heuristics.cuh plan_bwd: sm_90a only)
-    [[maybe_unused]] const bool ordered = ws.dq_sem != nullptr;
-    // bwd_dkdv_sm90_kernel of the plain- or general-logits traits, ordered or not
-    [[maybe_unused]] auto run = [&](auto plain, auto general) {
-        using Plain = decltype(plain);
-        using General = decltype(general);
-        if (ordered)
-            return logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General, true>, general)
-                                     : launch_sm90(bwd_dkdv_sm90_kernel<Plain, true>, plain);
-        return logits_general(f) ? launch_sm90(bwd_dkdv_sm90_kernel<General>, general)
-                                 : launch_sm90(bwd_dkdv_sm90_kernel<Plain>, plain);
-    };
+// Calls f(kernel, Traits{}, wgmma) with the dK/dV kernel that plan pl names for element type T
+// and head-dim tile D (wgmma: std::true_type for a sm_90a kernel, which also takes the TMA maps
+// of Q and dO): the one map from plan to kernel, for the launch and the plan's occupancy
+// question alike.
+template <typename T, int D, typename F>
+cudaError_t with_dkdv_kernel(const BwdPlan& pl, F&& f) {
+    const bool ordered = pl.ordered_dq;
     if constexpr (sizeof(T) == 2 && (D == 64 || D == 96 || D == 128)) {
-        if (wgmma) {
-            if ((e = run(BwdSm90Traits<T, D, false>{}, BwdSm90Traits<T, D, true>{})) != cudaSuccess) return e;
-            done = summed_dkv = true;
+        if (pl.kernel == BwdKernel::kWgmma) {
+            using Plain = BwdSm90Traits<T, D, false>;
+            using General = BwdSm90Traits<T, D, true>;
+            if (ordered)
+                return pl.general_logits ? f(bwd_dkdv_sm90_kernel<General, true>, General{}, std::true_type{})
+                                         : f(bwd_dkdv_sm90_kernel<Plain, true>, Plain{}, std::true_type{});
+            return pl.general_logits ? f(bwd_dkdv_sm90_kernel<General>, General{}, std::true_type{})
+                                     : f(bwd_dkdv_sm90_kernel<Plain>, Plain{}, std::true_type{});
         }
     } else if constexpr (sizeof(T) == 2 && (D == 192 || D == 256)) {
-        if (wgmma) {
+        if (pl.kernel == BwdKernel::kWgmmaWide) {
             using Kt = BwdSm90WideTraits<T, D>;
-            e = ordered ? launch_sm90(bwd_dkdv_sm90_wide_kernel<Kt, true>, Kt{})
-                        : launch_sm90(bwd_dkdv_sm90_wide_kernel<Kt>, Kt{});
-            if (e != cudaSuccess) return e;
-            done = true;
+            return ordered ? f(bwd_dkdv_sm90_wide_kernel<Kt, true>, Kt{}, std::true_type{})
+                           : f(bwd_dkdv_sm90_wide_kernel<Kt>, Kt{}, std::true_type{});
         }
     }
-    if (!done && (e = launch_dkdv(bwd_dkdv_tc_kernel<BwdTraits<T, D>>, BwdTraits<T, D>{})) != cudaSuccess) return e;
+    return f(bwd_dkdv_tc_kernel<BwdTraits<T, D>>, BwdTraits<T, D>{}, std::false_type{});
+}
+
+template <typename T, int D>
+cudaError_t bwd_tc_wave(const BwdPlan& pl, BwdWave& w) {
+    cudaError_t e = with_dkdv_kernel<T, D>(pl, [&](auto kern, auto traits, auto) {
+        using Kt = decltype(traits);
+        w.dkdv_block_n = Kt::kBlockN;
+        cudaError_t err = set_smem(kern, Kt::kSmemBytes);
+        return err != cudaSuccess ? err : wave_slots<Kt>(kern, Kt::kNThreads, Kt::kSmemBytes, w.dkdv_slots);
+    });
+    if (e != cudaSuccess) return e;
+    using Dq = BwdDqTraits<T, D>;
+    w.dq_block_m = Dq::kBlockM;
+    w.dq_slots = 0;
+    if (pl.atomic_dq) return cudaSuccess;  // no dQ pass
+    if ((e = set_smem(bwd_dq_tc_kernel<Dq>, Dq::kSmemBytes)) != cudaSuccess) return e;
+    return wave_slots<Dq>(bwd_dq_tc_kernel<Dq>, Dq::kNThreads, Dq::kSmemBytes, w.dq_slots);
+}
+
+template <typename T, int D>
+cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, const BwdPlan& pl, cudaStream_t stream) {
+    const CfFwdParams& f = p.fwd;
+    cudaError_t e;
+    // dK/dV (+ atomic dQ): one CTA per kBlockN keys of a KV head (and GQA split), in the plan's
+    // order (ws.heavy_first of the kernel's copy of ws)
+    e = with_dkdv_kernel<T, D>(pl, [&](auto kern, auto traits, auto wgmma) -> cudaError_t {
+        using Kt = decltype(traits);
+        cudaError_t err = set_smem(kern, Kt::kSmemBytes);
+        const dim3 grid((f.seqlen_k + Kt::kBlockN - 1) / Kt::kBlockN, f.hkv * ws.nsplit, f.b);
+        if (err != cudaSuccess || grid.x == 0) return err;
+        BwdWs kws = ws;
+        kws.heavy_first = pl.dkdv_order;
+        if constexpr (decltype(wgmma)::value)
+            kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, kws, make_bwd_tma_maps(p, Kt::kBlockM));
+        else
+            kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, kws);
+        return cudaGetLastError();
+    });
+    if (e != cudaSuccess) return e;
     if (ws.dq_accum == nullptr) {
+        // the dQ pass: a query-block grid, launched in QueryBlockCta's layout of the plan's order
         using Kt = BwdDqTraits<T, D>;
-        const dim3 grid((f.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM, f.h, f.b);
-        if ((e = launch_grid(bwd_dq_tc_kernel<Kt>, Kt{}, grid, false, true)) != cudaSuccess) return e;
+        if ((e = set_smem(bwd_dq_tc_kernel<Kt>, Kt::kSmemBytes)) != cudaSuccess) return e;
+        const int query_blocks = (f.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
+        if (query_blocks > 0) {
+            BwdWs kws = ws;
+            kws.heavy_first = pl.dq_order;
+            const dim3 grid = QueryBlockCta::grid(query_blocks, f.h, f.b, kws.heavy_first);
+            bwd_dq_tc_kernel<Kt><<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, kws);
+            if ((e = cudaGetLastError()) != cudaSuccess) return e;
+        }
     } else {
         const dim3 grid((f.seqlen_q + 7) / 8, f.h, f.b);
         if (grid.x > 0) {
@@ -504,7 +511,7 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
             if ((e = cudaGetLastError()) != cudaSuccess) return e;
         }
     }
-    if (ws.nsplit > 1 && !(summed_dkv && ws.dkv_count != nullptr)) {
+    if (pl.reduce_dkv) {
         const dim3 grid((f.seqlen_k + 7) / 8, f.hkv, f.b);
         if (grid.x > 0) {
             bwd_reduce_dkv_kernel<T><<<grid, 256, 0, stream>>>(p, ws);
@@ -513,5 +520,10 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, bool wgmma, cudaSt
     }
     return cudaSuccess;
 }
+
+// The instantiations of one (element type, head-dim tile): sm80/bwd_{f16,bf16,tf32}.cu.
+#define CF_INST_BWD(T, D)                                                                                  \
+    template cudaError_t run_bwd_tc<T, D>(const CfBwdParams&, const BwdWs&, const BwdPlan&, cudaStream_t); \
+    template cudaError_t bwd_tc_wave<T, D>(const BwdPlan&, BwdWave&);
 
 }  // namespace cf

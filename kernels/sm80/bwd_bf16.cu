@@ -2,12 +2,12 @@
 #include "bwd.cuh"
 
 namespace cf {
-template cudaError_t run_bwd_tc<__nv_bfloat16, 32>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<__nv_bfloat16, 64>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<__nv_bfloat16, 96>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<__nv_bfloat16, 128>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<__nv_bfloat16, 192>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<__nv_bfloat16, 256>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
+CF_INST_BWD(__nv_bfloat16, 32)
+CF_INST_BWD(__nv_bfloat16, 64)
+CF_INST_BWD(__nv_bfloat16, 96)
+CF_INST_BWD(__nv_bfloat16, 128)
+CF_INST_BWD(__nv_bfloat16, 192)
+CF_INST_BWD(__nv_bfloat16, 256)
 }  // namespace cf
 
 #ifdef CF_BWD_TRACE

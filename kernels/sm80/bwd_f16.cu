@@ -2,10 +2,10 @@
 #include "bwd.cuh"
 
 namespace cf {
-template cudaError_t run_bwd_tc<__half, 32>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<__half, 64>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<__half, 96>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<__half, 128>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<__half, 192>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<__half, 256>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
+CF_INST_BWD(__half, 32)
+CF_INST_BWD(__half, 64)
+CF_INST_BWD(__half, 96)
+CF_INST_BWD(__half, 128)
+CF_INST_BWD(__half, 192)
+CF_INST_BWD(__half, 256)
 }  // namespace cf

@@ -3,10 +3,10 @@
 #include "bwd.cuh"
 
 namespace cf {
-template cudaError_t run_bwd_tc<float, 32>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<float, 64>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<float, 96>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<float, 128>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<float, 192>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
-template cudaError_t run_bwd_tc<float, 256>(const CfBwdParams&, const BwdWs&, bool, cudaStream_t);
+CF_INST_BWD(float, 32)
+CF_INST_BWD(float, 64)
+CF_INST_BWD(float, 96)
+CF_INST_BWD(float, 128)
+CF_INST_BWD(float, 192)
+CF_INST_BWD(float, 256)
 }  // namespace cf

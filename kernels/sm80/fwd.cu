@@ -5,7 +5,7 @@
 // first (the boundary block is masked while the rest runs unmasked). Masking, logits and the
 // online softmax are common/mask.cuh and common/softmax.cuh.
 #include "../config.cuh"
-#include "../heuristics.cuh"
+#include "../plan.cuh"
 #include "../launch.cuh"
 #include "../common/softmax.cuh"
 
@@ -149,8 +149,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) fwd_tc_kernel(const CfFwdPar
 }
 
 // ------------------------------------------------------------------ launchers
+// The grid in the CTA order the plan chose (plan.cu: across_heads, mma_sync_heavy_first).
 template <typename T, int D, bool kPaged, bool kHopperTile>
-cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream) {
+cudaError_t run_fwd_tc(const CfFwdParams& p, bool across_heads, cudaStream_t stream) {
     using Kt = FwdTraits<T, D, kPaged, kHopperTile>;
     auto kern = fwd_tc_kernel<Kt>;
     const int smem = Kt::kSmemBytes;
@@ -159,17 +160,25 @@ cudaError_t run_fwd_tc(const CfFwdParams& p, cudaStream_t stream) {
         if (e != cudaSuccess) return e;
     }
     const int query_blocks = (p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
-    int64_t slots = 0;
-    cudaError_t e = wave_slots<Kt>(kern, Kt::kNThreads, smem, slots);
-    if (e != cudaSuccess) return e;
-    const int across_heads = mma_sync_heavy_first(p, (int64_t)query_blocks * p.h * p.b, slots, true);
     kern<<<QueryBlockCta::grid(query_blocks, p.h, p.b, across_heads), Kt::kNThreads, smem, stream>>>(p, across_heads);
     return cudaGetLastError();
 }
 
-#define CF_INST_FWD(T, D)                                                         \
-    template cudaError_t run_fwd_tc<T, D, false>(const CfFwdParams&, cudaStream_t); \
-    template cudaError_t run_fwd_tc<T, D, true>(const CfFwdParams&, cudaStream_t);
+template <typename T, int D, bool kPaged, bool kHopperTile>
+cudaError_t fwd_tc_wave_slots(int64_t& slots) {
+    using Kt = FwdTraits<T, D, kPaged, kHopperTile>;
+    auto kern = fwd_tc_kernel<Kt>;
+    if (Kt::kSmemBytes > 48 * 1024) {
+        cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
+        if (e != cudaSuccess) return e;
+    }
+    return wave_slots<Kt>(kern, Kt::kNThreads, Kt::kSmemBytes, slots);
+}
+
+#define CF_INST_FWD_TILE(T, D, kPaged, kHopperTile)                                              \
+    template cudaError_t run_fwd_tc<T, D, kPaged, kHopperTile>(const CfFwdParams&, bool, cudaStream_t); \
+    template cudaError_t fwd_tc_wave_slots<T, D, kPaged, kHopperTile>(int64_t&);
+#define CF_INST_FWD(T, D) CF_INST_FWD_TILE(T, D, false, false) CF_INST_FWD_TILE(T, D, true, false)
 CF_INST_FWD(__half, 32)
 CF_INST_FWD(__half, 64)
 CF_INST_FWD(__half, 96)
@@ -188,7 +197,7 @@ CF_INST_FWD(float, 96)
 CF_INST_FWD(float, 128)
 CF_INST_FWD(float, 192)
 CF_INST_FWD(float, 256)
-template cudaError_t run_fwd_tc<float, 256, false, true>(const CfFwdParams&, cudaStream_t);
-template cudaError_t run_fwd_tc<float, 256, true, true>(const CfFwdParams&, cudaStream_t);
+CF_INST_FWD_TILE(float, 256, false, true)
+CF_INST_FWD_TILE(float, 256, true, true)
 
 }  // namespace cf

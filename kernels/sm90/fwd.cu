@@ -49,7 +49,7 @@
 #include <cstddef>
 #include <cstdint>
 #include "../config.cuh"
-#include "../heuristics.cuh"
+#include "../plan.cuh"
 #include "../launch.cuh"
 #include "../common/softmax.cuh"
 #include "pipeline.cuh"
@@ -697,7 +697,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
 }
 
 template <typename Kt>
-cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t stream) {
+cudaError_t launch_fwd_sm90(const CfFwdParams& p, int tail, void* workspace, cudaStream_t stream) {
     using Sched = FwdTileScheduler<Kt::kBlockM, Kt::kBlockN, !Kt::kPersistent>;
     auto kern = fwd_sm90_kernel<Kt>;
     constexpr int smem = (int)sizeof(FwdSharedStorage<Kt>);
@@ -710,8 +710,6 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t 
     int sms = 0;
     if ((e = current_sm_count(sms)) != cudaSuccess) return e;
     const int64_t grid = Sched::grid_size(p, Kt::kPersistent, sms * Kt::kMinBlocks);
-    const int query_blocks = (p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
-    const int tail = Kt::kPersistent ? 0 : fwd_heavy_groups(p, query_blocks, (int64_t)p.h * p.b, (int64_t)sms * Kt::kMinBlocks);
     FwdTmaMaps maps;
     if constexpr (Kt::kVtInKernel) {
         maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN);
@@ -735,23 +733,13 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, void* workspace, cudaStream_t 
     return cudaGetLastError();
 }
 
-#define CF_INST_FWD_SM90(TRAITS)                                                   \
-    template cudaError_t launch_fwd_sm90<TRAITS<__half>>(const CfFwdParams&, void*, cudaStream_t); \
-    template cudaError_t launch_fwd_sm90<TRAITS<__nv_bfloat16>>(const CfFwdParams&, void*, cudaStream_t);
-CF_INST_FWD_SM90(FwdSm90TraitsD64Short)
-CF_INST_FWD_SM90(FwdSm90TraitsD64)
-CF_INST_FWD_SM90(FwdSm90TraitsD64Persistent)
-CF_INST_FWD_SM90(FwdSm90TraitsD96)
-CF_INST_FWD_SM90(FwdSm90TraitsD128)
-CF_INST_FWD_SM90(FwdSm90TraitsD192)
-CF_INST_FWD_SM90(FwdSm90TraitsD256)
-CF_INST_FWD_SM90(FwdSm90TraitsD96Long)
-CF_INST_FWD_SM90(FwdSm90TraitsD128Long)
-CF_INST_FWD_SM90(FwdSm90TraitsD192Long)
-CF_INST_FWD_SM90(FwdSm90TraitsD256Long)
-CF_INST_FWD_SM90(FwdSm90Fp8TraitsD128)  // e4m3 inputs; the output type is the parameter
-CF_INST_FWD_SM90(FwdSm90Fp8TraitsD128Long)
-CF_INST_FWD_SM90(FwdSm90Fp8TraitsD256)
+// Every configuration of config.cuh's table (the e4m3 rows' parameter is the output type).
+#define CF_INST_FWD_SM90(name, ...)                                                                          \
+    template cudaError_t launch_fwd_sm90<FwdSm90Traits##name<__half>>(const CfFwdParams&, int, void*, cudaStream_t); \
+    template cudaError_t launch_fwd_sm90<FwdSm90Traits##name<__nv_bfloat16>>(const CfFwdParams&, int, void*, cudaStream_t);
+CF_FWD_SM90_CONFIGS(CF_INST_FWD_SM90)
+CF_FWD_SM90_FP8_CONFIGS(CF_INST_FWD_SM90)
+#undef CF_INST_FWD_SM90
 
 }  // namespace cf
 

@@ -210,6 +210,8 @@ extern "C" {
     pub fn cf_fwd(p: *const CfFwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;
     pub fn cf_bwd_workspace_size(p: *const CfBwdParams) -> usize;
     pub fn cf_bwd(p: *const CfBwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;
+    pub fn cf_fwd_describe(p: *const CfFwdParams, buf: *mut c_char, cap: usize) -> c_int;
+    pub fn cf_bwd_describe(p: *const CfBwdParams, buf: *mut c_char, cap: usize) -> c_int;
     pub fn cf_sink_grad_workspace_size(p: *const CfBwdParams) -> usize;
     pub fn cf_sink_grad(p: *const CfBwdParams, workspace: *mut c_void, stream: *mut c_void) -> c_int;
     pub fn cf_error_string(status: c_int) -> *const c_char;

@@ -20,7 +20,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::CudaDType;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Error, Layout, Result, Tensor};
 use half::{bf16, f16};
-use std::ffi::{c_void, CStr};
+use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
@@ -346,8 +346,8 @@ pub(crate) fn forward_fp8(
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, CudaStorage)> {
     match shape.dtype {
-        DType::F16 => forward_t::<f16>(shape, opts, Some(fp8), [q, k, v]),
-        DType::BF16 => forward_t::<bf16>(shape, opts, Some(fp8), [q, k, v]),
+        DType::F16 => forward_t::<f16>(shape, opts, Some(fp8), [q, k, v], None),
+        DType::BF16 => forward_t::<bf16>(shape, opts, Some(fp8), [q, k, v], None),
         dt => bail!("candle-flash fp8: the FP8 kernel writes f16 or bf16, not {dt:?}"),
     }
 }
@@ -382,20 +382,53 @@ pub(crate) fn forward(
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, CudaStorage)> {
+    forward_or_describe(shape, opts, [q, k, v], None)
+}
+
+/// The plan `cf_fwd` would run for this forward (`cf_fwd_describe`, kernels/flash_api.h), as text.
+pub(crate) fn describe_forward(
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+) -> Result<String> {
+    let mut plan = String::new();
+    forward_or_describe(shape, opts, [q, k, v], Some(&mut plan))?;
+    Ok(plan)
+}
+
+/// The forward, or with `describe` its plan (into the string) and nothing launched.
+fn forward_or_describe(
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    qkv: [(&CudaStorage, &Layout); 3],
+    describe: Option<&mut String>,
+) -> Result<(CudaStorage, CudaStorage)> {
     match shape.dtype {
-        DType::F32 => forward_t::<f32>(shape, opts, None, [q, k, v]),
-        DType::F16 => forward_t::<f16>(shape, opts, None, [q, k, v]),
-        DType::BF16 => forward_t::<bf16>(shape, opts, None, [q, k, v]),
+        DType::F32 => forward_t::<f32>(shape, opts, None, qkv, describe),
+        DType::F16 => forward_t::<f16>(shape, opts, None, qkv, describe),
+        DType::BF16 => forward_t::<bf16>(shape, opts, None, qkv, describe),
         dt => bail!("candle-flash: unsupported dtype {dt:?} on cuda"),
     }
 }
 
-/// The forward of output type T; `fp8`: q, k, v are e4m3 and the FP8 kernel runs.
+/// A plan's text from `cf_fwd_describe` / `cf_bwd_describe` (`call` fills the buffer).
+fn plan_text(entry: &str, call: impl FnOnce(*mut c_char, usize) -> i32) -> Result<String> {
+    let mut buf = vec![0u8; 256];
+    check(call(buf.as_mut_ptr() as *mut c_char, buf.len()), entry)?;
+    let end = buf.iter().position(|&c| c == 0).unwrap_or(buf.len());
+    Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
+}
+
+/// The forward of output type T; `fp8`: q, k, v are e4m3 and the FP8 kernel runs. `describe`:
+/// the plan into the string instead of the launch.
 fn forward_t<T: CudaDType + DeviceRepr>(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
     fp8: Option<&Fp8Kernel>,
     [q, k, v]: [(&CudaStorage, &Layout); 3],
+    describe: Option<&mut String>,
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dev = q.0.device.clone();
     let stream = dev.cuda_stream();
@@ -419,6 +452,11 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             (Some(fp8), Some(g)) => fp8_params(shape, opts, fp8, &args, &descale_args(g, &stream)?)?,
             _ => fwd_params(shape, opts, &args)?,
         };
+        if let Some(plan) = describe {
+            // SAFETY: reads the params struct; the buffer is the closure's own, of that length.
+            *plan = plan_text("cf_fwd_describe", |buf, cap| unsafe { ffi::cf_fwd_describe(&p, buf, cap) })?;
+            return Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)));
+        }
         // SAFETY: reads only the params struct.
         let mut ws = workspace(&dev, unsafe { ffi::cf_fwd_workspace_size(&p) })?;
         let ws = workspace_arg(&mut ws, &stream);
@@ -441,10 +479,31 @@ pub(crate) fn backward(
     x: BwdInputs<(&CudaStorage, &Layout)>,
     want_dsinks: bool,
 ) -> Result<BwdOutputs> {
+    backward_or_describe(shape, opts, x, want_dsinks, None)
+}
+
+/// The plan `cf_bwd` would run for this backward (`cf_bwd_describe`), as text.
+pub(crate) fn describe_backward(
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    x: BwdInputs<(&CudaStorage, &Layout)>,
+) -> Result<String> {
+    let mut plan = String::new();
+    backward_or_describe(shape, opts, x, false, Some(&mut plan))?;
+    Ok(plan)
+}
+
+fn backward_or_describe(
+    shape: &AttnShape,
+    opts: &FlashAttnOptions,
+    x: BwdInputs<(&CudaStorage, &Layout)>,
+    want_dsinks: bool,
+    describe: Option<&mut String>,
+) -> Result<BwdOutputs> {
     match shape.dtype {
-        DType::F32 => backward_t::<f32>(shape, opts, x, want_dsinks),
-        DType::F16 => backward_t::<f16>(shape, opts, x, want_dsinks),
-        DType::BF16 => backward_t::<bf16>(shape, opts, x, want_dsinks),
+        DType::F32 => backward_t::<f32>(shape, opts, x, want_dsinks, describe),
+        DType::F16 => backward_t::<f16>(shape, opts, x, want_dsinks, describe),
+        DType::BF16 => backward_t::<bf16>(shape, opts, x, want_dsinks, describe),
         dt => bail!("candle-flash: unsupported dtype {dt:?} on cuda"),
     }
 }
@@ -490,11 +549,13 @@ fn bwd_params(
     })
 }
 
+/// The backward of element type T; `describe`: the plan into the string instead of the launch.
 fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     shape: &AttnShape,
     opts: &FlashAttnOptions,
     x: BwdInputs<(&CudaStorage, &Layout)>,
     want_dsinks: bool,
+    mut describe: Option<&mut String>,
 ) -> Result<BwdOutputs> {
     let dev = x.q.0.device.clone();
     let stream = dev.cuda_stream();
@@ -504,6 +565,9 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     let with_dsinks = want_dsinks && opts.sinks.is_some();
     let h = shape.num_heads;
     if q_len == 0 || k_len == 0 {
+        if let Some(plan) = describe.as_mut() {
+            **plan = "none".to_string();
+        }
         // Nothing to differentiate: zero gradients without a launch (a row without keys puts
         // all its mass on the sink, whose gradient -P_sink * rowsum(dO * 0) is 0 too).
         let zeros = |n: usize| -> Result<CudaSlice<T>> { dev.alloc_zeros::<T>(n.max(1)) };
@@ -528,13 +592,18 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         );
         let dsinks = dsinks.as_mut().map(|s| TensorArg::write(s, &[h], &stream));
         let p = bwd_params(shape, opts, &fwd, &a.grad_out, Some([&dq, &dk, &dv]), dsinks.as_ref())?;
-        // SAFETY: reads only the params struct.
+        if let Some(plan) = describe {
+            // SAFETY: reads the params struct; the buffer is the closure's own, of that length.
+            *plan = plan_text("cf_bwd_describe", |buf, cap| unsafe { ffi::cf_bwd_describe(&p, buf, cap) })?;
+        } else {
+            // SAFETY: reads only the params struct.
         let mut ws = workspace(&dev, unsafe { ffi::cf_bwd_workspace_size(&p) })?;
         let ws = workspace_arg(&mut ws, &stream);
         // SAFETY: as in the forward: live buffers of the described extents, enqueued on
         // candle's stream.
-        let status = unsafe { ffi::cf_bwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
-        check(status, "cf_bwd")?;
+            let status = unsafe { ffi::cf_bwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
+            check(status, "cf_bwd")?;
+        }
     }
     let dsinks = dsinks.map(|s| f32::wrap_cuda_slice(s, dev.clone()));
     Ok((T::wrap_cuda_slice(dq, dev.clone()), T::wrap_cuda_slice(dk, dev.clone()), T::wrap_cuda_slice(dv, dev), dsinks))

@@ -1,10 +1,18 @@
-// The plans behind the runtime choices of dispatch.cu: pure functions of the parameters (and of
-// the device's SM count), so that a workspace size and the launch that uses it always agree.
+// The plan layer: every runtime choice of a call, made once, before anything launches.
+//   plan_fwd / plan_bwd (plan.cu)  the complete plan of a forward / backward: kernel family and
+//               configuration, head-dim tile, split-KV, GQA split, dQ mode, logits kind, CTA
+//               orders, workspace layout; dispatch.cu launches what a plan names, and the
+//               launchers (launch.cuh) take the plan's values and make no choice of their own;
+//               cf_fwd_describe / cf_bwd_describe (flash_api.h) print a plan (tests assert it)
+//   the rules below, pure functions of the parameters (and of the device's SM count / shared
+//   memory / occupancy, which plan.cu reads), so that a workspace size and the launch that uses
+//   it always agree:
 //   plan_split  split-KV decode: how many key chunks, GQA heads packed per CTA, ring depth
-//   plan_bwd    backward workspace layout, atomic vs deterministic dQ, GQA head split
+//   plan_bwd_workspace  backward workspace layout, atomic vs deterministic dQ, GQA head split
 //   sm90 forward configuration by head dim and sequence length (fwd_sm90_config)
 //   fwd_fp8_tile, fwd_fp8_long, fp8_vt_layout  the FP8 forward's head-dim tile, key-block width
 //               and V^T workspace
+//   heavy_first_order, bwd_heavy_groups, fwd_heavy_groups, mma_sync_heavy_first  CTA orders
 // Measurements behind the constants: bench/NOTES.md.
 #pragma once
 #include <algorithm>
@@ -20,7 +28,7 @@ inline bool has_window(const CfFwdParams& p) { return p.window_left >= 0 || p.wi
 inline size_t round256(size_t x) { return (x + 255) & ~size_t(255); }
 
 // Split-KV (flash-decoding) plan for few query rows and long keys: nsplit > 1 when the
-// one-pass grid would leave most of the GPU idle. f32: only on the tensor-core path (dispatch.cu's
+// one-pass grid would leave most of the GPU idle. f32: only on the tensor-core path (plan.cu's
 // split_plan says so; the SIMT kernels have no split). pack = query heads per CTA (GQA group; 1 with
 // ALiBi, whose slope is per head). A pure function of the parameters and the device's SM count,
 // so cf_fwd_workspace_size and cf_fwd agree.
@@ -129,8 +137,13 @@ inline SplitPlan plan_wide_split(const CfFwdParams& p, WideSplit w, int sms) {
     return sp;
 }
 
-// Backward workspace plan; a pure function of the parameters (cf_bwd_workspace_size and cf_bwd
-// must agree, so no device query).
+// Which kernels a backward runs (plan_bwd): the SIMT ones, or the tensor-core dK/dV kernel of
+// the sm_90a wgmma family (d <= 128 tiles: sm90/bwd.cuh; 192 / 256: sm90/bwd_wide.cuh) or the
+// mma.sync one (sm80/bwd.cuh), followed by the dQ pass or dQ conversion and the split reduction.
+enum class BwdKernel { kSimt, kMmaSync, kWgmma, kWgmmaWide };
+// The backward's plan: the workspace layout (plan_bwd_workspace, a pure function of the
+// parameters: cf_bwd_workspace_size and cf_bwd must agree, so no device query there) and what
+// plan_bwd (plan.cu) adds for the launch.
 struct BwdPlan {
     size_t dsum_off, dq_off, sem_off, cnt_off, dkv_off, total;
     int nsplit, hps, sem_blocks;
@@ -141,9 +154,19 @@ struct BwdPlan {
     // block) sums the splits' dK / dV partials itself (BwdWs::dkv_count, counters after dq_sem)
     // instead of the separate reduction kernel.
     bool dkv_in_kernel;
+    // ---- the launch (plan_bwd)
+    BwdKernel kernel;
+    int tile;             // head-dim tile of the tensor-core kernels (round_head_dim; the wgmma tile)
+    SimtShape simt;       // kSimt
+    bool general_logits;  // kWgmma: the general-logits instance (common/mask.cuh logits_general)
+    bool reduce_dkv;      // the GQA split's partials summed by the reduction kernel (not in the kernel)
+    // CTA orders (BwdWs::heavy_first of each launch): the dK/dV grid's trailing heavy-first groups
+    // (bwd_heavy_groups; mma.sync: all groups or none), the dQ pass's across-heads flag
+    // (QueryBlockCta); -1 until plan_bwd computes them for a launch.
+    int dkdv_order, dq_order;
 };
 
-// tc: the tensor-core kernels run (16-bit, or f32 on 3xTF32; dispatch.cu decides), else SIMT.
+// tc: the tensor-core kernels run (16-bit, or f32 on 3xTF32; plan.cu decides), else SIMT.
 // sm90: the sm_90a dK/dV kernels run. Deterministic mode there adds dQ in the dK/dV kernel too,
 // each query block's reductions in key-block order (BwdWs::dq_sem, counters after dq_accum),
 // instead of the mma.sync kernels' separate dQ pass, which recomputes S and dP.
@@ -152,7 +175,7 @@ struct BwdPlan {
 // backward gives every query head its own CTAs (the measurements below).
 constexpr int64_t kBwdGqaSplitTarget = 264;
 constexpr int kBwdGqaSplitKeys = 4096;
-inline BwdPlan plan_bwd(const CfBwdParams& p, bool tc, bool sm90) {
+inline BwdPlan plan_bwd_workspace(const CfBwdParams& p, bool tc, bool sm90) {
     const CfFwdParams& f = p.fwd;
     BwdPlan pl{};
     pl.total_q = f.total_q;
@@ -290,7 +313,6 @@ inline bool mma_sync_heavy_first(const CfFwdParams& f, int64_t ctas, int64_t slo
     if (f.dtype == CF_F32) return heavy_first_order(f, ctas, slots, 16);
     return query_grid && heavy_first_order(f, ctas, slots, 16) && 2 * (int64_t)f.h * f.b <= slots;
 }
-enum class FwdSm90Config { kD64Short, kD64, kD64Persistent, kD96, kD128, kD192, kD256, kD96Long, kD128Long, kD192Long, kD256Long };
 
 // e4m3 forward (sm_90a only): the 128 head-dim tile up to d = 128 (d = 64 with zero-filled
 // columns: 8-bit rows of 64 bytes would need a second swizzle mode), else the 256 tile.
@@ -301,6 +323,11 @@ inline int fwd_fp8_tile(int d) { return d <= 128 ? 128 : 256; }
 // The 256 tile has no wider block: its V^T stages (64 KB per 128 keys) fill shared memory.
 inline bool fwd_fp8_long(const CfFwdParams& p) {
     return fwd_fp8_tile(p.d) == 128 && p.seqlen_q >= 4096 && p.seqlen_k >= 4096;
+}
+// The e4m3 configuration (config.cuh CF_FWD_SM90_FP8_CONFIGS) of a call.
+inline FwdSm90Config fwd_fp8_config(const CfFwdParams& p) {
+    if (fwd_fp8_tile(p.d) == 256) return FwdSm90Config::kFp8D256;
+    return fwd_fp8_long(p) ? FwdSm90Config::kFp8D128Long : FwdSm90Config::kFp8D128;
 }
 
 // Where the e4m3 forward keeps V transposed (8-bit wgmma reads B K-major only, so P V needs V^T
@@ -370,5 +397,59 @@ inline FwdSm90Config fwd_sm90_config(const CfFwdParams& p) {
         default: return fwd_sm90_long(p, 256) ? FwdSm90Config::kD256Long : FwdSm90Config::kD256;
     }
 }
+
+// ------------------------------------------------------------------ the plans of a call
+// Which kernel family a forward runs (plan_fwd): the SIMT kernels (what only they run: heads past
+// the tensor-core tiles without the wide-head kernel, a value head dim of its own, prefix ranges;
+// f32 whose tensors the tiles cannot load), the mma.sync kernel (sm80/fwd.cu), the split-KV
+// decode (sm80/fwd_split.cu), the wide-head kernel (sm80/fwd_wide_split.cu), the sm_90a wgmma
+// kernel (sm90/fwd.cu) in a 16-bit or an e4m3 configuration.
+enum class FwdKernel { kSimt, kMmaSync, kSplit, kWideSplit, kWgmma };
+struct FwdPlan {
+    FwdKernel kernel;
+    int tile;            // head-dim tile of kMmaSync / kSplit / kWgmma (round_head_dim; e4m3: fwd_fp8_tile)
+    bool paged;          // kMmaSync: the paged-K/V instantiation (sm80/fwd.cu says why it has its own)
+    bool hopper_tile;    // kMmaSync, f32 at d = 256: the 128-row 8-warp tile (config.cuh FwdTraits)
+    SimtShape simt;      // kSimt
+    FwdSm90Config sm90;  // kWgmma (an e4m3 row for e4m3 inputs)
+    SplitPlan split;     // kSplit / kWideSplit; nsplit = 1 otherwise
+    // The CTA order (-1 until plan_fwd computes it for a launch): kMmaSync 1 = query block slowest
+    // across heads (common/mask.cuh QueryBlockCta, mma_sync_heavy_first); kWgmma the trailing
+    // (head, sequence) groups that run query block slowest (fwd_heavy_groups); 0 = launch order.
+    int cta_order;
+    size_t workspace;    // bytes cf_fwd needs (split partials, the e4m3 V^T)
+};
+// What a plan is for: sizing the workspace (no occupancy query, nothing the size depends on) or
+// a launch (the CTA orders too, which read the kernels' occupancy on the device).
+enum class PlanFor { kWorkspace, kLaunch };
+// The plans of a call whose parameters check_fwd / check_bwd accepted (plan.cu), into pl; an
+// error of a device query the plan needs (an occupancy, the SM count) is returned.
+cudaError_t plan_fwd(const CfFwdParams& p, PlanFor what, FwdPlan& pl);
+cudaError_t plan_bwd(const CfBwdParams& p, PlanFor what, BwdPlan& pl);
+// The plans as text ("wgmma D128Long order=0 workspace=0", cf_fwd_describe / cf_bwd_describe).
+void describe_fwd_plan(const FwdPlan& pl, char* buf, size_t cap);
+void describe_bwd_plan(const BwdPlan& pl, char* buf, size_t cap);
+
+// The device facts the plans and the argument checks read (plan.cu; each read once per device).
+bool smem_fits(int bytes);
+// The calls only the SIMT kernels run, and their shape (config.cuh SimtShape).
+bool simt_only(const CfFwdParams& p);
+SimtShape simt_shape(const CfFwdParams& p);
+// The 16-byte rules of the tensor-core tile loads (elements of elem_bytes bytes; batch strides
+// are not checked for varlen sides).
+bool tensor_aligned(const void* ptr, int64_t batch_stride, int64_t row_stride, int64_t head_stride, bool varlen,
+                    int elem_bytes = 2);
+
+// Occupancy of the kernels a plan names, asked of the launchers' translation units (where the
+// kernels are) by plan_bwd / plan_fwd for the CTA orders: the CTAs one wave of the kernel runs.
+template <typename T, int D, bool kPaged, bool kHopperTile>
+cudaError_t fwd_tc_wave_slots(int64_t& slots);
+// The backward's dK/dV kernel of plan pl (and its key block), and the dQ pass (and its query block).
+struct BwdWave {
+    int64_t dkdv_slots, dq_slots;
+    int dkdv_block_n, dq_block_m;
+};
+template <typename T, int D>
+cudaError_t bwd_tc_wave(const BwdPlan& pl, BwdWave& w);
 
 }  // namespace cf
