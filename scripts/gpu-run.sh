@@ -47,6 +47,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   plog="$OUT/parity_sm80.log"
   CANDLE_FLASH_DISABLE_SM90A=1 gpu-bin/tests/parity --test-threads=1 > "$plog" 2>&1
   record parity-sm80 $? "$(last_result "$plog")"
+  # the plans with the switches that send calls to other kernels (tests/plans.rs reads them)
+  qlog="$OUT/plans_switched.log"
+  { CANDLE_FLASH_DISABLE_SM90A=1 gpu-bin/tests/plans --nocapture &&
+    CANDLE_FLASH_DISABLE_WIDE_SPLIT=1 CANDLE_FLASH_F32_SIMT=1 gpu-bin/tests/plans --nocapture; } > "$qlog" 2>&1
+  record plans-switched $? "$(last_result "$qlog")"
   # the sm_90a kernels' cp.async fallback for every tile (forward K/V/Q, backward Q/dO)
   tlog="$OUT/parity_no_tma.log"
   CANDLE_FLASH_DISABLE_TMA=1 gpu-bin/tests/parity --test-threads=1 > "$tlog" 2>&1

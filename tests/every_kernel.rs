@@ -3,7 +3,7 @@
 //! of a Hopper GPU (again with `CANDLE_FLASH_DISABLE_SM90A=1`). Each case is also a parity check
 //! against the reference, so the subset cannot pass by computing nothing.
 //!
-//! What each case reaches (kernels/dispatch.cu decides): per dtype (f16/bf16: tensor cores; f32:
+//! What each case reaches (the plan layer decides, kernels/plan.cu; tests/plans.rs asserts it): per dtype (f16/bf16: tensor cores; f32:
 //! tensor cores as 3xTF32 where the device has the shared memory of the tiles (the backward at
 //! head dim 256: Hopper), else and for rows that are not 16-byte aligned the SIMT kernels,
 //! `f32_simt_kernels`) and head-dim tile (32 ... 256),

@@ -597,10 +597,10 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             *plan = plan_text("cf_bwd_describe", |buf, cap| unsafe { ffi::cf_bwd_describe(&p, buf, cap) })?;
         } else {
             // SAFETY: reads only the params struct.
-        let mut ws = workspace(&dev, unsafe { ffi::cf_bwd_workspace_size(&p) })?;
-        let ws = workspace_arg(&mut ws, &stream);
-        // SAFETY: as in the forward: live buffers of the described extents, enqueued on
-        // candle's stream.
+            let mut ws = workspace(&dev, unsafe { ffi::cf_bwd_workspace_size(&p) })?;
+            let ws = workspace_arg(&mut ws, &stream);
+            // SAFETY: as in the forward: live buffers of the described extents, enqueued on
+            // candle's stream.
             let status = unsafe { ffi::cf_bwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
             check(status, "cf_bwd")?;
         }
