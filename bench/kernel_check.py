@@ -727,7 +727,7 @@ def matrix(quick):
     ]
     # causal backward grids of more than 4 waves whose heads have fewer key blocks than a wave
     # has CTAs (an H100 / H200 runs 132 of these at once): the last groups' CTAs run key block
-    # slowest (heuristics.cuh bwd_heavy_groups, common/bwd_work.cuh DkdvCta)
+    # slowest (plan.cuh bwd_heavy_groups, common/bwd_work.cuh DkdvCta)
     cases += [
         C("t-bf16-d128-causal-tail", "bf16", b=2, h=24, sq=2048, d=128, wl=-1, wr=0),
         C("t-f16-d128-det-causal-tail", "f16", b=2, h=24, sq=2000, d=128, wl=-1, wr=0, det=True),
@@ -766,7 +766,7 @@ def matrix(quick):
         C("p-bf16-d128-packed-causal", "bf16", b=2, h=40, hkv=8, sq=1000, d=128, layout="packed", wl=-1, wr=0, bwd=False),
         C("p-f16-d64-bhsd", "f16", b=2, h=40, sq=1000, sk=700, d=64, layout="bhsd", bwd=False),
     ]
-    # the wide key blocks of long sequences (heuristics.cuh fwd_sm90_long: 128 x 176 at d = 128,
+    # the wide key blocks of long sequences (plan.cuh fwd_sm90_long: 128 x 176 at d = 128,
     # 128 x 96 at d = 192, 128 x 80 at d = 256): blocks that are no power of two against varlen
     # ends (the cp.async path), masks, softcap / ALiBi, paged K/V, fully masked rows
     cases += [

@@ -5,7 +5,7 @@ Each CTA (group = (KV head * split, sequence), key block kb) costs the query blo
 qb_per_kb * (nkb - kb), plus a fixed cost; `slots` CTAs run at once and a freed slot takes the
 next CTA in launch order. Prints the makespan over the ideal (total work / slots) for:
   launch  the grid's launch order (key block fastest, groups in turn)
-  tailW   heuristics.cuh bwd_heavy_groups: the last ceil(W * slots / nkb) groups key block slowest
+  tailW   plan.cuh bwd_heavy_groups: the last ceil(W * slots / nkb) groups key block slowest
   all     every group key block slowest (DkdvCta on grids of <= 4 waves)
 The model knows nothing of L2: on real grids "all" loses the heads' Q / dO sharing (bench/NOTES.md).
 

@@ -107,7 +107,7 @@ fn long_gradient_sums() {
 }
 
 /// GQA backward under a causal mask with 4096 keys and more: on Hopper (d <= 128) the backward
-/// then gives every query head its own CTAs (kernels/heuristics.cuh plan_bwd,
+/// then gives every query head its own CTAs (kernels/plan.cuh plan_bwd_workspace,
 /// kBwdGqaSplitKeys), with the f32 dK / dV partials of the group summed by the last CTA of
 /// each key block (BwdWs::dkv_count). Few query rows keep the CPU reference cheap; the causal
 /// mask aligns them to the last keys, so every row still sees ~4k keys.

@@ -27,14 +27,14 @@ struct BwdWs {
     int hps;       // query heads per split
     // The CTA order across heads. dK/dV grids (DkdvCta): how many of the grid's last (KV head *
     // split, sequence) groups run key block slowest (0: launch order; all: every head's heaviest
-    // CTAs first; heuristics.cuh bwd_heavy_groups). Query-block grids (QueryBlockCta): 0 / 1.
+    // CTAs first; plan.cuh bwd_heavy_groups). Query-block grids (QueryBlockCta): 0 / 1.
     int heavy_first;
     int64_t total_q, total_k;
     // Deterministic mode on the sm_90a kernels: the counters that order the dQ reductions
     // (sm90/tma.cuh DqOrder), [b][h][dq_sem_blocks][2 warpgroups]; nullptr otherwise.
     int* dq_sem;
     int dq_sem_blocks;  // 64-row query blocks per (sequence, head): seqlen_q / 64 rounded up
-    // nsplit > 1 on the sm_90a d <= 128 kernel (heuristics.cuh plan_bwd dkv_in_kernel): how many
+    // nsplit > 1 on the sm_90a d <= 128 kernel (plan.cuh plan_bwd_workspace dkv_in_kernel): how many
     // splits of each (sequence, KV head, key block) have written their partials,
     // [b][hkv][key blocks of the grid], zeroed per call; the last one sums them. nullptr: the
     // reduction kernel (sm80/bwd.cuh bwd_reduce_dkv_kernel) sums them after the dK/dV kernel.
@@ -71,7 +71,7 @@ struct BwdWs {
 // nsplit, batch), launched x fastest: neighbouring key blocks of one head run together and share
 // its Q / dO in L2. Under causal-like masks the first key blocks see the most queries, and in that
 // order the last group's heaviest CTA starts near the end and sets the grid's tail. With
-// ws.heavy_first = g > 0 (heuristics.cuh bwd_heavy_groups) the kernels that take kHeavyFirst
+// ws.heavy_first = g > 0 (plan.cuh bwd_heavy_groups) the kernels that take kHeavyFirst
 // renumber the CTAs of the last g groups key block slowest: those groups' heaviest blocks start
 // first among them, while every earlier group keeps the launch order and its L2 sharing. g = all
 // groups on grids of a few waves (every head's heaviest blocks in the first wave). Lower key

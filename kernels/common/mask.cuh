@@ -72,7 +72,7 @@ struct MaskInfo {
 // sees keys [lo, hi), the union of the ranges [start, end) that hold pos (ranges that all hold
 // one position overlap, so the union is one interval), cut to [0, sk). The values are device data
 // nothing checked: an empty or reversed range selects nothing, and the cut keeps every key read
-// inside the sequence. The SIMT forward is the only kernel that reads them (dispatch.cu).
+// inside the sequence. The SIMT forward is the only kernel that reads them (plan.cu).
 struct PrefixRanges {
     const int32_t* r;  // [n][2] of this sequence, or NULL
     int n;
@@ -151,7 +151,7 @@ __device__ __forceinline__ float descale_of(const CfDescale& d, int b, int x) {
 // causal-like masks (right window bounded, left unbounded) the last query blocks see the most
 // keys, so they are started first: the grid (query block, head, sequence), launched x fastest,
 // takes its query blocks reversed within each head. With `across_heads` (the host's choice:
-// heuristics.cuh heavy_first_order / mma_sync_heavy_first, grids of a few waves) the grid is
+// plan.cuh heavy_first_order / mma_sync_heavy_first, grids of a few waves) the grid is
 // launched (head, sequence, query block) instead (`grid`), i.e. query block slowest, reversed:
 // every head's last block starts before any head's second last, where in the first order the
 // last heads' heaviest blocks would start in the last wave and set its length. (Swapping the

@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfB
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, q4 = lane & 3;
-    // The CTA order across heads for f32 only (heuristics.cuh mma_sync_heavy_first).
+    // The CTA order across heads for f32 only (plan.cuh mma_sync_heavy_first).
     const DkdvWork<T, BN, BM, std::is_same<T, float>::value> w(p, ws);
     if (w.empty()) return;
     const SeqInfo& si = w.si;

@@ -1,5 +1,5 @@
 // Tensor-core backward instantiations for f32 (3xTF32 on mma.sync m16n8k8; d = 192 / 256 on
-// 32 x 64 tiles where the device has the shared memory: config.cuh BwdTraits, dispatch.cu).
+// 32 x 64 tiles where the device has the shared memory: config.cuh BwdTraits, plan.cu).
 #include "bwd.cuh"
 
 namespace cf {

@@ -1,6 +1,6 @@
 // Forward pass on tensor cores (mma.sync m16n8k16 for f16/bf16; m16n8k8 tf32 for f32, as 3xTF32
 // at f32 accuracy: common/tile.cuh), f32 accumulators: the sm_80 kernel, also used on Hopper for
-// head-dim tiles without a wgmma kernel and for f32 (dispatch.cu). Per CTA:
+// head-dim tiles without a wgmma kernel and for f32 (the plan, plan.cu). Per CTA:
 // kBlockM query rows of one head, looping over the key blocks that any of them sees, last
 // first (the boundary block is masked while the rest runs unmasked). Masking, logits and the
 // online softmax are common/mask.cuh and common/softmax.cuh.
@@ -11,7 +11,7 @@
 
 namespace cf {
 
-// Kt::kPaged: K/V through the block table (flash_api.h). Its own instantiation (dispatch.cu): this
+// Kt::kPaged: K/V through the block table (flash_api.h). Its own instantiation (chosen by the plan): this
 // kernel is at its register limit, and the table code in the contiguous one made it spill
 // (ptxas -v); the paged one runs 64-row tiles for d = 96 / 128 (config.cuh).
 // across_heads: the CTA order of QueryBlockCta (common/mask.cuh), chosen by the launcher.

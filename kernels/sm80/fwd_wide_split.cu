@@ -7,7 +7,7 @@
 // for decode shapes every query head of one KV head (pack = the group), so a key block is read
 // once for all of them; for longer query blocks one head (pack = 1), a query block a CTA. When v
 // is a view of k (v_is_view_of_k) P V reads the value columns out of the K tile, so the cache
-// is read once. Decode cuts the key range into nsplit chunks (heuristics.cuh plan_wide_split);
+// is read once. Decode cuts the key range into nsplit chunks (plan.cuh plan_wide_split);
 // each CTA writes its rows' normalised partial O and lse, split_combine_kernel merges them (and
 // the sink). With one chunk (`direct`) the CTA writes o and lse itself.
 //

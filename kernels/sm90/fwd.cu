@@ -1,6 +1,6 @@
 // Forward pass for Hopper (sm_90a): warpgroup MMA (wgmma), warp-specialised, same semantics as
 // every other forward (flash_api.h; masks, logits and the online softmax from common/).
-// Dispatched (dispatch.cu) for head-dim tiles 64 / 128 / 192 / 256 when sm90a_available().
+// Chosen by the plan (plan.cu) for head-dim tiles 64 / 96 / 128 / 192 / 256 when sm90a_available().
 //
 // Parts, in the order a CTA runs them:
 //   FwdSharedStorage   shared memory as a struct; the launch asks for exactly its sizeof
@@ -35,7 +35,7 @@
 // e4m3 inputs (Kt::kFp8; FlashAttention-3's FP8 forward): both products on 8-bit wgmma (k32),
 // which reads both operands K-major. So V is transposed: by the producer warpgroup from raw V
 // tiles (Kt::kVtInKernel, FwdVTranspose) or first, by a pre-pass (fp8_transpose_v_kernel, into
-// the workspace: Fp8VtLayout in heuristics.cuh) whose V^T tiles the producer then loads; either
+// the workspace: Fp8VtLayout in plan.cuh) whose V^T tiles the producer then loads; either
 // way a V^T stage is [D][kBlockN keys] (128-key panels), the keys of each 32-key group in the
 // order in which a thread's S accumulators become its 8-bit A fragment of P (fp8_vt_key), so P
 // goes from registers into O += P V^T with no shuffle. S is scaled by q descale * k descale

@@ -9,7 +9,7 @@
 // the i-th lightest query block of a head, so that every unit costs about the same under causal
 // masks and the static schedule stays balanced. A non-persistent launch under causal masks takes
 // each head's query blocks heaviest first; its last `tail` (head, sequence) groups (the host's
-// choice: heuristics.cuh fwd_heavy_groups) are numbered query block slowest, so that the last
+// choice: plan.cuh fwd_heavy_groups) are numbered query block slowest, so that the last
 // groups' heaviest tiles do not start in the grid's last wave.
 #pragma once
 #include <algorithm>
