@@ -167,6 +167,24 @@ int check_bwd(const CfBwdParams* p) {
     return CF_OK;
 }
 
+// cf_fwd_describe / cf_bwd_describe: the plan of a call that passed its checks (st), as text
+// into buf; "none" when there is nothing to compute (empty).
+template <typename Plan, typename Params, typename MakePlan, typename Text>
+int describe_call(const Params* p, int st, bool empty, MakePlan make_plan, Text text, char* buf, size_t cap) {
+    if (buf == nullptr || cap == 0) return CF_ERR_BAD_ARGUMENT;
+    buf[0] = '\0';
+    if (st != CF_OK) return st;
+    if (empty) {
+        std::snprintf(buf, cap, "none");
+        return CF_OK;
+    }
+    Plan pl;
+    const cudaError_t e = make_plan(*p, PlanFor::kLaunch, pl);
+    if (e != cudaSuccess) return (int)e;
+    text(pl, buf, cap);
+    return CF_OK;
+}
+
 }  // namespace
 }  // namespace cf
 
@@ -201,19 +219,8 @@ int cf_fwd(const CfFwdParams* p, void* workspace, cudaStream_t stream) {
 
 int cf_fwd_describe(const CfFwdParams* p, char* buf, size_t cap) {
     using namespace cf;
-    if (buf == nullptr || cap == 0) return CF_ERR_BAD_ARGUMENT;
-    buf[0] = '\0';
     const int st = check_fwd(p);
-    if (st != CF_OK) return st;
-    if (p->b == 0 || p->seqlen_q == 0) {
-        std::snprintf(buf, cap, "none");
-        return CF_OK;
-    }
-    FwdPlan pl;
-    const cudaError_t e = plan_fwd(*p, PlanFor::kLaunch, pl);
-    if (e != cudaSuccess) return (int)e;
-    describe_fwd_plan(pl, buf, cap);
-    return CF_OK;
+    return describe_call<FwdPlan>(p, st, st == CF_OK && (p->b == 0 || p->seqlen_q == 0), plan_fwd, describe_fwd_plan, buf, cap);
 }
 
 size_t cf_bwd_workspace_size(const CfBwdParams* p) {
@@ -266,19 +273,9 @@ int cf_bwd(const CfBwdParams* p, void* workspace, cudaStream_t stream) {
 
 int cf_bwd_describe(const CfBwdParams* p, char* buf, size_t cap) {
     using namespace cf;
-    if (buf == nullptr || cap == 0) return CF_ERR_BAD_ARGUMENT;
-    buf[0] = '\0';
     const int st = check_bwd(p);
-    if (st != CF_OK) return st;
-    if (p->fwd.b == 0 || (p->fwd.seqlen_q == 0 && p->fwd.seqlen_k == 0)) {
-        std::snprintf(buf, cap, "none");
-        return CF_OK;
-    }
-    BwdPlan pl;
-    const cudaError_t e = plan_bwd(*p, PlanFor::kLaunch, pl);
-    if (e != cudaSuccess) return (int)e;
-    describe_bwd_plan(pl, buf, cap);
-    return CF_OK;
+    const bool empty = st == CF_OK && (p->fwd.b == 0 || (p->fwd.seqlen_q == 0 && p->fwd.seqlen_k == 0));
+    return describe_call<BwdPlan>(p, st, empty, plan_bwd, describe_bwd_plan, buf, cap);
 }
 
 // The sinks' gradient needs dsum alone: the workspace is dsum's rows, [h][total_q] f32.
