@@ -15,15 +15,15 @@ namespace cf {
 namespace {
 // e4m3 inputs: what the sm_90a FP8 kernel needs (the caller dequantizes when this fails with
 // CF_ERR_UNSUPPORTED_DTYPE): f16 / bf16 output, d a multiple of 16 (TMA rows of 16-byte
-// multiples), rows 16-byte aligned, contiguous K/V, valid descale divisors, a tensor-map encoder
-// (TMA not disabled), and, with probe_maps (cf_fwd_check), tensor maps the driver accepts (V^T's
+// multiples), rows 16-byte aligned, contiguous K/V, valid descale divisors, TMA (tma_enabled),
+// and, with probe_maps (cf_fwd_check), tensor maps the driver accepts (V^T's
 // with q standing in for the workspace: only its alignment matters, and both are 16-byte
 // aligned). cf_fwd does not probe again: its launch builds the maps and fails if they fail.
 int check_fwd_e4m3(const CfFwdParams* p, bool probe_maps) {
     if (p->o_dtype != CF_F16 && p->o_dtype != CF_BF16) return CF_ERR_UNSUPPORTED_DTYPE;
     for (const CfDescale* ds : {&p->q_descale, &p->k_descale, &p->v_descale})
         if (ds->ptr != nullptr && (ds->head_div < 1 || ds->batch_stride < 0)) return CF_ERR_BAD_ARGUMENT;
-    if (p->d % 16 != 0 || p->block_table != nullptr || !sm90a_available() || tensor_map_encoder() == nullptr)
+    if (p->d % 16 != 0 || p->block_table != nullptr || !sm90a_available() || !tma_enabled())
         return CF_ERR_UNSUPPORTED_DTYPE;
     const bool vq = p->cu_seqlens_q != nullptr, vk = p->cu_seqlens_k != nullptr;
     if (!tensor_aligned(p->q, p->q_batch_stride, p->q_row_stride, p->q_head_stride, vq, 1) ||
@@ -113,7 +113,7 @@ cudaError_t run_fwd_plan(const CfFwdParams& p, const FwdPlan& pl, void* ws, cuda
         case FwdKernel::kWgmma:
             if constexpr (sizeof(T) == 2)
                 return with_fwd_sm90_traits<T>(pl.sm90, [&](auto kt) {
-                    return launch_fwd_sm90<decltype(kt)>(p, pl.cta_order, ws, s);
+                    return launch_fwd_sm90<decltype(kt)>(p, pl, ws, s);
                 });
             return cudaErrorInvalidValue;  // not planned: 16-bit and e4m3 (output type T) only
         default:

@@ -79,12 +79,13 @@ inline int read_and_clear_trace(const Sym& sym, long long* dst) {
 template <typename T, int D, bool kPaged, bool kHopperTile>
 cudaError_t run_fwd_tc(const CfFwdParams& p, bool across_heads, cudaStream_t stream);
 // sm_90a wgmma forward (sm90/fwd.cu) with configuration Kt (a row of config.cuh's
-// CF_FWD_SM90_CONFIGS table); call only when sm90a_available(). tail: the plan's CTA order
-// (FwdPlan::cta_order, 0 for persistent configurations). The workspace (cf_fwd's) holds V^T for
-// e4m3 inputs whose kernel does not transpose V itself (Fp8VtLayout, plan.cuh), unused otherwise
-// (may be NULL then).
+// CF_FWD_SM90_CONFIGS table, the one plan pl names); call only when sm90a_available(). The plan
+// gives the grid (FwdPlan::ctas), the CTA order (cta_order) and whether TMA loads (tma). The
+// workspace (cf_fwd's) holds V^T for e4m3 inputs whose kernel does not transpose V itself
+// (Fp8VtLayout, plan.cuh), unused otherwise (may be NULL then).
+struct FwdPlan;
 template <typename Kt>
-cudaError_t launch_fwd_sm90(const CfFwdParams& p, int tail, void* workspace, cudaStream_t stream);
+cudaError_t launch_fwd_sm90(const CfFwdParams& p, const FwdPlan& pl, void* workspace, cudaStream_t stream);
 // SIMT forward (simt/fwd.cu), element type T, shape kShape (config.cuh SimtShape), and the
 // dynamic shared memory it asks for a call (the plan checks it fits before choosing it).
 template <typename T, SimtShape kShape>

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include "plan.cuh"
+#include "sm90/tile_scheduler.cuh"
+#include "sm90/tma.cuh"
 
 namespace cf {
 
@@ -79,6 +81,11 @@ bool smem_fits(int bytes) {
         return false;
     }
     return have >= bytes;
+}
+
+bool tma_enabled() {
+    static const bool on = !env_switch("CANDLE_FLASH_DISABLE_TMA") && tensor_map_encoder() != nullptr;
+    return on;
 }
 
 namespace {
@@ -179,18 +186,20 @@ int bwd_sm90_tile_for(const CfFwdParams& f) {
     return f.dtype != CF_F32 && !simt_only(f) && sm90a_available() ? bwd_sm90_tile(round_head_dim(f.d)) : 0;
 }
 
-// The wgmma forward's CTA order: the trailing heavy-first groups of a one-CTA-per-tile
-// configuration (fwd_heavy_groups), 0 for the persistent ones (their scheduler orders tiles).
-cudaError_t fwd_sm90_order(const CfFwdParams& p, FwdSm90Config c, int& order) {
-    return with_fwd_sm90_traits<__half>(c, [&](auto kt) -> cudaError_t {
+// The wgmma forward's grid and CTA order: one CTA a tile, or at most one wave of persistent CTAs
+// (whose scheduler orders the tiles: order 0); one CTA a tile takes the trailing heavy-first
+// groups (fwd_heavy_groups).
+cudaError_t fwd_sm90_grid(const CfFwdParams& p, FwdPlan& pl) {
+    return with_fwd_sm90_traits<__half>(pl.sm90, [&](auto kt) -> cudaError_t {
         using Kt = decltype(kt);
-        order = 0;
-        if (Kt::kPersistent) return cudaSuccess;
+        using Sched = FwdTileScheduler<Kt::kBlockM, Kt::kBlockN, !Kt::kPersistent>;
         int sms = 0;
         const cudaError_t e = current_sm_count(sms);
         if (e != cudaSuccess) return e;
+        const int64_t wave = (int64_t)sms * Kt::kMinBlocks;
+        pl.ctas = Sched::grid_size(p, Kt::kPersistent, (int)wave);
         const int query_blocks = (p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
-        order = fwd_heavy_groups(p, query_blocks, (int64_t)p.h * p.b, (int64_t)sms * Kt::kMinBlocks);
+        pl.cta_order = Kt::kPersistent ? 0 : fwd_heavy_groups(p, query_blocks, (int64_t)p.h * p.b, wave);
         return cudaSuccess;
     });
 }
@@ -224,6 +233,7 @@ cudaError_t fwd_mma_sync_order(const CfFwdParams& p, const FwdPlan& pl, int& ord
 cudaError_t plan_fwd(const CfFwdParams& p, PlanFor what, FwdPlan& pl) {
     pl = FwdPlan{};
     pl.cta_order = -1;
+    pl.ctas = -1;
     pl.split.nsplit = 1;
     pl.tile = round_head_dim(p.d);
     const bool launch = what == PlanFor::kLaunch;
@@ -232,7 +242,8 @@ cudaError_t plan_fwd(const CfFwdParams& p, PlanFor what, FwdPlan& pl) {
         pl.sm90 = fwd_fp8_config(p);
         pl.tile = fwd_fp8_tile(p.d);
         pl.workspace = fp8_vt_layout(p).bytes;
-        return launch ? fwd_sm90_order(p, pl.sm90, pl.cta_order) : cudaSuccess;
+        pl.tma = true;  // the e4m3 kernel loads by TMA only (check_fwd_e4m3 asked tma_enabled)
+        return launch ? fwd_sm90_grid(p, pl) : cudaSuccess;
     }
     pl.split = split_plan(p);
     pl.workspace = pl.split.bytes;
@@ -255,7 +266,8 @@ cudaError_t plan_fwd(const CfFwdParams& p, PlanFor what, FwdPlan& pl) {
     if (p.dtype != CF_F32 && fwd_sm90_takes(pl.tile) && sm90a_available()) {
         pl.kernel = FwdKernel::kWgmma;
         pl.sm90 = fwd_sm90_config(p);
-        return launch ? fwd_sm90_order(p, pl.sm90, pl.cta_order) : cudaSuccess;
+        pl.tma = tma_enabled();
+        return launch ? fwd_sm90_grid(p, pl) : cudaSuccess;
     }
     // mma.sync: paged K/V has its own instantiation (sm80/fwd.cu says why); f32 at d = 256 on
     // Hopper the 128-row 8-warp tile (config.cuh FwdTraits kHopperTile), paged K/V too (a paged
@@ -281,6 +293,7 @@ cudaError_t plan_bwd(const CfBwdParams& p, PlanFor what, BwdPlan& pl) {
     }
     pl.kernel = tile90 == 0 ? BwdKernel::kMmaSync : tile90 <= 128 ? BwdKernel::kWgmma : BwdKernel::kWgmmaWide;
     pl.general_logits = pl.kernel == BwdKernel::kWgmma && logits_general(f);
+    pl.tma = pl.kernel != BwdKernel::kMmaSync && tma_enabled();
     // the sm_90a d <= 128 kernel sums the GQA split's partials itself (dkv_in_kernel)
     pl.reduce_dkv = pl.nsplit > 1 && !pl.dkv_in_kernel;
     if (what != PlanFor::kLaunch) return cudaSuccess;
@@ -321,8 +334,8 @@ void describe_fwd_plan(const FwdPlan& pl, char* buf, size_t cap) {
                           sp.pack, pl.workspace);
             break;
         default:
-            std::snprintf(buf, cap, "wgmma %s order=%d workspace=%zu", fwd_sm90_config_name(pl.sm90), pl.cta_order,
-                          pl.workspace);
+            std::snprintf(buf, cap, "wgmma %s ctas=%lld order=%d%s workspace=%zu", fwd_sm90_config_name(pl.sm90),
+                          (long long)pl.ctas, pl.cta_order, pl.tma ? "" : " no_tma", pl.workspace);
             break;
     }
 }
@@ -334,10 +347,11 @@ void describe_bwd_plan(const BwdPlan& pl, char* buf, size_t cap) {
         std::snprintf(buf, cap, "simt %s workspace=%zu", pl.simt == SimtShape::kWide ? "wide" : "narrow", pl.total);
         return;
     }
-    std::snprintf(buf, cap, "%s tile=%d%s dq=%s nsplit=%d%s order=%d/%d workspace=%zu", kernels[(int)pl.kernel], pl.tile,
-                  pl.general_logits ? " general_logits" : "", dq, pl.nsplit,
+    const bool no_tma = pl.kernel != BwdKernel::kMmaSync && !pl.tma;
+    std::snprintf(buf, cap, "%s tile=%d%s dq=%s nsplit=%d%s order=%d/%d%s workspace=%zu", kernels[(int)pl.kernel],
+                  pl.tile, pl.general_logits ? " general_logits" : "", dq, pl.nsplit,
                   pl.nsplit > 1 ? (pl.reduce_dkv ? " reduce" : " dkv_in_kernel") : "", pl.dkdv_order, pl.dq_order,
-                  pl.total);
+                  no_tma ? " no_tma" : "", pl.total);
 }
 
 }  // namespace cf

@@ -164,6 +164,7 @@ struct BwdPlan {
     // (bwd_heavy_groups; mma.sync: all groups or none), the dQ pass's across-heads flag
     // (QueryBlockCta); -1 until plan_bwd computes them for a launch.
     int dkdv_order, dq_order;
+    bool tma;  // kWgmma / kWgmmaWide: Q / dO by TMA where the maps encode (else cp.async)
 };
 
 // tc: the tensor-core kernels run (16-bit, or f32 on 3xTF32; plan.cu decides), else SIMT.
@@ -417,6 +418,8 @@ struct FwdPlan {
     // across heads (common/mask.cuh QueryBlockCta, mma_sync_heavy_first); kWgmma the trailing
     // (head, sequence) groups that run query block slowest (fwd_heavy_groups); 0 = launch order.
     int cta_order;
+    int64_t ctas;        // kWgmma: the grid (persistent configurations: at most one wave); -1 until planned
+    bool tma;            // kWgmma: Q / K / V by TMA where the maps encode (else cp.async throughout)
     size_t workspace;    // bytes cf_fwd needs (split partials, the e4m3 V^T)
 };
 // What a plan is for: sizing the workspace (no occupancy query, nothing the size depends on) or
@@ -432,6 +435,9 @@ void describe_bwd_plan(const BwdPlan& pl, char* buf, size_t cap);
 
 // The device facts the plans and the argument checks read (plan.cu; each read once per device).
 bool smem_fits(int bytes);
+// Whether the sm_90a kernels may load by TMA: the driver has the tensor-map encoder, and
+// CANDLE_FLASH_DISABLE_TMA=1 does not switch it off (to run and test their cp.async paths).
+bool tma_enabled();
 // The calls only the SIMT kernels run, and their shape (config.cuh SimtShape).
 bool simt_only(const CfFwdParams& p);
 SimtShape simt_shape(const CfFwdParams& p);

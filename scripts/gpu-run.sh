@@ -50,7 +50,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # the plans with the switches that send calls to other kernels (tests/plans.rs reads them)
   qlog="$OUT/plans_switched.log"
   { CANDLE_FLASH_DISABLE_SM90A=1 gpu-bin/tests/plans --nocapture &&
-    CANDLE_FLASH_DISABLE_WIDE_SPLIT=1 CANDLE_FLASH_F32_SIMT=1 gpu-bin/tests/plans --nocapture; } > "$qlog" 2>&1
+    CANDLE_FLASH_DISABLE_WIDE_SPLIT=1 CANDLE_FLASH_F32_SIMT=1 CANDLE_FLASH_DISABLE_TMA=1 gpu-bin/tests/plans --nocapture; } \
+    > "$qlog" 2>&1
   record plans-switched $? "$(last_result "$qlog")"
   # the sm_90a kernels' cp.async fallback for every tile (forward K/V/Q, backward Q/dO)
   tlog="$OUT/parity_no_tma.log"

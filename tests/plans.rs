@@ -1,8 +1,9 @@
 //! Which kernels the plan layer (kernels/plan.cu) chooses for a case, through
 //! `describe_kernel_plans`: the choices the kernel notes measured, asserted, so that a change of
 //! plan shows here and not only in timings. On a Hopper GPU for both kernel families
-//! (`scripts/gpu-run.sh` runs it again with `CANDLE_FLASH_DISABLE_SM90A=1` and with
-//! `CANDLE_FLASH_DISABLE_WIDE_SPLIT=1`); on other GPUs the sm_80 expectations; skipped without one.
+//! (`scripts/gpu-run.sh` runs it again with `CANDLE_FLASH_DISABLE_SM90A=1`, and with the wide-head
+//! kernel, the f32 tensor cores and TMA switched off); on other GPUs the sm_80 expectations;
+//! skipped without one.
 
 mod common;
 use candle_core::{DType, Device, Tensor};
@@ -103,6 +104,14 @@ fn kernel_plans() {
         } else {
             let tile = format!("mma_sync tile={} ", c.d.max(c.dv));
             expect(&device, what, c, &tile, &tile);
+        }
+    }
+    // TMA loads unless switched off (the cp.async paths, CANDLE_FLASH_DISABLE_TMA=1)
+    if wgmma {
+        let plans = call(bf16, (512, 512), (2, 2), 128).plans(&device);
+        let off = env_on("CANDLE_FLASH_DISABLE_TMA");
+        for plan in [&plans.forward, plans.backward.as_ref().unwrap()] {
+            assert_eq!(plan.contains(" no_tma"), off, "`{plan}` with CANDLE_FLASH_DISABLE_TMA={off}");
         }
     }
     // d = 32 stays on the mma.sync kernels' own tile everywhere

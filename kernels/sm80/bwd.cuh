@@ -486,7 +486,8 @@ cudaError_t run_bwd_tc(const CfBwdParams& p, const BwdWs& ws, const BwdPlan& pl,
         BwdWs kws = ws;
         kws.heavy_first = pl.dkdv_order;
         if constexpr (decltype(wgmma)::value)
-            kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, kws, make_bwd_tma_maps(p, Kt::kBlockM));
+            kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, kws, pl.tma ? make_bwd_tma_maps(p, Kt::kBlockM)
+                                                                                  : BwdTmaMaps{});
         else
             kern<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, kws);
         return cudaGetLastError();

@@ -697,7 +697,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
 }
 
 template <typename Kt>
-cudaError_t launch_fwd_sm90(const CfFwdParams& p, int tail, void* workspace, cudaStream_t stream) {
+cudaError_t launch_fwd_sm90(const CfFwdParams& p, const FwdPlan& pl, void* workspace, cudaStream_t stream) {
     using Sched = FwdTileScheduler<Kt::kBlockM, Kt::kBlockN, !Kt::kPersistent>;
     auto kern = fwd_sm90_kernel<Kt>;
     constexpr int smem = (int)sizeof(FwdSharedStorage<Kt>);
@@ -707,10 +707,7 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, int tail, void* workspace, cud
     const int64_t ntiles = Sched::num_tiles(p);
     if (ntiles == 0) return cudaSuccess;                            // nothing to compute (and no empty launch)
     if (ntiles > INT32_MAX) return cudaErrorInvalidConfiguration;  // tile indices are int
-    int sms = 0;
-    if ((e = current_sm_count(sms)) != cudaSuccess) return e;
-    const int64_t grid = Sched::grid_size(p, Kt::kPersistent, sms * Kt::kMinBlocks);
-    FwdTmaMaps maps;
+    FwdTmaMaps maps{};  // q_ok = kv_ok = 0: cp.async
     if constexpr (Kt::kVtInKernel) {
         maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN);
         if (!maps.q_ok || !maps.kv_ok) return cudaErrorNotSupported;  // cf_fwd_check rules this out
@@ -726,17 +723,19 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, int tail, void* workspace, cud
             fp8_transpose_v_kernel<<<tgrid, 256, 0, stream>>>(p, static_cast<uint8_t*>(workspace), vl.cols);
             if ((e = cudaGetLastError()) != cudaSuccess) return e;
         }
-    } else {
+    } else if (pl.tma) {
         maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN);
     }
-    kern<<<(unsigned)grid, Kt::kNThreads, smem, stream>>>(p, maps, tail);
+    kern<<<(unsigned)pl.ctas, Kt::kNThreads, smem, stream>>>(p, maps, pl.cta_order);
     return cudaGetLastError();
 }
 
 // Every configuration of config.cuh's table (the e4m3 rows' parameter is the output type).
 #define CF_INST_FWD_SM90(name, ...)                                                                          \
-    template cudaError_t launch_fwd_sm90<FwdSm90Traits##name<__half>>(const CfFwdParams&, int, void*, cudaStream_t); \
-    template cudaError_t launch_fwd_sm90<FwdSm90Traits##name<__nv_bfloat16>>(const CfFwdParams&, int, void*, cudaStream_t);
+    template cudaError_t launch_fwd_sm90<FwdSm90Traits##name<__half>>(const CfFwdParams&, const FwdPlan&, void*,      \
+                                                                      cudaStream_t);                                \
+    template cudaError_t launch_fwd_sm90<FwdSm90Traits##name<__nv_bfloat16>>(const CfFwdParams&, const FwdPlan&, void*, \
+                                                                             cudaStream_t);
 CF_FWD_SM90_CONFIGS(CF_INST_FWD_SM90)
 CF_FWD_SM90_FP8_CONFIGS(CF_INST_FWD_SM90)
 #undef CF_INST_FWD_SM90

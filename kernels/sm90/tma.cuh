@@ -39,11 +39,10 @@ using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t
                                    CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
 // cuTensorMapEncodeTiled from the driver the runtime loaded (no link against libcuda), looked
-// up once; null when unavailable or disabled (then everything loads with cp.async).
+// up once; null when unavailable (then everything loads with cp.async). Whether a call uses TMA
+// at all is its plan's (FwdPlan::tma, BwdPlan::tma: plan.cu tma_enabled).
 inline EncodeTiledFn tensor_map_encoder() {
     static const EncodeTiledFn fn = [] {
-        const char* off = std::getenv("CANDLE_FLASH_DISABLE_TMA");
-        if (off && off[0] && off[0] != '0') return (EncodeTiledFn) nullptr;
         void* f = nullptr;
         cudaDriverEntryPointQueryResult q;
         if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) !=
