@@ -48,9 +48,9 @@ cudaError_t cached_per_device(std::atomic<int> (&cache)[64], int& value, Read re
 }
 
 // The CTAs of one wave of `kern` (launched with `threads` threads and `smem` bytes of dynamic
-// shared memory, after its shared-memory attribute is set): how many one SM runs at once
-// (cudaOccupancyMaxActiveBlocksPerMultiprocessor) times the SMs. Asked once per device for each
-// `Tag` (the kernel's traits): launches ask it per call.
+// shared memory): how many one SM runs at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor,
+// after the kernel's shared-memory attribute is set) times the SMs. Asked of the device once per
+// device for each `Tag` (the kernel's traits): the plans ask it per call.
 template <typename Tag, typename Kern>
 cudaError_t wave_slots(Kern kern, int threads, int smem, int64_t& slots) {
     static std::atomic<int> per_sm[64];
@@ -58,7 +58,10 @@ cudaError_t wave_slots(Kern kern, int threads, int smem, int64_t& slots) {
     cudaError_t e = current_sm_count(sms);
     if (e == cudaSuccess)
         e = cached_per_device(per_sm, n, [&](int, int& v) {
-            return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kern, threads, smem);
+            cudaError_t err = smem > 48 * 1024
+                                  ? cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)
+                                  : cudaSuccess;
+            return err != cudaSuccess ? err : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kern, threads, smem);
         });
     slots = (int64_t)n * sms;
     return e;

@@ -460,15 +460,13 @@ cudaError_t bwd_tc_wave(const BwdPlan& pl, BwdWave& w) {
     cudaError_t e = with_dkdv_kernel<T, D>(pl, [&](auto kern, auto traits, auto) {
         using Kt = decltype(traits);
         w.dkdv_block_n = Kt::kBlockN;
-        cudaError_t err = set_smem(kern, Kt::kSmemBytes);
-        return err != cudaSuccess ? err : wave_slots<Kt>(kern, Kt::kNThreads, Kt::kSmemBytes, w.dkdv_slots);
+        return wave_slots<Kt>(kern, Kt::kNThreads, Kt::kSmemBytes, w.dkdv_slots);
     });
     if (e != cudaSuccess) return e;
     using Dq = BwdDqTraits<T, D>;
     w.dq_block_m = Dq::kBlockM;
     w.dq_slots = 0;
     if (pl.atomic_dq) return cudaSuccess;  // no dQ pass
-    if ((e = set_smem(bwd_dq_tc_kernel<Dq>, Dq::kSmemBytes)) != cudaSuccess) return e;
     return wave_slots<Dq>(bwd_dq_tc_kernel<Dq>, Dq::kNThreads, Dq::kSmemBytes, w.dq_slots);
 }
 

@@ -167,12 +167,7 @@ cudaError_t run_fwd_tc(const CfFwdParams& p, bool across_heads, cudaStream_t str
 template <typename T, int D, bool kPaged, bool kHopperTile>
 cudaError_t fwd_tc_wave_slots(int64_t& slots) {
     using Kt = FwdTraits<T, D, kPaged, kHopperTile>;
-    auto kern = fwd_tc_kernel<Kt>;
-    if (Kt::kSmemBytes > 48 * 1024) {
-        cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, Kt::kSmemBytes);
-        if (e != cudaSuccess) return e;
-    }
-    return wave_slots<Kt>(kern, Kt::kNThreads, Kt::kSmemBytes, slots);
+    return wave_slots<Kt>(fwd_tc_kernel<Kt>, Kt::kNThreads, Kt::kSmemBytes, slots);
 }
 
 #define CF_INST_FWD_TILE(T, D, kPaged, kHopperTile)                                              \
