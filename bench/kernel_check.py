@@ -106,6 +106,20 @@ def kernel_files(exts):
     return sorted(out)
 
 
+def link_cargo_archive(archive):
+    """The library from the kernels cargo built (build.rs's libcandleflash.a: the crate's own
+    objects and flags, sm_80 + sm_90a), instead of compiling them again: --cargo-lib."""
+    os.makedirs(BUILD, exist_ok=True)
+    nvcc = os.environ.get("NVCC", "nvcc")
+    objs = ["-Xlinker", "--whole-archive", archive, "-Xlinker", "--no-whole-archive"]
+    r = subprocess.run([nvcc, "-shared", "-o", LIB] + objs, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit("link failed:\n" + r.stderr)
+    with open(os.path.join(BUILD, "nvcc-flags.txt"), "w") as f:
+        f.write("cargo " + archive)
+    print(f"  linked {LIB} from {archive}", flush=True)
+
+
 def build(gencode, force=False):
     srcs = kernel_files(".cu")
     deps = [os.path.join(KDIR, f) for f in kernel_files((".cu", ".cuh", ".h"))]
@@ -1187,6 +1201,9 @@ def main():
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--inspect", action="store_true")
     ap.add_argument("--no-build", action="store_true")
+    ap.add_argument("--cargo-lib", default="",
+                    help="link the library from cargo's libcandleflash.a (target/release/build/candle-flash-*/out/) "
+                         "instead of compiling the kernels")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--force-build", action="store_true")
     ap.add_argument("--sm80", action="store_true", help="also build sm_80 code")
@@ -1202,7 +1219,9 @@ def main():
     gencode = ["-gencode=arch=compute_90a,code=sm_90a"]
     if args.sm80:
         gencode = ["-gencode=arch=compute_80,code=sm_80"] + gencode
-    if not args.no_build:
+    if args.cargo_lib:
+        link_cargo_archive(args.cargo_lib)
+    elif not args.no_build:
         build(gencode, args.force_build)
     if args.build_only:
         return
