@@ -455,18 +455,20 @@ fn forward_t<T: CudaDType + DeviceRepr>(
         if let Some(plan) = describe {
             // SAFETY: reads the params struct; the buffer is the closure's own, of that length.
             *plan = plan_text("cf_fwd_describe", |buf, cap| unsafe { ffi::cf_fwd_describe(&p, buf, cap) })?;
-            return Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)));
+        } else {
+            // SAFETY: reads only the params struct.
+            let mut ws = workspace(&dev, unsafe { ffi::cf_fwd_workspace_size(&p) })?;
+            let ws = workspace_arg(&mut ws, &stream);
+            // SAFETY: every pointer addresses a live device buffer of the extents described by
+            // `p` (validated shapes, the tensors' own layouts; the kernels clamp what they read
+            // from cu_seqlens to the totals; FP8 descales: live f32 buffers covering every
+            // (sequence, head) index, `fp8::kernel_descale`); the call only enqueues work on
+            // candle's stream, which also orders the buffers' later uses and frees.
+            let status = unsafe { ffi::cf_fwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
+            check(status, "cf_fwd")?;
         }
-        // SAFETY: reads only the params struct.
-        let mut ws = workspace(&dev, unsafe { ffi::cf_fwd_workspace_size(&p) })?;
-        let ws = workspace_arg(&mut ws, &stream);
-        // SAFETY: every pointer addresses a live device buffer of the extents described by
-        // `p` (validated shapes, the tensors' own layouts; the kernels clamp what they read
-        // from cu_seqlens to the totals; FP8 descales: live f32 buffers covering every
-        // (sequence, head) index, `fp8::kernel_descale`); the call only enqueues work on
-        // candle's stream, which also orders the buffers' later uses and frees.
-        let status = unsafe { ffi::cf_fwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
-        check(status, "cf_fwd")?;
+    } else if let Some(plan) = describe {
+        *plan = "none".to_string();
     }
     Ok((T::wrap_cuda_slice(out, dev.clone()), f32::wrap_cuda_slice(lse, dev)))
 }
