@@ -106,15 +106,27 @@ def kernel_files(exts):
     return sorted(out)
 
 
+def link_library(objs):
+    """LIB from the kernel objects (nvcc arguments). nvcc links the CUDA runtime statically by
+    default: the library needs no libcudart.so."""
+    nvcc = os.environ.get("NVCC", "nvcc")
+    extra = ["-L" + os.path.join(os.environ["CUDA_ROOT"], "lib")] if os.environ.get("CUDA_ROOT") else []
+    r = subprocess.run([nvcc, "-shared", "-o", LIB] + extra + objs, capture_output=True, text=True)
+    if r.returncode != 0:  # toolkits without libcudart_static: use libcudart.so (torch loads it too)
+        r = subprocess.run([nvcc, "-shared", "-cudart", "shared", "-o", LIB] + objs, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit("link failed:\n" + r.stderr)
+
+
 def link_cargo_archive(archive):
     """The library from the kernels cargo built (build.rs's libcandleflash.a: the crate's own
     objects and flags, sm_80 + sm_90a), instead of compiling them again: --cargo-lib."""
-    os.makedirs(BUILD, exist_ok=True)
-    nvcc = os.environ.get("NVCC", "nvcc")
-    objs = ["-Xlinker", "--whole-archive", archive, "-Xlinker", "--no-whole-archive"]
-    r = subprocess.run([nvcc, "-shared", "-o", LIB] + objs, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit("link failed:\n" + r.stderr)
+    objdir = os.path.join(BUILD, "cargo-objects")
+    os.makedirs(objdir, exist_ok=True)
+    for f in os.listdir(objdir):
+        os.remove(os.path.join(objdir, f))
+    subprocess.run(["ar", "x", os.path.abspath(archive)], cwd=objdir, check=True)
+    link_library(sorted(os.path.join(objdir, f) for f in os.listdir(objdir) if f.endswith(".o")))
     with open(os.path.join(BUILD, "nvcc-flags.txt"), "w") as f:
         f.write("cargo " + archive)
     print(f"  linked {LIB} from {archive}", flush=True)
@@ -160,14 +172,7 @@ def build(gencode, force=False):
         # that edge, and code-identical rewrites have tipped it over
         for m in re.finditer(r"\((C751\d)\) Potential Performance Loss: (wgmma[^']*)'(\S+)'", err):
             print(f"  WARNING {src}: {m.group(1)} {m.group(2).strip()} {m.group(3)}", flush=True)
-    objs = [os.path.join(BUILD, stem(s) + ".o") for s in srcs]
-    # nvcc links the CUDA runtime statically by default: the library needs no libcudart.so
-    extra = ["-L" + os.path.join(os.environ["CUDA_ROOT"], "lib")] if os.environ.get("CUDA_ROOT") else []
-    r = subprocess.run([nvcc, "-shared", "-o", LIB] + extra + objs, capture_output=True, text=True)
-    if r.returncode != 0:  # toolkits without libcudart_static: use libcudart.so (torch loads it too)
-        r = subprocess.run([nvcc, "-shared", "-cudart", "shared", "-o", LIB] + objs, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit("link failed:\n" + r.stderr)
+    link_library([os.path.join(BUILD, stem(s) + ".o") for s in srcs])
     with open(stamp, "w") as f:
         f.write(" ".join(flags))
     print(f"  built {LIB} in {time.time() - t0:.0f}s", flush=True)
