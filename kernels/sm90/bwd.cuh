@@ -26,6 +26,7 @@
 // There is no CTA-wide barrier per step: the warpgroups meet only at the named barrier that
 // publishes dS^T for dQ (double-buffered, so a warpgroup that runs ahead writes the other one).
 #pragma once
+#include <cstddef>
 #include "../config.cuh"
 #include "../common/bwd_work.cuh"
 #include "pipeline.cuh"
@@ -50,6 +51,37 @@ static __device__ long long g_bwd_trace[2][kBwdTraceSteps][kBwdTraceEvents];
     do {                        \
     } while (0)
 #endif
+
+// ---------------------------------------------------------------- shared memory
+// The kernel's shared memory (config.cuh BwdSm90Traits::kSmemBytes is its sizeof). The tiles are
+// in the panel layout (wgmma.cuh) with the 128-byte swizzle, which is anchored at 1024-byte
+// boundaries: every tile starts at a multiple of 1024 bytes from the base (itself 1024-byte
+// aligned, which the kernel checks). In this order they land there without padding (the f32
+// rows and staging tiles follow the last swizzled tile); the alignment is asserted (aligned())
+// rather than declared, because alignas(1024) would round the struct's size, and with it the
+// launch's request, up to a multiple of 1024.
+template <typename Kt>
+struct BwdSharedStorage {
+    using T = typename Kt::Elem;
+    static constexpr int kKeyElems = Kt::kBlockN * Kt::kHeadDimPad, kStageElems = Kt::kBlockM * Kt::kHeadDimPad;
+    T k[kKeyElems];  // K and V of the CTA's keys, loaded once
+    T v[kKeyElems];
+    T q[Kt::kStages][kStageElems];     // the Q / dO ring; dK / dV are staged in it at the end
+    T dout[Kt::kStages][kStageElems];
+    T ds[2][Kt::kBlockN * Kt::kBlockM];  // dS^T [keys][queries], double-buffered
+    float lse[Kt::kStages][Kt::kBlockM];   // the ring's lse / dsum rows
+    float dsum[Kt::kStages][Kt::kBlockM];
+    float dq[2][Kt::kDqSlots][Kt::kDqRows * 64];  // per warpgroup: dQ staging tiles (f32) of the bulk reductions
+    uint64_t bars[2][Kt::kStages];  // the ring's mbarriers (Pipeline): full[kStages], then empty[kStages]
+
+    static constexpr bool aligned() {
+        return offsetof(BwdSharedStorage, k) % 1024 == 0 && offsetof(BwdSharedStorage, v) % 1024 == 0 &&
+               offsetof(BwdSharedStorage, q) % 1024 == 0 && sizeof(q[0]) % 1024 == 0 &&
+               offsetof(BwdSharedStorage, dout) % 1024 == 0 && sizeof(dout[0]) % 1024 == 0 &&
+               offsetof(BwdSharedStorage, ds) % 1024 == 0 && sizeof(ds[0]) % 1024 == 0 &&
+               offsetof(BwdSharedStorage, dq) % 16 == 0 && sizeof(dq[0][0]) % 16 == 0;  // bulk copies: 16 bytes
+    }
+};
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Step it's lse / dsum rows (cp.async, zero past the sequence) into stage pipe.stage(it) of the ring, by
@@ -241,18 +273,22 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     constexpr int NQ = 32;       // accumulators of the m64 x n64 dQ slice
     constexpr bool kDA = Kt::kDescAdvance;    // how the k16 steps' wgmma descriptors are built
 
+    using Storage = BwdSharedStorage<Kt>;
+    static_assert(Storage::aligned(), "swizzled tiles at 1024-byte offsets");
+    static_assert(sizeof(Storage) <= 227 * 1024, "sm_90 shared memory");
     extern __shared__ __align__(1024) unsigned char smem_sm90[];
     if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
-    T* sK = reinterpret_cast<T*>(smem_sm90);
-    T* sV = sK + BN * DP;
+    Storage& ss = *reinterpret_cast<Storage*>(smem_sm90);
+    T* sK = ss.k;
+    T* sV = ss.v;
     constexpr int NST = Kt::kStages;
-    T* sQ = sV + BN * DP;          // [NST][BM*DP]
-    T* sdO = sQ + NST * BM * DP;   // [NST][BM*DP]
-    T* sdS = sdO + NST * BM * DP;  // [2][BN][BM] (dS^T, double-buffered)
-    float* sL = reinterpret_cast<float*>(sdS + 2 * BN * BM);  // [NST][BM]
-    float* sD = sL + NST * BM;                                // [NST][BM]
-    float* sDq = sD + NST * BM;  // [2 warpgroups][kDqSlots][kDqRows][64] dQ staging (f32)
-    uint64_t* bars = reinterpret_cast<uint64_t*>(sDq + 2 * Kt::kDqSlots * Kt::kDqRows * 64);  // Pipeline<NST>: full[NST], empty[NST]
+    T* sQ = &ss.q[0][0];
+    T* sdO = &ss.dout[0][0];
+    T* sdS = &ss.ds[0][0];
+    float* sL = &ss.lse[0][0];
+    float* sD = &ss.dsum[0][0];
+    float* sDq = &ss.dq[0][0][0];
+    uint64_t* bars = &ss.bars[0][0];
 
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -32,8 +32,43 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
-
 namespace cf {
+
+// ---------------------------------------------------------------- shared memory
+// The kernel's shared memory (config.cuh BwdSm90WideTraits::kSmemBytes is its sizeof). The bf16
+// tiles are in the panel layout (wgmma.cuh) with the 128-byte swizzle, anchored at 1024-byte
+// boundaries: each starts at a multiple of 1024 bytes from the (1024-byte aligned) base. Asserted
+// (aligned()) rather than declared, as in BwdSharedStorage (bwd.cuh): alignas(1024) would round
+// the size the launch asks for up to a multiple of 1024.
+template <typename Kt>
+struct BwdWideSharedStorage {
+    using T = typename Kt::Elem;
+    static constexpr int kKeyElems = Kt::kBlockN * Kt::kHeadDim, kStageElems = Kt::kBlockM * Kt::kHeadDim;
+    T k[kKeyElems];  // K and V of the CTA's 64 keys, loaded once
+    T v[kKeyElems];
+    T q[2][kStageElems];  // the Q / dO ring; a step's dQ tiles are staged in its stage
+    T dout[2][kStageElems];
+    T ds[Kt::kBlockN * Kt::kBlockM];  // dS^T [keys][queries]
+    T p[Kt::kBlockN * Kt::kBlockM];   // P^T [keys][queries]
+    float4 dp_exchange[Kt::kBlockM / 8][128];  // dP^T, warpgroup 1 -> 0: thread wt's accumulators 4c.. at [c][wt]
+    float lse[2][Kt::kBlockM];   // the ring's lse / dsum rows
+    float dsum[2][Kt::kBlockM];
+    uint64_t bars[2][2];  // the ring's mbarriers (Pipeline<2>): full[2], then empty[2]
+    // d = 192: warpgroup 0's second dQ staging slot (a 64 x 64 f32 tile); at d = 256 none, a
+    // zero-length array (GNU C++, as nvcc's front end and its host compilers take it): a base
+    // class holding the slot instead cost the d = 192 kernel 16 instructions (a null check and
+    // generic addressing of the derived-to-base conversion)
+    float dq_slot[Kt::kSlotBytes / 4];
+};
+
+template <typename Kt>
+constexpr bool bwd_wide_storage_aligned() {
+    using S = BwdWideSharedStorage<Kt>;
+    return offsetof(S, k) % 1024 == 0 && offsetof(S, v) % 1024 == 0 && offsetof(S, q) % 1024 == 0 &&
+           sizeof(S::q[0]) % 1024 == 0 && offsetof(S, dout) % 1024 == 0 && sizeof(S::dout[0]) % 1024 == 0 &&
+           offsetof(S, ds) % 1024 == 0 && offsetof(S, p) % 1024 == 0 &&
+           offsetof(S, dq_slot) % 16 == 0;  // bulk copies: 16 bytes
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // dQ (N columns starting at column tile tKc of K) = dS K over the CTA's BN keys.
@@ -62,19 +97,22 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // kBarRel: warpgroup 1 has released step it - 1's stage (warpgroup 0 loads step it + 1 into it)
     constexpr uint32_t kBarDp = 1, kBarDs = 2, kBarRead = 3, kBarWg = 4, kBarRel = 6;
 
+    using Storage = BwdWideSharedStorage<Kt>;
+    static_assert(bwd_wide_storage_aligned<Kt>(), "swizzled tiles at 1024-byte offsets");
+    static_assert(sizeof(Storage) <= 227 * 1024, "sm_90 shared memory");
     extern __shared__ __align__(1024) unsigned char smem_sm90[];
     if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
-    T* sK = reinterpret_cast<T*>(smem_sm90);
-    T* sV = sK + BN * D;
-    T* sQ = sV + BN * D;       // [2][BM*D]
-    T* sdO = sQ + 2 * BM * D;  // [2][BM*D]
-    T* sdS = sdO + 2 * BM * D; // [BN][BM] (dS^T)
-    T* sP = sdS + BN * BM;     // [BN][BM] (P^T)
-    float4* sX = reinterpret_cast<float4*>(sP + BN * BM);  // dP^T exchange: [NA/4][128] per thread
-    float* sL = reinterpret_cast<float*>(sX + (NA / 4) * 128);  // [2][BM]
-    float* sD = sL + 2 * BM;                                     // [2][BM]
-    uint64_t* bars = reinterpret_cast<uint64_t*>(sD + 2 * BM);   // the Q / dO ring (Pipeline<2>)
-    float* sSlot = reinterpret_cast<float*>(bars + 4);            // d = 192: warpgroup 0's second dQ slot
+    Storage& ss = *reinterpret_cast<Storage*>(smem_sm90);
+    T* sK = ss.k;
+    T* sV = ss.v;
+    T* sQ = &ss.q[0][0];
+    T* sdO = &ss.dout[0][0];
+    T* sdS = ss.ds;
+    T* sP = ss.p;
+    float4* sX = &ss.dp_exchange[0][0];
+    float* sL = &ss.lse[0][0];
+    float* sD = &ss.dsum[0][0];
+    uint64_t* bars = &ss.bars[0][0];
 
     const CfFwdParams& f = p.fwd;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -253,7 +291,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 panel_product(pnl0);  // warpgroup 0: panel 0; warpgroup 1: panel 2
                 if (wg == 0) {
                     take_turn();
-                    panel_store(sSlot, 0);
+                    panel_store(ss.dq_slot, 0);
                     panel_product(1);
                 }
                 named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
