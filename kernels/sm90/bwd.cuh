@@ -16,15 +16,46 @@
 // through shared memory only for dQ.
 // Loads (v5, v7): Q / dO go by TMA (tma.cuh; cp.async where TMA cannot: a varlen query block
 // crossing the sequence end, or no tensor map) into a ring of Kt::kStages stages guarded by mbarriers
-// (pipeline.cuh), lse / dsum by cp.async. At d = 128 (Kt::kProducerWG) a third, producer
+// (pipeline.cuh), lse / dsum by cp.async. At d = 96 / 128 (Kt::kProducerWG) a third, producer
 // warpgroup that setmaxnreg lowers to 24 registers (the consumers get 240) issues Q / dO from its
 // first warp, and warp 0 of the consumers copies lse / dsum one step ahead; at d = 64 warp 0
-// issues all of step it + 1 between its products:
+// issues all of step it + 1 between its products.
+//
+// Parts, in the order a CTA runs them:
+//   BwdSharedStorage   shared memory as a struct; the launch asks for exactly its sizeof
+//   DkdvWork           (common/bwd_work.cuh) the CTA's key block and its steps (query blocks)
+//   bwd_start          the ring's barriers, K / V, step 0's loads
+//   bwd_load_step,     the loads of a step: Q / dO (and without the producer warpgroup lse / dsum),
+//   bwd_load_rows      lse / dsum (the kernel's load_step / load_rows bind them)
+//   BwdMainloop        a consumer warpgroup's step: the S^T / dP^T step (issue_s_dp, p_ds), the
+//                      dV / dK step (issue_dv, issue_dk, drain_step), the dQ flush (store_ds,
+//                      dq_step, flush_dq; by turns flush_turn_tile), in the kernel's two step
+//                      loops (dQ by turns, or lockstep)
+//   BwdEpilogue        dK / dV out: staged 16-byte rows, or the GQA split's f32 partials (the
+//                      last CTA of the key block sums them, in the kernel)
+//
+// Barrier protocol (the ring's mbarriers in BwdSharedStorage::bars; Pipeline in pipeline.cuh).
+// Step it uses stage it % kStages:
 //   full[s]:  the loading warp's 32 cp.async-tracking arrivals (+ warp 0's 32 for the rows with
-//             the producer) + the TMA bytes (expect_tx);
-//   empty[s]: one arrival per consumer warp (8) once its dV / dK products have read the stage.
-// There is no CTA-wide barrier per step: the warpgroups meet only at the named barrier that
-// publishes dS^T for dQ (double-buffered, so a warpgroup that runs ahead writes the other one).
+//             the producer: 64) + the TMA bytes (expect_tx by the loading warp's lane 0). The
+//             consumers wait on it before the step's first product (consumer_wait).
+//   empty[s]: one arrival per consumer warp (8) once its dV / dK products have read the stage
+//             (consumer_release). The loading warp waits on it before it issues the step
+//             kStages later into the stage (producer_acquire).
+// Named barriers (bar.sync; id 0 is __syncthreads):
+//   0           the whole CTA: barrier initialisation published and K / V landed (bwd_start);
+//               without the producer warpgroup also the epilogue's (as kBarEpi below)
+//   1 + wg      warpgroup wg's 128 threads, its dQ staging tile: free for the stores
+//               (wait_dq_tile_free, after thread 0 waited for the bulk reduction that read it),
+//               then stored before thread 0 issues the next reduction (flush_dq_tile). By turns
+//               each warpgroup passes its own barrier equally often (racecheck).
+//   3 kBarDs    the 256 consumer threads: both halves of dS^T(it) in shared memory, once a step
+//               (double-buffered, so a warpgroup that runs ahead writes the other one); without
+//               dQ in the kernel it orders the reads of lse / dsum before warp 0's next copies
+//   4 kBarEpi   the 256 consumer threads, with the producer warpgroup (which has returned by
+//               then): the epilogue's staging of dK / dV and the split's last-CTA vote
+//               (named_bar_any, bar.red.or)
+// There is no CTA-wide barrier per step: the warpgroups meet only at kBarDs.
 #pragma once
 #include <cstddef>
 #include "../config.cuh"

@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         }
 
         // ---- Step it - 1 is over once the bulk reductions it issued have read their staging
-        //      tiles (in its Q / dO stage, and sSlot at d = 192): then that stage goes back to the
+        //      tiles (in its Q / dO stage, and dq_slot at d = 192): then that stage goes back to the
         //      loader. Each warpgroup waits as late as it can: warpgroup 1 after its dP^T stores,
         //      warpgroup 0 just before warp 0 loads step it + 1 into that stage (kBarRel: warpgroup
         //      1 has released it too). A reduction of 32 KB per warpgroup takes ~2500 cycles to read
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             //      stage, free once both warpgroups' products of the step have completed (kBarRead)
             //      and held until the next step has seen the reads done (release_prev): two tiles
             //      at d = 256, so that the second need not wait for the first one's read; at d = 192
-            //      one (warpgroup 0's first tile goes through a region of its own, sSlot, see
+            //      one (warpgroup 0's first tile goes through a region of its own, dq_slot, see
             //      below). Nothing the next step writes early (the dP^T exchange, dS^T, P^T) is a
             //      staging tile, so its wait for the reads can come late.
             float* const stage_f = reinterpret_cast<float*>(wg == 0 ? sQ + st * BM * D : sdO + st * BM * D);
@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             // instruction (compute-sanitizer synccheck flagged two copies at d = 192 once).
             if constexpr (D == 192) {
                 // One 64-column panel at a time (32 accumulators, not 64): warpgroup 0's panel 0
-                // goes out through its own region (sSlot) before its panel 1's product, which
+                // goes out through its own region (dq_slot) before its panel 1's product, which
                 // still reads dS^T, and panel 1 goes to the Q stage (slot 0) after kBarRead;
                 // warpgroup 1 has panel 2 only. With both of warpgroup 0's panels in registers
                 // this kernel sat at the edge where ptxas serialises its wgmma (C7511), and
