@@ -115,6 +115,15 @@ struct BwdSharedStorage {
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The kernel's dynamic shared memory as its storage struct.
+template <typename Storage>
+__device__ __forceinline__ Storage& bwd_shared_storage() {
+    static_assert(sizeof(Storage) <= 227 * 1024, "sm_90 shared memory");
+    extern __shared__ __align__(1024) unsigned char smem_sm90[];
+    if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
+    return *reinterpret_cast<Storage*>(smem_sm90);
+}
+
 // Step it's lse / dsum rows (cp.async, zero past the sequence) into stage pipe.stage(it) of the ring, by
 // one warp; the caller commits them on the stage's full barrier.
 template <int BM, typename Work, typename Pipe>
@@ -282,6 +291,7 @@ __device__ __forceinline__ void bwd_start(const CfFwdParams& f, const Work& w, c
 }
 #endif
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // ---------------------------------------------------------------- the consumers' step
 // The parts of a consumer warpgroup's step (warpgroup wg: keys 64 wg.. of the CTA's block), over
 // the kernel's registers and shared memory: the S^T / dP^T step (issue_s_dp, p_ds), the dV / dK
@@ -325,7 +335,6 @@ struct BwdMainloop {
     DqOrder& order;
     const bool& trace;  // CF_BWD_TRACE: this warpgroup's steps are recorded
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     // ---- the S^T / dP^T step
     // S^T = K Q^T and dP^T = V dO^T (this warpgroup's 64 keys x BM queries), two commit groups
     __device__ __forceinline__ void issue_s_dp(float (&sT)[NA], float (&dpT)[NA], uint32_t tQ, uint32_t tdO) const {
@@ -498,7 +507,6 @@ struct BwdMainloop {
             bulk_commit();
         }
     }
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 };
 
 // ---------------------------------------------------------------- the epilogue
@@ -520,7 +528,6 @@ struct BwdEpilogue {
     const Work& w;
     const int tid, key_l0, q4;
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static __device__ __forceinline__ void consumers_sync() {
         if constexpr (Kt::kProducerWG) named_bar_sync(kBarEpi, NCT);
         else __syncthreads();
@@ -569,8 +576,8 @@ struct BwdEpilogue {
                 }
             }
     }
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 };
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // kOrdered: deterministic mode (ws.dq_sem set): the dQ reductions in key-block order (DqOrder),
 // the query blocks last first (DkdvWork kReverse). A template parameter, so that the default
@@ -594,10 +601,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
     using Storage = BwdSharedStorage<Kt>;
     static_assert(Storage::aligned(), "swizzled tiles at 1024-byte offsets");
-    static_assert(sizeof(Storage) <= 227 * 1024, "sm_90 shared memory");
-    extern __shared__ __align__(1024) unsigned char smem_sm90[];
-    if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
-    Storage& ss = *reinterpret_cast<Storage*>(smem_sm90);
+    Storage& ss = bwd_shared_storage<Storage>();
     T* sK = ss.k;
     T* sV = ss.v;
     constexpr int NST = Kt::kStages;

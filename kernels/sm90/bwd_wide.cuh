@@ -100,6 +100,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     using Storage = BwdWideSharedStorage<Kt>;
     static_assert(bwd_wide_storage_aligned<Kt>(), "swizzled tiles at 1024-byte offsets");
     static_assert(sizeof(Storage) <= 227 * 1024, "sm_90 shared memory");
+    // (bwd.cuh's bwd_shared_storage here addressed the dP^T exchange one add per store worse)
     extern __shared__ __align__(1024) unsigned char smem_sm90[];
     if (smem_addr(smem_sm90) & 1023) __trap();  // the 128-byte swizzle needs a 1024-byte aligned base
     Storage& ss = *reinterpret_cast<Storage*>(smem_sm90);
