@@ -25,8 +25,9 @@
 //   BwdSharedStorage   shared memory as a struct; the launch asks for exactly its sizeof
 //   DkdvWork           (common/bwd_work.cuh) the CTA's key block and its steps (query blocks)
 //   bwd_start          the ring's barriers, K / V, step 0's loads
-//   bwd_load_step,     the loads of a step: Q / dO (and without the producer warpgroup lse / dsum),
-//   bwd_load_rows      lse / dsum (the kernel's load_step / load_rows bind them)
+//   BwdProducer        the loads of a step: Q / dO (and without the producer warpgroup lse / dsum:
+//                      load_step, bwd_load_step), lse / dsum alone (load_rows, bwd_load_rows); the
+//                      producer warpgroup's loop is the kernel's
 //   BwdMainloop        a consumer warpgroup's step: the S^T / dP^T step (issue_s_dp, p_ds), the
 //                      dV / dK step (issue_dv, issue_dk, drain_step), the dQ flush (store_ds,
 //                      dq_step, flush_dq; by turns flush_turn_tile), in the kernel's two step
@@ -271,20 +272,52 @@ __device__ __forceinline__ void bwd_p_ds(const LogitInfo& li, const MaskInfo& mk
     else plain();
 }
 
+// The loads of both sm_90a backward kernels, bound to the kernel's ring: a step's Q / dO (and,
+// without the producer warpgroup, its lse / dsum rows: load_step, bwd_load_step), or its lse /
+// dsum rows alone (load_rows) by warp 0 of the consumers when the producer warpgroup issues the
+// Q / dO. BM: the step's query rows, D: the tiles' columns. Its members are references to the
+// kernel's locals, as in BwdMainloop.
+template <int BM, int D, bool kProducerWG, typename T, typename Work, typename Pipe>
+struct BwdProducer {
+    const CfBwdParams& p;
+    const BwdWs& ws;
+    const BwdTmaMaps& maps;
+    const Work& w;
+    const Pipe& pipe;
+    T* const& sQ;
+    T* const& sdO;
+    float* const& sL;
+    float* const& sD;
+    const int& lane;
+
+    __device__ __forceinline__ void load_step(int it) const {
+        bwd_load_step<BM, D, kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
+    }
+    // With the producer warpgroup, warp 0 of the consumers copies step it's lse / dsum rows at the
+    // start of step it - 1: every consumer warp read the stage's previous rows (step it - 2) before
+    // the dS^T barrier of that step, which warp 0 has passed, so the copy needs no wait, and
+    // racecheck sees that order (it does not follow the ring's mbarriers, which order the
+    // producer's Q / dO).
+    __device__ __forceinline__ void load_rows(int it) const {
+        bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
+        pipe.producer_commit_cp_async(it);
+    }
+};
+
 // The start of both sm_90a backward kernels: the ring's barriers, K / V once by the NCT consumer
 // threads (cp.async, zero-filled past the sequence), step 0 by the loading warp (threads
 // kLoader..kLoader + 31: warp 0, or the producer warpgroup's first warp, whose step 0 leaves out
 // the lse / dsum rows: the kernel's warp 0 copies them), then one CTA barrier
 // after which K / V are visible to wgmma.
-template <int NCT, int D, bool kProducerWG = false, typename T, typename Work, typename Pipe, typename LoadStep>
+template <int NCT, int D, bool kProducerWG = false, typename T, typename Work, typename Pipe, typename Producer>
 __device__ __forceinline__ void bwd_start(const CfFwdParams& f, const Work& w, const Pipe& pipe, T* sK, T* sV,
-                                          LoadStep load_step, int tid) {
+                                          Producer producer, int tid) {
     constexpr int kLoader = kProducerWG ? NCT : 0;
     if (tid == 0) pipe.init(kProducerWG ? 64 : 32, 8);  // full: the loading warp (+ warp 0's rows)
     __syncthreads();  // barrier initialisation published
     if (!kProducerWG || tid < NCT) w.template load_kv<PanelLoader<D / 8, NCT>>(f, sK, sV, tid);
     cp_async_commit();
-    if (tid >= kLoader && tid < kLoader + 32 && w.total_it > 0) load_step(0);
+    if (tid >= kLoader && tid < kLoader + 32 && w.total_it > 0) producer.load_step(0);
     cp_async_wait<0>();
     fence_async_smem();  // K / V (cp.async, generic proxy) -> wgmma (async proxy)
     __syncthreads();     // every thread's K / V rows landed
@@ -630,30 +663,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const Pipeline<NST> pipe(smem_addr(bars));
     // dQ by turns (config.cuh BwdSm90Traits::kDqTurns); the ordered kernel keeps the column split
     constexpr bool kDqTurns = Kt::kDqTurns && !kOrdered;
-    auto load_step = [&](int it) {
-        bwd_load_step<BM, DP, Kt::kProducerWG>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane);
-    };
-    // With the producer warpgroup, warp 0 of the consumers copies step it's lse / dsum rows at the
-    // start of step it - 1: every consumer warp read the stage's previous rows (step it - 2) before
-    // the dS^T barrier of that step, which warp 0 has passed, so the copy needs no wait, and
-    // racecheck sees that order (it does not follow the ring's mbarriers, which order the
-    // producer's Q / dO).
-    auto load_rows = [&](int it) {
-        bwd_load_rows<BM>(p, ws, w, pipe, it, sL, sD, lane);
-        pipe.producer_commit_cp_async(it);
-    };
-    bwd_start<NCT, DP, Kt::kProducerWG>(f, w, pipe, sK, sV, load_step, tid);
+    const BwdProducer<BM, DP, Kt::kProducerWG, T, Work, Pipeline<NST>> producer{p, ws, maps, w, pipe,
+                                                                              sQ, sdO, sL, sD, lane};
+    bwd_start<NCT, DP, Kt::kProducerWG>(f, w, pipe, sK, sV, producer, tid);
     if constexpr (Kt::kProducerWG) {
         if (tid >= NCT) {
             // The producer warpgroup: its first warp loads steps 1.. as their stages free up.
             setmaxnreg_dec<Kt::kProducerRegs>();
             if (tid < NCT + 32)
-                for (int it = 1; it < total_it; ++it) load_step(it);
+                for (int it = 1; it < total_it; ++it) producer.load_step(it);
             cp_async_wait<0>();
             return;
         }
         setmaxnreg_inc<Kt::kConsumerRegs>();
-        if (warp == 0 && total_it > 0) load_rows(0);
+        if (warp == 0 && total_it > 0) producer.load_rows(0);
     }
     float dk[ND], dv[ND];
 #pragma unroll
@@ -692,7 +715,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             const int st = pipe.stage(it);
             const bool owner = (it & 1) == wg;
             CF_BTRACE(trace, wg, it, 0);
-            if (warp == 0 && it + 1 < total_it) load_rows(it + 1);
+            if (warp == 0 && it + 1 < total_it) producer.load_rows(it + 1);
             pipe.consumer_wait(it);
             CF_BTRACE(trace, wg, it, 1);
             const uint32_t tQ = smem_addr(sQ + st * BM * DP), tdO = smem_addr(sdO + st * BM * DP);
@@ -764,8 +787,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         const int st = pipe.stage(it);
         CF_BTRACE(trace, wg, it, 0);
         if (warp == 0 && it + 1 < total_it) {
-            if constexpr (Kt::kProducerWG) load_rows(it + 1);
-            else load_step(it + 1);  // waits until step it - 1 released its stage
+            if constexpr (Kt::kProducerWG) producer.load_rows(it + 1);
+            else producer.load_step(it + 1);  // waits until step it - 1 released its stage
         }
         pipe.consumer_wait(it);  // this step's tiles landed (and the fence for the cp.async part)
         CF_BTRACE(trace, wg, it, 1);

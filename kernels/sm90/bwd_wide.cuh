@@ -24,6 +24,25 @@
 // warpgroup 0 after its P^T / dS^T stores, then warp 0 issues step it + 1 into it. A warpgroup
 // overwrites the dP^T exchange / dS^T / P^T only after the other one passed the barrier that
 // follows its last read of them (program order).
+//
+// Barrier protocol (the ring's mbarriers in BwdWideSharedStorage::bars; Pipeline in pipeline.cuh).
+// Step it uses stage it % 2; warp 0 loads (bwd_start: step 0; then step it + 1 in step it):
+//   full[s]:  warp 0's 32 cp.async-tracking arrivals + the TMA bytes (expect_tx by its lane 0);
+//             every consumer warp waits on it before the step's first product.
+//   empty[s]: one arrival per warp (8), in step it + 1 for step it (release_prev: after the
+//             bulk reductions read the dQ tiles staged in the stage); warp 0 waits on it before
+//             it issues step it + 2 into the stage.
+// Named barriers (id 0 is __syncthreads: bwd_start only):
+//   1 kBarDp    256: warpgroup 1 arrives (bar.arrive) once its dP^T is in the exchange;
+//               warpgroup 0 waits before reading it
+//   2 kBarDs    256, both wait: P^T and dS^T (warpgroup 0's stores) in shared memory
+//   3 kBarRead  256, both wait (atomic mode): every product of the step has read its operands,
+//               so the dQ tiles may go into the step's Q / dO stage
+//   4 + wg      warpgroup wg's 128 threads (kBarWg): its dQ staging, after thread 0 waited for
+//               the reads of the previous step's reductions (release_prev), and before each
+//               tile's bulk reduction (reduce_dq_tile)
+//   6 kBarRel   256: warpgroup 1 arrives once it released step it - 1's stage; warpgroup 0
+//               waits before warp 0 loads step it + 1 into it
 #pragma once
 #include "../config.cuh"
 #include "../common/bwd_work.cuh"
@@ -121,7 +140,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int g = lane >> 2, q4 = lane & 3;
     // CTAs key block slowest under causal-like masks (heuristics.cuh heavy_first_order), and the
     // rotated query-block order without masks (common/bwd_work.cuh DkdvWork kRotate)
-    const DkdvWork<T, BN, BM, true, true, kOrdered> w(p, ws);
+    using Work = DkdvWork<T, BN, BM, true, true, kOrdered>;
+    const Work w(p, ws);
     const bool trace = blockIdx.x == 1 && blockIdx.y == 0 && blockIdx.z == 0;
     (void)trace;
     if (w.empty()) return;
@@ -129,8 +149,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const MaskInfo& mk = w.mk;
     const int hkv_i = w.hkv_i, split = w.split, n0 = w.n0, total_it = w.total_it;
     const Pipeline<2> pipe(smem_addr(bars));
-    auto load_step = [&](int it) { bwd_load_step<BM, D, false>(p, ws, maps, w, pipe, it, sQ, sdO, sL, sD, lane); };
-    bwd_start<NTH, D>(f, w, pipe, sK, sV, load_step, tid);
+    const BwdProducer<BM, D, false, T, Work, Pipeline<2>> producer{p, ws, maps, w, pipe, sQ, sdO, sL, sD, lane};
+    bwd_start<NTH, D>(f, w, pipe, sK, sV, producer, tid);
 
     // kOrdered: a step's reductions take their turn (sm90/tma.cuh DqOrder; thread 0 of the
     // warpgroup, before the first of them) and pass it on once they have completed (in the next
@@ -234,7 +254,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             // serialise the d = 192 kernel's wgmma (C7511).
             release_prev();
             named_bar_sync(kBarRel, 256);  // and warpgroup 1 has released it
-            if (warp == 0 && it + 1 < total_it) load_step(it + 1);
+            if (warp == 0 && it + 1 < total_it) producer.load_step(it + 1);
             CF_BTRACE(trace, wg, it, 6);
         }
         named_bar_sync(kBarDs, 256);  // P^T and dS^T are in shared
