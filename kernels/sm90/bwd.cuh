@@ -284,10 +284,8 @@ struct BwdProducer {
     const BwdTmaMaps& maps;
     const Work& w;
     const Pipe& pipe;
-    T* const& sQ;
-    T* const& sdO;
-    float* const& sL;
-    float* const& sD;
+    T *const &sQ, *const &sdO;     // the ring's tiles
+    float *const &sL, *const &sD;  // and rows
     const int& lane;
 
     __device__ __forceinline__ void load_step(int it) const {
@@ -354,8 +352,7 @@ struct BwdMainloop {
     const SeqInfo& si;
     const MaskInfo& mk;
     T* const& sdS;
-    float* const& sL;
-    float* const& sD;
+    float *const &sL, *const &sD;  // the ring's lse / dsum rows
     float* const& sDq;
     const int &b, &n0;
     const int &wg, &wq, &g, &q4;  // warpgroup, warp within it, the lane's row / column in its quad
