@@ -97,6 +97,30 @@ __device__ __forceinline__ void wide_dq_product(float (&dq)[N / 2], uint32_t tdS
     for (int kk = 0; kk < BN / 16; ++kk)
         wgmma_ss<N, T, 1, 1>(dq, desc_mn_major(tdS, BN, kk), desc_mn_major(tKc, BN, kk), kk > 0);
 }
+
+// The epilogue: this warpgroup's accumulators (dV on warpgroup 0, dK on 1; element 4j+e: key
+// key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1)) into the rows of dst (row stride rs), each
+// pair of columns by put(address, a, b). Its members are references to the kernel's locals (as
+// BwdMainloop's in bwd.cuh).
+template <typename Kt>
+struct BwdWideEpilogue {
+    static constexpr int D = Kt::kHeadDim, ND = D / 2;
+    const CfFwdParams& f;
+    const SeqInfo& si;
+    const int &n0, &key_l0, &q4;
+    float (&acc)[ND];
+
+    template <typename Dst, typename Put>
+    __device__ __forceinline__ void store(Dst* dst, int64_t rs, Put put) const {
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int rl = key_l0 + 8 * r, col = 8 * j + 2 * q4;
+                if (n0 + rl < si.sk && col < f.d) put(dst + (int64_t)(n0 + rl) * rs + col, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+            }
+    }
+};
 #endif
 
 // kOrdered: deterministic mode, as in bwd_dkdv_sm90_kernel.
@@ -361,21 +385,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // Straight from registers (4-byte pairs, 32 contiguous bytes per row and warp): each warpgroup
     // writes one whole tensor, so there is nothing to gather through shared memory (a staged
     // version, as in bwd.cuh, also drew racecheck reports between its two barriers).
-    auto store = [&](auto* dst, int64_t rs, auto put) {
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int rl = key_l0 + 8 * r, col = 8 * j + 2 * q4;
-                if (n0 + rl < si.sk && col < f.d) put(dst + (int64_t)(n0 + rl) * rs + col, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
-            }
-    };
+    const BwdWideEpilogue<Kt> epi{f, si, n0, key_l0, q4, acc};
     if (ws.nsplit == 1) {
-        store(wg == 0 ? si.dv<T>(p, hkv_i) : si.dk<T>(p, hkv_i), wg == 0 ? p.dv_row_stride : p.dk_row_stride,
+        epi.store(wg == 0 ? si.dv<T>(p, hkv_i) : si.dk<T>(p, hkv_i), wg == 0 ? p.dv_row_stride : p.dk_row_stride,
               [](T* d, float a, float b) { *reinterpret_cast<uint32_t*>(d) = pack2<T>(a, b); });
     } else {  // f32 partials of this split, summed by bwd_reduce_dkv_kernel
         float* wk = ws.dk_part_rows(f, si, split, hkv_i);
-        store(wg == 0 ? wk + ws.dkv_v_offset(f) : wk, (int64_t)f.hkv * f.d,
+        epi.store(wg == 0 ? wk + ws.dkv_v_offset(f) : wk, (int64_t)f.hkv * f.d,
               [](float* d, float a, float b) { *reinterpret_cast<float2*>(d) = make_float2(a, b); });
     }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
