@@ -98,6 +98,66 @@ __device__ __forceinline__ void wide_dq_product(float (&dq)[N / 2], uint32_t tdS
         wgmma_ss<N, T, 1, 1>(dq, desc_mn_major(tdS, BN, kk), desc_mn_major(tKc, BN, kk), kk > 0);
 }
 
+// Named barrier kWideBarWg + wg: one warpgroup's dQ staging (file comment).
+constexpr uint32_t kWideBarWg = 4;
+
+// The parts of a warpgroup's step that both roles share: the release of the previous step's
+// stage and the dQ reductions' turn and tiles. Its members are references to the kernel's
+// locals (as BwdMainloop's in bwd.cuh); the step's own values (it, hq, m0) come by reference too,
+// as the lambdas these were captured them.
+template <typename Kt, bool kOrdered, typename Work>
+struct BwdWideMainloop {
+    using T = typename Kt::Elem;
+    static constexpr int BN = Kt::kBlockN, ND = Kt::kHeadDim / 2;
+    static constexpr uint32_t kBarWg = kWideBarWg;
+    const BwdWs& ws;
+    const Work& w;
+    const CfFwdParams& f;
+    const SeqInfo& si;
+    const Pipeline<2>& pipe;
+    const int &wg, &wq, &wt, &g, &q4, &lane;
+    const uint32_t &tK, &tdS;
+    float (&acc)[ND];
+    DqOrder& order;
+
+    // ---- Step it - 1 is over once the bulk reductions it issued have read their staging
+    //      tiles (in its Q / dO stage, and dq_slot at d = 192): then that stage goes back to the
+    //      loader. Each warpgroup waits as late as it can: warpgroup 1 after its dP^T stores,
+    //      warpgroup 0 just before warp 0 loads step it + 1 into that stage (kBarRel: warpgroup
+    //      1 has released it too). A reduction of 32 KB per warpgroup takes ~2500 cycles to read
+    //      (bwd_trace.py, d = 256); waited for right after this step's first products, it
+    //      held both warpgroups ~1000 cycles a step.
+    __device__ __forceinline__ void release_prev(const int& it) const {
+        if (it > 0) {
+            if (ws.dq_accum != nullptr) {
+                if (wt == 0) {
+                    if constexpr (kOrdered) order.signal(ws.dq_sem);  // waits for the writes too
+                    else bulk_wait_read<0>();
+                }
+                named_bar_sync(kBarWg + wg, 128);
+            }
+            pipe.consumer_release(it - 1, lane);
+        }
+    }
+    // before this warpgroup's first reduction of the step (query rows m0.. of head hq)
+    __device__ __forceinline__ void take_turn(const int& hq, const int& m0) const {
+        if (kOrdered && wt == 0) order.turn(ws.dq_sem, ws.dq_counter(w.b, f, hq, m0, wg), w.dq_turn(m0));
+    }
+    // d = 192: dQ panel pnl (64 columns) into dqp, with every product of the warpgroup completed
+    __device__ __forceinline__ void panel_product(float (&dqp)[32], int pnl) const {
+        wg_fence();  // dqp's registers were last written by ordinary instructions
+        wide_dq_product<64, BN, T>(dqp, tdS, tK + pnl * BN * kPanelRowBytes);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(dqp);
+        reg_fence(acc);
+    }
+    // and out through tile into panel pnl of dq_accum
+    __device__ __forceinline__ void panel_store(float (&dqp)[32], const int& hq, const int& m0, float* tile, int pnl) const {
+        reduce_dq_tile<8>(dqp, 0, tile, ws.dq_tile_rows(f, si, hq, pnl, m0), kBarWg + wg, wt, 16 * wq + g, q4);
+    }
+};
+
 // The epilogue: this warpgroup's accumulators (dV on warpgroup 0, dK on 1; element 4j+e: key
 // key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1)) into the rows of dst (row stride rs), each
 // pair of columns by put(address, a, b). Its members are references to the kernel's locals (as
@@ -138,7 +198,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // named barriers (0 is __syncthreads): dP^T exchanged, dS^T / P^T stored, the step's products
     // done reading shared memory (all 256 threads); kBarWg + wg: one warpgroup's dQ staging;
     // kBarRel: warpgroup 1 has released step it - 1's stage (warpgroup 0 loads step it + 1 into it)
-    constexpr uint32_t kBarDp = 1, kBarDs = 2, kBarRead = 3, kBarWg = 4, kBarRel = 6;
+    constexpr uint32_t kBarDp = 1, kBarDs = 2, kBarRead = 3, kBarWg = kWideBarWg, kBarRel = 6;
 
     using Storage = BwdWideSharedStorage<Kt>;
     static_assert(bwd_wide_storage_aligned<Kt>(), "swizzled tiles at 1024-byte offsets");
@@ -187,6 +247,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
     const uint32_t tK = smem_addr(sK), tV = smem_addr(sV), tdS = smem_addr(sdS), tP = smem_addr(sP);
     const int key_l0 = 16 * wq + g;  // local key of accumulator rows (e < 2); +8 for e >= 2
+    const BwdWideMainloop<Kt, kOrdered, Work> ml{ws, w, f, si, pipe, wg, wq, wt, g, q4, lane, tK, tdS, acc, order};
 
     for (int it = 0; it < total_it; ++it) {
         CF_BTRACE(trace, wg, it, 0);
@@ -210,25 +271,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             CF_BTRACE(trace, wg, it, 2);
         }
 
-        // ---- Step it - 1 is over once the bulk reductions it issued have read their staging
-        //      tiles (in its Q / dO stage, and dq_slot at d = 192): then that stage goes back to the
-        //      loader. Each warpgroup waits as late as it can: warpgroup 1 after its dP^T stores,
-        //      warpgroup 0 just before warp 0 loads step it + 1 into that stage (kBarRel: warpgroup
-        //      1 has released it too). A reduction of 32 KB per warpgroup takes ~2500 cycles to read
-        //      (bwd_trace.py, d = 256); waited for right after this step's first products, it
-        //      held both warpgroups ~1000 cycles a step.
-        auto release_prev = [&] {
-            if (it > 0) {
-                if (ws.dq_accum != nullptr) {
-                    if (wt == 0) {
-                        if constexpr (kOrdered) order.signal(ws.dq_sem);  // waits for the writes too
-                        else bulk_wait_read<0>();
-                    }
-                    named_bar_sync(kBarWg + wg, 128);
-                }
-                pipe.consumer_release(it - 1, lane);
-            }
-        };
         CF_BTRACE(trace, wg, it, 3);
 
         if (wg == 1) {
@@ -236,7 +278,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 #pragma unroll
             for (int c = 0; c < NA / 4; ++c) sX[c * 128 + wt] = make_float4(sc[4 * c], sc[4 * c + 1], sc[4 * c + 2], sc[4 * c + 3]);
             named_bar_arrive(kBarDp, 256);
-            release_prev();
+            ml.release_prev(it);
             named_bar_arrive(kBarRel, 256);
             CF_BTRACE(trace, wg, it, 4);
             CF_BTRACE(trace, wg, it, 5);
@@ -276,7 +318,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             // racecheck sees, unlike the ring's mbarriers). Here, with S^T and dP^T dead: issued
             // right after kBarDp, warp 0's load code beside the live accumulators made ptxas
             // serialise the d = 192 kernel's wgmma (C7511).
-            release_prev();
+            ml.release_prev(it);
             named_bar_sync(kBarRel, 256);  // and warpgroup 1 has released it
             if (warp == 0 && it + 1 < total_it) producer.load_step(it + 1);
             CF_BTRACE(trace, wg, it, 6);
@@ -305,9 +347,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             //      staging tile, so its wait for the reads can come late.
             float* const stage_f = reinterpret_cast<float*>(wg == 0 ? sQ + st * BM * D : sdO + st * BM * D);
             float* const slot[2] = {stage_f, stage_f + 64 * 64};
-            auto take_turn = [&] {  // before this warpgroup's first reduction of the step
-                if (kOrdered && wt == 0) order.turn(ws.dq_sem, ws.dq_counter(w.b, f, hq, m0, wg), w.dq_turn(m0));
-            };
             static_assert(BM * D * (int)sizeof(T) >= (D == 256 ? 2 : 1) * 64 * 64 * 4, "dQ tiles fit in a Q / dO stage");
             const int pnl0 = wg * (DQ0 / 64);  // this warpgroup's first dQ panel
             // Both warpgroups reach the kBarRead barrier through one instruction: bar.sync is
@@ -321,28 +360,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 // this kernel sat at the edge where ptxas serialises its wgmma (C7511), and
                 // unrelated changes (a field added to BwdWs) tipped it over.
                 float dqp[32];
-                auto panel_product = [&](int pnl) {
-                    wg_fence();  // dqp's registers were last written by ordinary instructions
-                    wide_dq_product<64, BN, T>(dqp, tdS, tK + pnl * BN * kPanelRowBytes);
-                    wg_commit();
-                    wg_wait<0>();
-                    reg_fence(dqp);
-                    reg_fence(acc);
-                };
-                auto panel_store = [&](float* tile, int pnl) {
-                    reduce_dq_tile<8>(dqp, 0, tile, ws.dq_tile_rows(f, si, hq, pnl, m0), kBarWg + wg, wt,
-                                      16 * wq + g, q4);
-                };
-                panel_product(pnl0);  // warpgroup 0: panel 0; warpgroup 1: panel 2
+                ml.panel_product(dqp, pnl0);  // warpgroup 0: panel 0; warpgroup 1: panel 2
                 if (wg == 0) {
-                    take_turn();
-                    panel_store(ss.dq_slot, 0);
-                    panel_product(1);
+                    ml.take_turn(hq, m0);
+                    ml.panel_store(dqp, hq, m0, ss.dq_slot, 0);
+                    ml.panel_product(dqp, 1);
                 }
                 named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
                 CF_BTRACE(trace, wg, it, 9);
-                if (wg == 1) take_turn();
-                panel_store(slot[0], wg == 0 ? 1 : pnl0);
+                if (wg == 1) ml.take_turn(hq, m0);
+                ml.panel_store(dqp, hq, m0, slot[0], wg == 0 ? 1 : pnl0);
             } else {
                 // d = 256: two panels per warpgroup, in one product, into slots 0 and 1
                 static_assert(DQ0 == DQ1 && DQ0 == 128, "d = 256 splits dQ 128 + 128");
@@ -356,7 +383,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 CF_BTRACE(trace, wg, it, 8);
                 named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
                 CF_BTRACE(trace, wg, it, 9);
-                take_turn();
+                ml.take_turn(hq, m0);
 #pragma unroll
                 for (int pp = 0; pp < 2; ++pp)
                     reduce_dq_tile<DQ0 / 8>(dq, 8 * pp, slot[pp], ws.dq_tile_rows(f, si, hq, pnl0 + pp, m0),
