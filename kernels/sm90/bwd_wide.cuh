@@ -101,14 +101,17 @@ __device__ __forceinline__ void wide_dq_product(float (&dq)[N / 2], uint32_t tdS
 // Named barrier kWideBarWg + wg: one warpgroup's dQ staging (file comment).
 constexpr uint32_t kWideBarWg = 4;
 
-// The parts of a warpgroup's step that both roles share: the release of the previous step's
-// stage and the dQ reductions' turn and tiles. Its members are references to the kernel's
-// locals (as BwdMainloop's in bwd.cuh); the step's own values (it, hq, m0) come by reference too,
-// as the lambdas these were captured them.
+// The parts of a warpgroup's step: S^T or dP^T (s_or_dp), the dP^T exchange (send_dp /
+// receive_dp), P^T and dS^T to shared memory (store_p_ds), the release of the previous step's
+// stage (release_prev) and the dQ reductions' turn and d = 192 panels (take_turn, panel_product,
+// panel_store); the kernel's step loop calls them by role. Its members are references to the
+// kernel's locals (as BwdMainloop's in bwd.cuh); the step's own values (it, hq, m0) come by
+// reference too, as the lambdas these were captured them.
 template <typename Kt, bool kOrdered, typename Work>
 struct BwdWideMainloop {
     using T = typename Kt::Elem;
-    static constexpr int BN = Kt::kBlockN, ND = Kt::kHeadDim / 2;
+    static constexpr int BN = Kt::kBlockN, BM = Kt::kBlockM, ND = Kt::kHeadDim / 2;
+    static constexpr int KS = Kt::kHeadDim / 16;  // k16 steps of S^T and dP^T
     static constexpr uint32_t kBarWg = kWideBarWg;
     const BwdWs& ws;
     const Work& w;
@@ -116,9 +119,55 @@ struct BwdWideMainloop {
     const SeqInfo& si;
     const Pipeline<2>& pipe;
     const int &wg, &wq, &wt, &g, &q4, &lane;
-    const uint32_t &tK, &tdS;
+    const uint32_t &tK, &tV, &tdS;
+    float4* const& sX;
+    T *const &sP, *const &sdS;
     float (&acc)[ND];
     DqOrder& order;
+    const int& key_l0;
+    const bool& trace;
+
+    // ---- S^T = K Q^T (warpgroup 0) / dP^T = V dO^T (warpgroup 1): 64 keys x BM queries
+    __device__ __forceinline__ void s_or_dp(float (&sc)[BM / 2], const uint32_t& tQ, const uint32_t& tdO, const int& it) const {
+        const uint32_t tA = wg == 0 ? tK : tV, tB = wg == 0 ? tQ : tdO;
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+            wgmma_ss<BM, T, 0, 0>(sc, desc_k_major(tA, BN, ks), desc_k_major(tB, BM, ks), ks > 0);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(sc);
+        CF_BTRACE(trace, wg, it, 2);
+    }
+    // ---- dP^T from warpgroup 1 to 0 (thread wt of both warpgroups holds the same elements)
+    __device__ __forceinline__ void send_dp(const float (&sc)[BM / 2]) const {
+#pragma unroll
+        for (int c = 0; c < BM / 8; ++c) sX[c * 128 + wt] = make_float4(sc[4 * c], sc[4 * c + 1], sc[4 * c + 2], sc[4 * c + 3]);
+    }
+    __device__ __forceinline__ void receive_dp(float (&dp)[BM / 2]) const {
+#pragma unroll
+        for (int c = 0; c < BM / 8; ++c) {
+            const float4 x = sX[c * 128 + wt];
+            dp[4 * c] = x.x;
+            dp[4 * c + 1] = x.y;
+            dp[4 * c + 2] = x.z;
+            dp[4 * c + 3] = x.w;
+        }
+    }
+    // ---- P^T and dS^T -> shared (bf16 panels [keys][queries]): n8 tile j of the
+    //      accumulators holds queries 8j + 2 q4 (+1) of keys key_l0 (+8)
+    __device__ __forceinline__ void store_p_ds(const float (&sc)[BM / 2], const float (&dp)[BM / 2]) const {
+        unsigned char* pP = reinterpret_cast<unsigned char*>(sP);
+        unsigned char* pdS = reinterpret_cast<unsigned char*>(sdS);
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const uint32_t off = panel_offset(BN, key_l0 + 8 * r, 8 * j + 2 * q4);
+                *reinterpret_cast<uint32_t*>(pP + off) = pack2<T>(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]);
+                *reinterpret_cast<uint32_t*>(pdS + off) = pack2<T>(dp[4 * j + 2 * r], dp[4 * j + 2 * r + 1]);
+            }
+    }
 
     // ---- Step it - 1 is over once the bulk reductions it issued have read their staging
     //      tiles (in its Q / dO stage, and dq_slot at d = 192): then that stage goes back to the
@@ -190,7 +239,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
-    constexpr int KS = D / 16;    // k16 steps of S^T and dP^T
     constexpr int MS = BM / 16;   // k16 steps of dV / dK (query rows)
     constexpr int NA = BM / 2;    // accumulators of an m64 x BM product
     constexpr int ND = D / 2;     // accumulators of an m64 x D product
@@ -247,7 +295,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
     const uint32_t tK = smem_addr(sK), tV = smem_addr(sV), tdS = smem_addr(sdS), tP = smem_addr(sP);
     const int key_l0 = 16 * wq + g;  // local key of accumulator rows (e < 2); +8 for e >= 2
-    const BwdWideMainloop<Kt, kOrdered, Work> ml{ws, w, f, si, pipe, wg, wq, wt, g, q4, lane, tK, tdS, acc, order};
+    const BwdWideMainloop<Kt, kOrdered, Work> ml{ws,  w,  f,  si, pipe, wg, wq, wt,  g,   q4,     lane, tK,
+                                                 tV,  tdS, sX, sP, sdS, acc, order, key_l0, trace};
 
     for (int it = 0; it < total_it; ++it) {
         CF_BTRACE(trace, wg, it, 0);
@@ -259,24 +308,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
         // ---- S^T = K Q^T (warpgroup 0) / dP^T = V dO^T (warpgroup 1): 64 keys x BM queries
         float sc[NA];
-        {
-            const uint32_t tA = wg == 0 ? tK : tV, tB = wg == 0 ? tQ : tdO;
-            wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < KS; ++ks)
-                wgmma_ss<BM, T, 0, 0>(sc, desc_k_major(tA, BN, ks), desc_k_major(tB, BM, ks), ks > 0);
-            wg_commit();
-            wg_wait<0>();
-            reg_fence(sc);
-            CF_BTRACE(trace, wg, it, 2);
-        }
+        ml.s_or_dp(sc, tQ, tdO, it);
 
         CF_BTRACE(trace, wg, it, 3);
 
         if (wg == 1) {
             // ---- dP^T to warpgroup 0 (thread wt of both warpgroups holds the same elements)
-#pragma unroll
-            for (int c = 0; c < NA / 4; ++c) sX[c * 128 + wt] = make_float4(sc[4 * c], sc[4 * c + 1], sc[4 * c + 2], sc[4 * c + 3]);
+            ml.send_dp(sc);
             named_bar_arrive(kBarDp, 256);
             ml.release_prev(it);
             named_bar_arrive(kBarRel, 256);
@@ -287,31 +325,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             named_bar_sync(kBarDp, 256);
             CF_BTRACE(trace, wg, it, 4);
             float dp[NA];
-#pragma unroll
-            for (int c = 0; c < NA / 4; ++c) {
-                const float4 x = sX[c * 128 + wt];
-                dp[4 * c] = x.x;
-                dp[4 * c + 1] = x.y;
-                dp[4 * c + 2] = x.z;
-                dp[4 * c + 3] = x.w;
-            }
+            ml.receive_dp(dp);
             // ---- P^T, dS^T (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1))
             const LogitInfo li(f, w.b, hq);
             const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
             bwd_p_ds<BM>(li, mk, sc, dp, sL + st * BM, sD + st * BM, full, m0, n0 + key_l0, q4);
             CF_BTRACE(trace, wg, it, 5);
-            // ---- P^T and dS^T -> shared (bf16 panels [keys][queries]): n8 tile j of the
-            //      accumulators holds queries 8j + 2 q4 (+1) of keys key_l0 (+8)
-            unsigned char* pP = reinterpret_cast<unsigned char*>(sP);
-            unsigned char* pdS = reinterpret_cast<unsigned char*>(sdS);
-#pragma unroll
-            for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const uint32_t off = panel_offset(BN, key_l0 + 8 * r, 8 * j + 2 * q4);
-                    *reinterpret_cast<uint32_t*>(pP + off) = pack2<T>(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]);
-                    *reinterpret_cast<uint32_t*>(pdS + off) = pack2<T>(dp[4 * j + 2 * r], dp[4 * j + 2 * r + 1]);
-                }
+            ml.store_p_ds(sc, dp);
             fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)
             // step it + 1 into the stage both warpgroups released (release_prev; kBarRel also
             // orders warpgroup 1's staging stores before a cp.async fallback's writes, which
