@@ -102,7 +102,8 @@ __device__ __forceinline__ void wide_dq_product(float (&dq)[N / 2], uint32_t tdS
 constexpr uint32_t kWideBarWg = 4;
 
 // The parts of a warpgroup's step: S^T or dP^T (s_or_dp), the dP^T exchange (send_dp /
-// receive_dp), P^T and dS^T to shared memory (store_p_ds), the release of the previous step's
+// receive_dp), P^T and dS^T to shared memory (store_p_ds), dV or dK (issue_dv_or_dk), the
+// release of the previous step's
 // stage (release_prev) and the dQ reductions' turn and d = 192 panels (take_turn, panel_product,
 // panel_store); the kernel's step loop calls them by role. Its members are references to the
 // kernel's locals (as BwdMainloop's in bwd.cuh); the step's own values (it, hq, m0) come by
@@ -119,7 +120,7 @@ struct BwdWideMainloop {
     const SeqInfo& si;
     const Pipeline<2>& pipe;
     const int &wg, &wq, &wt, &g, &q4, &lane;
-    const uint32_t &tK, &tV, &tdS;
+    const uint32_t &tK, &tV, &tdS, &tP;
     float4* const& sX;
     T *const &sP, *const &sdS;
     float (&acc)[ND];
@@ -153,6 +154,17 @@ struct BwdWideMainloop {
             dp[4 * c + 2] = x.z;
             dp[4 * c + 3] = x.w;
         }
+    }
+    // ---- dV += P^T dO (warpgroup 0) / dK += dS^T Q (warpgroup 1): A = [keys][queries]
+    //      K-major, B = [queries][d] MN-major. One instruction stream for both roles (only
+    //      the descriptors differ), so the accumulators keep one register assignment.
+    __device__ __forceinline__ void issue_dv_or_dk(const uint32_t& tQ, const uint32_t& tdO) const {
+        const uint32_t tA2 = wg == 0 ? tP : tdS, tB2 = wg == 0 ? tdO : tQ;
+        wg_fence();
+#pragma unroll
+        for (int kq = 0; kq < BM / 16; ++kq)
+            wgmma_ss<Kt::kHeadDim, T, 0, 1>(acc, desc_k_major(tA2, BN, kq), desc_mn_major(tB2, BM, kq), 1);
+        wg_commit();
     }
     // ---- P^T and dS^T -> shared (bf16 panels [keys][queries]): n8 tile j of the
     //      accumulators holds queries 8j + 2 q4 (+1) of keys key_l0 (+8)
@@ -239,7 +251,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
-    constexpr int MS = BM / 16;   // k16 steps of dV / dK (query rows)
     constexpr int NA = BM / 2;    // accumulators of an m64 x BM product
     constexpr int ND = D / 2;     // accumulators of an m64 x D product
     constexpr int DQ0 = Kt::kDq0, DQ1 = D - DQ0;
@@ -296,7 +307,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const uint32_t tK = smem_addr(sK), tV = smem_addr(sV), tdS = smem_addr(sdS), tP = smem_addr(sP);
     const int key_l0 = 16 * wq + g;  // local key of accumulator rows (e < 2); +8 for e >= 2
     const BwdWideMainloop<Kt, kOrdered, Work> ml{ws,  w,  f,  si, pipe, wg, wq, wt,  g,   q4,     lane, tK,
-                                                 tV,  tdS, sX, sP, sdS, acc, order, key_l0, trace};
+                                                 tV,  tdS, tP, sX, sP, sdS, acc, order, key_l0, trace};
 
     for (int it = 0; it < total_it; ++it) {
         CF_BTRACE(trace, wg, it, 0);
@@ -346,15 +357,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         named_bar_sync(kBarDs, 256);  // P^T and dS^T are in shared
         CF_BTRACE(trace, wg, it, 7);
 
-        // ---- dV += P^T dO (warpgroup 0) / dK += dS^T Q (warpgroup 1): A = [keys][queries]
-        //      K-major, B = [queries][d] MN-major. One instruction stream for both roles (only
-        //      the descriptors differ), so the accumulators keep one register assignment.
-        const uint32_t tA2 = wg == 0 ? tP : tdS, tB2 = wg == 0 ? tdO : tQ;
-        wg_fence();
-#pragma unroll
-        for (int kq = 0; kq < MS; ++kq)
-            wgmma_ss<D, T, 0, 1>(acc, desc_k_major(tA2, BN, kq), desc_mn_major(tB2, BM, kq), 1);
-        wg_commit();
+        ml.issue_dv_or_dk(tQ, tdO);
         if (ws.dq_accum != nullptr) {
             // ---- dQ = dS K, this warpgroup's columns (A = dS^T read MN-major, B = K MN-major),
             //      then its 64 x 64 tiles through shared memory into bulk reductions (tiled
