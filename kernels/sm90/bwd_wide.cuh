@@ -38,7 +38,7 @@
 //   2 kBarDs    256, both wait: P^T and dS^T (warpgroup 0's stores) in shared memory
 //   3 kBarRead  256, both wait (atomic mode): every product of the step has read its operands,
 //               so the dQ tiles may go into the step's Q / dO stage
-//   4 + wg      warpgroup wg's 128 threads (kBarWg): its dQ staging, after thread 0 waited for
+//   4 + wg      warpgroup wg's 128 threads (kWideBarWg): its dQ staging, after thread 0 waited for
 //               the reads of the previous step's reductions (release_prev), and before each
 //               tile's bulk reduction (reduce_dq_tile)
 //   6 kBarRel   256: warpgroup 1 arrives once it released step it - 1's stage; warpgroup 0
@@ -103,11 +103,11 @@ constexpr uint32_t kWideBarWg = 4;
 
 // The parts of a warpgroup's step: S^T or dP^T (s_or_dp), the dP^T exchange (send_dp /
 // receive_dp), P^T and dS^T to shared memory (store_p_ds), dV or dK (issue_dv_or_dk), the
-// release of the previous step's
-// stage (release_prev) and the dQ reductions' turn and d = 192 panels (take_turn, panel_product,
-// panel_store); the kernel's step loop calls them by role. Its members are references to the
-// kernel's locals (as BwdMainloop's in bwd.cuh); the step's own values (it, hq, m0) come by
-// reference too, as the lambdas these were captured them.
+// release of the previous step's stage (release_prev) and the dQ reductions' turn and d = 192
+// panels and d = 256 halves (take_turn, panel_product, panel_store, half_product, half_store);
+// the kernel's step loop calls them by role. Its members are references to the kernel's locals
+// (as BwdMainloop's in bwd.cuh, and for the same reason); the step's own values (it, hq, m0) come
+// by reference too, as the lambdas these parts replace captured them.
 template <typename Kt, bool kOrdered, typename Work>
 struct BwdWideMainloop {
     using T = typename Kt::Elem;
@@ -213,7 +213,25 @@ struct BwdWideMainloop {
         reg_fence(dqp);
         reg_fence(acc);
     }
-    // and out through tile into panel pnl of dq_accum
+    // d = 256: this warpgroup's half of dQ (panels pnl0, pnl0 + 1) into dq, with every product of
+    // the warpgroup completed
+    __device__ __forceinline__ void half_product(float (&dq)[64], const int& pnl0) const {
+        wg_fence();  // dq's registers were last written by ordinary instructions
+        wide_dq_product<128, BN, T>(dq, tdS, tK + pnl0 * BN * kPanelRowBytes);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(dq);
+        reg_fence(acc);
+    }
+    // and out through the two slots into its panels of dq_accum
+    __device__ __forceinline__ void half_store(float (&dq)[64], const int& hq, const int& m0, float* const (&slot)[2],
+                                               const int& pnl0) const {
+#pragma unroll
+        for (int pp = 0; pp < 2; ++pp)
+            reduce_dq_tile<16>(dq, 8 * pp, slot[pp], ws.dq_tile_rows(f, si, hq, pnl0 + pp, m0), kBarWg + wg, wt,
+                               16 * wq + g, q4);
+    }
+    // d = 192: and out through tile into panel pnl of dq_accum
     __device__ __forceinline__ void panel_store(float (&dqp)[32], const int& hq, const int& m0, float* tile, int pnl) const {
         reduce_dq_tile<8>(dqp, 0, tile, ws.dq_tile_rows(f, si, hq, pnl, m0), kBarWg + wg, wt, 16 * wq + g, q4);
     }
@@ -255,9 +273,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     constexpr int ND = D / 2;     // accumulators of an m64 x D product
     constexpr int DQ0 = Kt::kDq0, DQ1 = D - DQ0;
     // named barriers (0 is __syncthreads): dP^T exchanged, dS^T / P^T stored, the step's products
-    // done reading shared memory (all 256 threads); kBarWg + wg: one warpgroup's dQ staging;
-    // kBarRel: warpgroup 1 has released step it - 1's stage (warpgroup 0 loads step it + 1 into it)
-    constexpr uint32_t kBarDp = 1, kBarDs = 2, kBarRead = 3, kBarWg = kWideBarWg, kBarRel = 6;
+    // done reading shared memory (all 256 threads); kBarRel: warpgroup 1 has released step it - 1's
+    // stage (warpgroup 0 loads step it + 1 into it); kWideBarWg + wg: one warpgroup's dQ staging
+    // (BwdWideMainloop)
+    constexpr uint32_t kBarDp = 1, kBarDs = 2, kBarRead = 3, kBarRel = 6;
 
     using Storage = BwdWideSharedStorage<Kt>;
     static_assert(bwd_wide_storage_aligned<Kt>(), "swizzled tiles at 1024-byte offsets");
@@ -397,20 +416,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 // d = 256: two panels per warpgroup, in one product, into slots 0 and 1
                 static_assert(DQ0 == DQ1 && DQ0 == 128, "d = 256 splits dQ 128 + 128");
                 float dq[DQ0 / 2];
-                wg_fence();  // dq's registers were last written by ordinary instructions
-                wide_dq_product<DQ0, BN, T>(dq, tdS, tK + pnl0 * BN * kPanelRowBytes);
-                wg_commit();
-                wg_wait<0>();
-                reg_fence(dq);
-                reg_fence(acc);
+                ml.half_product(dq, pnl0);
                 CF_BTRACE(trace, wg, it, 8);
                 named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
                 CF_BTRACE(trace, wg, it, 9);
                 ml.take_turn(hq, m0);
-#pragma unroll
-                for (int pp = 0; pp < 2; ++pp)
-                    reduce_dq_tile<DQ0 / 8>(dq, 8 * pp, slot[pp], ws.dq_tile_rows(f, si, hq, pnl0 + pp, m0),
-                                            kBarWg + wg, wt, 16 * wq + g, q4);
+                ml.half_store(dq, hq, m0, slot, pnl0);
                 CF_BTRACE(trace, wg, it, 10);
             }
         } else {
