@@ -30,8 +30,8 @@
 //                      producer warpgroup's loop is the kernel's
 //   BwdMainloop        a consumer warpgroup's step: the S^T / dP^T step (issue_s_dp, p_ds), the
 //                      dV / dK step (issue_dv, issue_dk, drain_step), the dQ flush (store_ds,
-//                      dq_step, flush_dq; by turns flush_turn_tile), in the kernel's two step
-//                      loops (dQ by turns, or lockstep)
+//                      dq_step, flush_dq; by turns dq_turn_product, flush_turn_tile), in the
+//                      kernel's two step loops (dQ by turns, or lockstep)
 //   BwdEpilogue        dK / dV out: staged 16-byte rows, or the GQA split's f32 partials (the
 //                      last CTA of the key block sums them, in the kernel)
 //
@@ -327,8 +327,8 @@ __device__ __forceinline__ void bwd_start(const CfFwdParams& f, const Work& w, c
 // The parts of a consumer warpgroup's step (warpgroup wg: keys 64 wg.. of the CTA's block), over
 // the kernel's registers and shared memory: the S^T / dP^T step (issue_s_dp, p_ds), the dV / dK
 // step (issue_dv, issue_dk, drain_step) and the dQ flush (store_ds, then dq_step and flush_dq;
-// by turns the owner's product in the kernel's loop and flush_turn_tile). The kernel's two step
-// loops call them in order; dk / dv are the kernel's accumulators.
+// by turns dq_turn_product and flush_turn_tile). The kernel's two step loops call them in order;
+// dk / dv are the kernel's accumulators.
 // The members are references to the kernel's locals, not copies: with copies of the integers
 // and addresses, ptxas laid out the d = 96 / 128 kernels' registers differently (same
 // instructions, another order; cubins compared with those of commit 9358020, 2026-12-03).
@@ -524,6 +524,27 @@ struct BwdMainloop {
         flush_dq_tile(dq_tile(s), dq_dst(s), 1 + wg, wt);
     }
 
+    // The owner's turn (dQ by turns): all of dQ(it) = dS(it) K from buffer buf of dS^T as one
+    // m64 x n128 product into dq, staged into sT0 (flush_turn_tile sends it in its next step).
+    // Called with every other product of the warpgroup completed (drain_step).
+    __device__ __forceinline__ void dq_turn_product(float (&dq)[2 * NQ], const int& it, const int& buf,
+                                                    float* const& sT0) const {
+        const uint32_t tdSi = tdS + buf * BN * BM * 2;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < NS; ++kk)  // A = dS (MN-major), B = K (MN-major, 128 columns)
+            wgmma_ss<2 * 64, T, 1, 1>(dq, desc_mn_major<kDA>(tdSi, BN, kk), desc_mn_major<kDA>(tK, BN, kk), kk > 0);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(dq);
+        reg_fence(dv);
+        reg_fence(dk);
+        CF_BTRACE(trace, wg, it, 9);
+        if (wt == 0) bulk_wait_read<0>();  // the tile's previous reduction (step it - 2) has read it
+        named_bar_sync(1 + wg, 128);
+        stage_dq_tile<NQ / 2>(dq, 0, sT0, 16 * wq + g, q4);
+        stage_dq_tile<NQ / 2>(dq, 8, sT0 + 64 * 64, 16 * wq + g, q4);
+    }
     // dQ by turns: step s's staged dQ tile (sT0: the warpgroup's [2 panels][64][64] tile) -> its
     // two panels of dq_accum
     __device__ __forceinline__ void flush_turn_tile(int s, float* sT0) const {
@@ -623,11 +644,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // zeros into dq_accum's second panel, which has room for them)
     constexpr int DP = Kt::kHeadDimPad;
     constexpr int MS = BM / 16;  // k16 steps of dV / dK (query rows)
-    constexpr int NS = BN / 16;  // k16 steps of dQ (keys)
     constexpr int NA = BM / 2;   // accumulators of an m64 x BM product
     constexpr int ND = D / 2;    // accumulators of an m64 x D product
     constexpr int NQ = 32;       // accumulators of the m64 x n64 dQ slice
-    constexpr bool kDA = Kt::kDescAdvance;    // how the k16 steps' wgmma descriptors are built
 
     using Storage = BwdSharedStorage<Kt>;
     static_assert(Storage::aligned(), "swizzled tiles at 1024-byte offsets");
@@ -744,25 +763,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                     // accumulators, ptxas serialised every wgmma of the kernel (C7512)
                     ml.drain_step(pa, dsa);
                     CF_BTRACE(trace, wg, it, 8);
-                    // The owner's turn: all of dQ(it) as one m64 x n128 product, staged into sT0
-                    // (flush_turn_tile sends it in its next step). Here rather than in a part of
-                    // BwdMainloop: there, the same instructions came out in another order.
+                    // The owner's turn (dQ's accumulators are the kernel's: declared in the part,
+                    // the same instructions came out in another order)
                     float dq[2 * NQ];
-                    const uint32_t tdSi = tdS + buf * BN * BM * 2;
-                    wg_fence();
-#pragma unroll
-                    for (int kk = 0; kk < NS; ++kk)  // A = dS (MN-major), B = K (MN-major, 128 columns)
-                        wgmma_ss<2 * 64, T, 1, 1>(dq, desc_mn_major<kDA>(tdSi, BN, kk), desc_mn_major<kDA>(tK, BN, kk), kk > 0);
-                    wg_commit();
-                    wg_wait<0>();
-                    reg_fence(dq);
-                    reg_fence(dv);
-                    reg_fence(dk);
-                    CF_BTRACE(trace, wg, it, 9);
-                    if (wt == 0) bulk_wait_read<0>();  // the tile's previous reduction (step it - 2) has read it
-                    named_bar_sync(1 + wg, 128);
-                    stage_dq_tile<NQ / 2>(dq, 0, sT0, 16 * wq + g, q4);
-                    stage_dq_tile<NQ / 2>(dq, 8, sT0 + 64 * 64, 16 * wq + g, q4);
+                    ml.dq_turn_product(dq, it, buf, sT0);
                 }
             } else {
                 ml.drain_step(pa, dsa);
