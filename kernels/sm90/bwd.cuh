@@ -564,8 +564,9 @@ struct BwdMainloop {
 // dK (scaled by the caller) and dV of the CTA's keys out of the consumers' registers (element
 // 4j+e: key key_l0 + 8 (e >> 1), column 8j + 2 q4 + (e & 1)): without a GQA split staged in the
 // Q / dO ring and written in 16-byte rows (store_staged); with one as f32 partials of the split
-// (store_partials), which the last of the key block's nsplit CTAs then sums (the kernel, with
-// ws.dkv_count).
+// (store_partials), which the last of the key block's nsplit CTAs (last_split, with
+// ws.dkv_count) then sums, in the kernel's body. The members are references to the kernel's
+// locals, as in BwdMainloop.
 template <typename Kt, typename Work>
 struct BwdEpilogue {
     using T = typename Kt::Elem;
@@ -577,7 +578,7 @@ struct BwdEpilogue {
     const CfBwdParams& p;
     const BwdWs& ws;
     const Work& w;
-    const int tid, key_l0, q4;
+    const int &tid, &key_l0, &q4;
 
     static __device__ __forceinline__ void consumers_sync() {
         if constexpr (Kt::kProducerWG) named_bar_sync(kBarEpi, NCT);
@@ -608,6 +609,24 @@ struct BwdEpilogue {
                 *reinterpret_cast<uint4*>(dvg + (int64_t)(n0 + r) * p.dv_row_stride + c * 8) = *reinterpret_cast<const uint4*>(sOv + off);
             }
         }
+    }
+    // The last of the nsplit CTAs of this (sequence, KV head, key block) to get here sums
+    // every split's partials (the kernel, after last_split), in split order (the same sums, in the same order, as
+    // bwd_reduce_dkv_kernel, which then does not run), while they are still in L2.
+    // The threadFenceReduction pattern: each thread's partials are visible on the device
+    // before the CTA's count, and the last CTA reads the others' after seeing it, past L1.
+    __device__ __forceinline__ bool last_split() const {
+        const CfFwdParams& f = p.fwd;
+        __threadfence();
+        consumers_sync();
+        bool last = false;
+        if (tid == 0) {
+            const int64_t c = ((int64_t)w.b * f.hkv + w.hkv_i) * gridDim.x + w.n0 / BN;
+            last = atomicAdd(ws.dkv_count + c, 1) == ws.nsplit - 1;
+        }
+        if constexpr (Kt::kProducerWG) last = named_bar_any(kBarEpi, NCT, last);
+        else last = __syncthreads_or(last);
+        return last;
     }
     // rs: the partials' row stride
     __device__ __forceinline__ void store_partials(const float (&dk)[ND], const float (&dv)[ND], int64_t rs) const {
@@ -855,23 +874,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         const int64_t rs = (int64_t)f.hkv * f.d;
         epi.store_partials(dk, dv, rs);
         if (ws.dkv_count != nullptr) {
-            // (Here rather than in BwdEpilogue: there, the sums' registers came out in another
-            // order.)
-            // The last of the nsplit CTAs of this (sequence, KV head, key block) to get here sums
-            // every split's partials, in split order (the same sums, in the same order, as
-            // bwd_reduce_dkv_kernel, which then does not run), while they are still in L2.
-            // The threadFenceReduction pattern: each thread's partials are visible on the device
-            // before the CTA's count, and the last CTA reads the others' after seeing it, past L1.
-            __threadfence();
-            Epilogue::consumers_sync();
-            bool last = false;
-            if (tid == 0) {
-                const int64_t c = ((int64_t)b * f.hkv + hkv_i) * gridDim.x + n0 / BN;
-                last = atomicAdd(ws.dkv_count + c, 1) == ws.nsplit - 1;
-            }
-            if constexpr (Kt::kProducerWG) last = named_bar_any(Epilogue::kBarEpi, NCT, last);
-            else last = __syncthreads_or(last);
-            if (last) {
+            // The sums stay in the kernel's body: in a part of BwdEpilogue, their registers came
+            // out in another order.
+            if (epi.last_split()) {
                 __threadfence();
                 const int rows = min(BN, si.sk - n0), c4 = f.d / 4;
                 const int64_t split_stride = ws.total_k * rs, voff = ws.dkv_v_offset(f);
