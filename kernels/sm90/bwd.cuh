@@ -32,8 +32,9 @@
 //                      dV / dK step (issue_dv, issue_dk, drain_step), the dQ flush (store_ds,
 //                      dq_step, flush_dq; by turns dq_turn_product, flush_turn_tile), in the
 //                      kernel's two step loops (dQ by turns, or lockstep)
-//   BwdEpilogue        dK / dV out: staged 16-byte rows, or the GQA split's f32 partials (the
-//                      last CTA of the key block sums them, in the kernel)
+//   BwdEpilogue        dK / dV out: staged 16-byte rows (store_staged), or the GQA split's f32
+//                      partials (store_partials), which the last CTA of the key block
+//                      (last_split) sums, in the kernel's body
 //
 // Barrier protocol (the ring's mbarriers in BwdSharedStorage::bars; Pipeline in pipeline.cuh).
 // Step it uses stage it % kStages:
