@@ -104,7 +104,7 @@ constexpr uint32_t kWideBarWg = 4;
 // The parts of a warpgroup's step: S^T or dP^T (s_or_dp), the dP^T exchange (send_dp /
 // receive_dp), P^T and dS^T to shared memory (store_p_ds), dV or dK (issue_dv_or_dk), the
 // release of the previous step's stage (release_prev) and the dQ reductions' turn and d = 192
-// panels and d = 256 halves (take_turn, panel_product, panel_store, half_product, half_store);
+// panels and d = 256 halves (take_turn, dq_panels, panel_store, half_store);
 // the kernel's step loop calls them by role. Its members are references to the kernel's locals
 // (as BwdMainloop's in bwd.cuh, and for the same reason); the step's own values (it, hq, m0) come
 // by reference too, as the lambdas these parts replace captured them.
@@ -204,20 +204,12 @@ struct BwdWideMainloop {
     __device__ __forceinline__ void take_turn(const int& hq, const int& m0) const {
         if (kOrdered && wt == 0) order.turn(ws.dq_sem, ws.dq_counter(w.b, f, hq, m0, wg), w.dq_turn(m0));
     }
-    // d = 192: dQ panel pnl (64 columns) into dqp, with every product of the warpgroup completed
-    __device__ __forceinline__ void panel_product(float (&dqp)[32], int pnl) const {
-        wg_fence();  // dqp's registers were last written by ordinary instructions
-        wide_dq_product<64, BN, T>(dqp, tdS, tK + pnl * BN * kPanelRowBytes);
-        wg_commit();
-        wg_wait<0>();
-        reg_fence(dqp);
-        reg_fence(acc);
-    }
-    // d = 256: this warpgroup's half of dQ (panels pnl0, pnl0 + 1) into dq, with every product of
-    // the warpgroup completed
-    __device__ __forceinline__ void half_product(float (&dq)[64], const int& pnl0) const {
+    // dQ's N columns from panel pnl on into dq (d = 192: one 64-column panel; d = 256: this
+    // warpgroup's half, two panels), with every product of the warpgroup completed
+    template <int N>
+    __device__ __forceinline__ void dq_panels(float (&dq)[N / 2], int pnl) const {
         wg_fence();  // dq's registers were last written by ordinary instructions
-        wide_dq_product<128, BN, T>(dq, tdS, tK + pnl0 * BN * kPanelRowBytes);
+        wide_dq_product<N, BN, T>(dq, tdS, tK + pnl * BN * kPanelRowBytes);
         wg_commit();
         wg_wait<0>();
         reg_fence(dq);
@@ -402,11 +394,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 // this kernel sat at the edge where ptxas serialises its wgmma (C7511), and
                 // unrelated changes (a field added to BwdWs) tipped it over.
                 float dqp[32];
-                ml.panel_product(dqp, pnl0);  // warpgroup 0: panel 0; warpgroup 1: panel 2
+                ml.template dq_panels<64>(dqp, pnl0);  // warpgroup 0: panel 0; warpgroup 1: panel 2
                 if (wg == 0) {
                     ml.take_turn(hq, m0);
                     ml.panel_store(dqp, hq, m0, ss.dq_slot, 0);
-                    ml.panel_product(dqp, 1);
+                    ml.template dq_panels<64>(dqp, 1);
                 }
                 named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
                 CF_BTRACE(trace, wg, it, 9);
@@ -416,7 +408,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                 // d = 256: two panels per warpgroup, in one product, into slots 0 and 1
                 static_assert(DQ0 == DQ1 && DQ0 == 128, "d = 256 splits dQ 128 + 128");
                 float dq[DQ0 / 2];
-                ml.half_product(dq, pnl0);
+                ml.template dq_panels<128>(dq, pnl0);
                 CF_BTRACE(trace, wg, it, 8);
                 named_bar_sync(kBarRead, 256);  // every product of this step has read its operands
                 CF_BTRACE(trace, wg, it, 9);
