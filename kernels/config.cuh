@@ -417,14 +417,21 @@ struct BwdDqTraits {
     static_assert(kSmemBytes <= 160 * 1024 || (kF32Wide && kSmemBytes <= 227 * 1024), "must fit sm_80's 163 KB");
 };
 
+// The shared memory of the sm_90a backward kernels, as structs (sm90/bwd.cuh, sm90/bwd_wide.cuh);
+// the traits' kSmemBytes is their sizeof.
+template <typename Kt>
+struct BwdSharedStorage;
+template <typename Kt>
+struct BwdWideSharedStorage;
+
 // sm_90a dK/dV kernel (wgmma, sm90/bwd.cuh): CTA = 2 warpgroups over kBlockN keys of one KV
 // head (64 keys each), looping over kBlockM query rows per step. Per step each warpgroup computes
 // S^T = K Q^T and dP^T = V dO^T for its keys (m64 x n kBlockM), then dV += P^T dO and dK += dS^T Q
 // with P^T / dS^T straight from registers; atomic mode: dS^T -> shared, dQ = dS K (m64 x n64 per
-// warpgroup). Shared (panel layout, wgmma.cuh): K, V [kBlockN][D]; Q, dO [kStages][kBlockM][D]
-// (the TMA ring); dS^T [2][kBlockN][kBlockM]; lse, dsum [kStages][kBlockM] (f32); dQ staging
-// [2 warpgroups][kDqSlots][kDqRows][64] (f32, for the bulk reductions); the ring's mbarriers.
-// dK/dV staged through Q/dO at the end.
+// warpgroup). Shared (sm90/bwd.cuh BwdSharedStorage; panel layout, wgmma.cuh): K, V
+// [kBlockN][D]; Q, dO [kStages][kBlockM][D] (the TMA ring); dS^T [2][kBlockN][kBlockM]; lse, dsum
+// [kStages][kBlockM] (f32); dQ staging [2 warpgroups][kDqSlots][kDqRows][64] (f32, for the bulk
+// reductions); the ring's mbarriers. dK/dV staged through Q/dO at the end.
 // The plain-logit step at d = 96 / 128 computes P^T while dP^T's product runs (bench/NOTES.md
 // "Backward v6"; also dS^T while dV's product runs measured no better); the d = 64 step keeps
 // backward v5's lockstep (P^T and dS^T after both products): its 64-query S^T and dP^T leave no
@@ -487,9 +494,9 @@ struct BwdSm90Traits {
     static constexpr bool kOverlapP = !kGeneralLogits && kHeadDim != 64;
     // Stages of the Q / dO / lse / dsum ring
     static constexpr int kStages = 2;
-    static constexpr int kSmemBytes = 2 * kBlockN * kHeadDimPad * 2 + 2 * kStages * kBlockM * kHeadDimPad * 2 +
-                                      2 * kBlockN * kBlockM * 2 + 2 * kStages * kBlockM * 4 + 2 * kDqSlots * kDqRows * 64 * 4 +
-                                      2 * kStages * 8;
+    // What the launch asks for: the kernel's shared memory is one BwdSharedStorage (sm90/bwd.cuh,
+    // which also checks that it fits)
+    static constexpr int kSmemBytes = (int)sizeof(BwdSharedStorage<BwdSm90Traits>);
 
     static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128, "wgmma backward: head-dim tiles 64, 96, 128");
     static_assert(kBlockN == 2 * 64, "one m64 slice of keys per warpgroup");
@@ -499,16 +506,16 @@ struct BwdSm90Traits {
                       (kHeadDim == 128 && kBlockM == 64),
                   "dQ split");
     static_assert(2 * kBlockM >= kBlockN, "dK/dV staging fits in Q / dO");
-    static_assert(kSmemBytes <= 227 * 1024, "sm_90 shared memory");
     static_assert(!kProducerWG || kConsumerRegs > kLaunchRegs, "setmaxnreg: consumers gain what the producer gives up");
 };
 
 // sm_90a dK/dV kernel for the wide head-dim tiles 192 and 256 (sm90/bwd_wide.cuh): CTA = 2
 // warpgroups over 64 keys, both covering all of them; warpgroup 0 holds dV (and computes P^T,
 // dS^T), warpgroup 1 holds dK (and computes dP^T); dQ columns [0, kDq0) / [kDq0, D) per
-// warpgroup. Shared (panel layout): K, V [64][D]; Q, dO [2][64][D] (the TMA ring); dS^T, P^T
-// [64][64]; the dP^T exchange (f32, 64 x 64); lse, dsum [2][64]; the ring's 4 mbarriers. dK/dV
-// staged through Q/dO at the end; dQ staged through dS^T, P^T and the exchange.
+// warpgroup. Shared (sm90/bwd_wide.cuh BwdWideSharedStorage; panel layout): K, V [64][D]; Q, dO
+// [2][64][D] (the TMA ring); dS^T, P^T [64][64]; the dP^T exchange (f32, 64 x 64); lse, dsum
+// [2][64]; the ring's 4 mbarriers; at d = 192 one more dQ staging slot. dQ tiles staged in the
+// step's Q / dO stage (and that slot).
 template <typename T_, int kHeadDim_>
 struct BwdSm90WideTraits {
     using Elem = T_;
@@ -522,15 +529,14 @@ struct BwdSm90WideTraits {
     // d = 192: warpgroup 0's second dQ staging slot (a 64 x 64 f32 tile) has its own region; at
     // d = 256 shared memory is full and the second slots are the step's Q / dO stage (bwd_wide.cuh)
     static constexpr int kSlotBytes = kHeadDim == 192 ? 64 * 64 * 4 : 0;
-    static constexpr int kSmemBytes = 2 * kBlockN * kHeadDim * 2 + 4 * kBlockM * kHeadDim * 2 +
-                                      2 * kBlockN * kBlockM * 2 + 128 * (kBlockM / 2) * 4 + 4 * kBlockM * 4 + 4 * 8 +
-                                      kSlotBytes;
+    // What the launch asks for: one BwdWideSharedStorage (sm90/bwd_wide.cuh, which also checks
+    // that it fits)
+    static constexpr int kSmemBytes = (int)sizeof(BwdWideSharedStorage<BwdSm90WideTraits>);
 
     static_assert(kHeadDim == 192 || kHeadDim == 256, "wide wgmma backward: head-dim tiles 192 and 256");
     static_assert(kBlockN == 64 && kBlockM == 64, "one m64 key slice, one panel of queries");
     static_assert(kDq0 % 64 == 0 && (kHeadDim - kDq0) % 64 == 0, "dQ split on panel boundaries");
     static_assert(2 * kBlockM * kHeadDim >= kBlockN * kHeadDim, "dK/dV staging fits in Q / dO");
-    static_assert(kSmemBytes <= 227 * 1024, "sm_90 shared memory");
 };
 
 // ------------------------------------------------------------------ SIMT (simt/)
