@@ -686,7 +686,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
     const int g = lane >> 2, q4 = lane & 3;
-    // CTAs key block slowest under causal-like masks (heuristics.cuh heavy_first_order: measured there)
+    // CTAs key block slowest under causal-like masks (plan.cuh heavy_first_order: measured there)
     using Work = DkdvWork<T, BN, BM, true, false, kOrdered, true>;  // StepDivider
     const Work w(p, ws);
     if (w.empty()) return;

@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3, wt = tid & 127;  // warpgroup, warp / thread within it
     const int g = lane >> 2, q4 = lane & 3;
-    // CTAs key block slowest under causal-like masks (heuristics.cuh heavy_first_order), and the
+    // CTAs key block slowest under causal-like masks (plan.cuh heavy_first_order), and the
     // rotated query-block order without masks (common/bwd_work.cuh DkdvWork kRotate)
     using Work = DkdvWork<T, BN, BM, true, true, kOrdered>;
     const Work w(p, ws);
