@@ -413,12 +413,30 @@ fn forward_or_describe(
     }
 }
 
-/// A plan's text from `cf_fwd_describe` / `cf_bwd_describe` (`call` fills the buffer).
-fn plan_text(entry: &str, call: impl FnOnce(*mut c_char, usize) -> i32) -> Result<String> {
-    let mut buf = vec![0u8; 256];
-    check(call(buf.as_mut_ptr() as *mut c_char, buf.len()), entry)?;
-    let end = buf.iter().position(|&c| c == 0).unwrap_or(buf.len());
-    Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
+/// One call of the kernels: its workspace (`size` bytes) allocated and the call launched on
+/// candle's stream (`launch(workspace, stream)`), or, with `describe`, its plan's text written
+/// there instead (`plan(buffer, capacity)`: `cf_fwd_describe` / `cf_bwd_describe`) and nothing
+/// launched. Each closure returns its entry point's name and status.
+fn launch_or_describe(
+    dev: &CudaDevice,
+    stream: &CudaStream,
+    describe: Option<&mut String>,
+    plan: impl FnOnce(*mut c_char, usize) -> (&'static str, i32),
+    size: impl FnOnce() -> usize,
+    launch: impl FnOnce(*mut c_void, *mut c_void) -> (&'static str, i32),
+) -> Result<()> {
+    if let Some(text) = describe {
+        let mut buf = vec![0u8; 256];
+        let (entry, status) = plan(buf.as_mut_ptr() as *mut c_char, buf.len());
+        check(status, entry)?;
+        let end = buf.iter().position(|&c| c == 0).unwrap_or(buf.len());
+        *text = String::from_utf8_lossy(&buf[..end]).into_owned();
+        return Ok(());
+    }
+    let mut ws = workspace(dev, size())?;
+    let ws = workspace_arg(&mut ws, stream);
+    let (entry, status) = launch(workspace_ptr(&ws), stream.cu_stream() as *mut c_void);
+    check(status, entry)
 }
 
 /// The forward of output type T; `fp8`: q, k, v are e4m3 and the FP8 kernel runs. `describe`:
@@ -452,21 +470,22 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             (Some(fp8), Some(g)) => fp8_params(shape, opts, fp8, &args, &descale_args(g, &stream)?)?,
             _ => fwd_params(shape, opts, &args)?,
         };
-        if let Some(plan) = describe {
-            // SAFETY: reads the params struct; the buffer is the closure's own, of that length.
-            *plan = plan_text("cf_fwd_describe", |buf, cap| unsafe { ffi::cf_fwd_describe(&p, buf, cap) })?;
-        } else {
+        launch_or_describe(
+            &dev,
+            &stream,
+            describe,
+            // SAFETY: reads the params struct; the buffer is the caller's own, of that length.
+            |buf, cap| ("cf_fwd_describe", unsafe { ffi::cf_fwd_describe(&p, buf, cap) }),
             // SAFETY: reads only the params struct.
-            let mut ws = workspace(&dev, unsafe { ffi::cf_fwd_workspace_size(&p) })?;
-            let ws = workspace_arg(&mut ws, &stream);
+            || unsafe { ffi::cf_fwd_workspace_size(&p) },
             // SAFETY: every pointer addresses a live device buffer of the extents described by
             // `p` (validated shapes, the tensors' own layouts; the kernels clamp what they read
             // from cu_seqlens to the totals; FP8 descales: live f32 buffers covering every
-            // (sequence, head) index, `fp8::kernel_descale`); the call only enqueues work on
-            // candle's stream, which also orders the buffers' later uses and frees.
-            let status = unsafe { ffi::cf_fwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
-            check(status, "cf_fwd")?;
-        }
+            // (sequence, head) index, `fp8::kernel_descale`); the workspace is live for the
+            // call; the call only enqueues work on candle's stream, which also orders the
+            // buffers' later uses and frees.
+            |ws, s| ("cf_fwd", unsafe { ffi::cf_fwd(&p, ws, s) }),
+        )?;
     } else if let Some(plan) = describe {
         *plan = "none".to_string();
     }
@@ -594,18 +613,18 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         );
         let dsinks = dsinks.as_mut().map(|s| TensorArg::write(s, &[h], &stream));
         let p = bwd_params(shape, opts, &fwd, &a.grad_out, Some([&dq, &dk, &dv]), dsinks.as_ref())?;
-        if let Some(plan) = describe {
-            // SAFETY: reads the params struct; the buffer is the closure's own, of that length.
-            *plan = plan_text("cf_bwd_describe", |buf, cap| unsafe { ffi::cf_bwd_describe(&p, buf, cap) })?;
-        } else {
+        launch_or_describe(
+            &dev,
+            &stream,
+            describe,
+            // SAFETY: reads the params struct; the buffer is the caller's own, of that length.
+            |buf, cap| ("cf_bwd_describe", unsafe { ffi::cf_bwd_describe(&p, buf, cap) }),
             // SAFETY: reads only the params struct.
-            let mut ws = workspace(&dev, unsafe { ffi::cf_bwd_workspace_size(&p) })?;
-            let ws = workspace_arg(&mut ws, &stream);
-            // SAFETY: as in the forward: live buffers of the described extents, enqueued on
-            // candle's stream.
-            let status = unsafe { ffi::cf_bwd(&p, workspace_ptr(&ws), stream.cu_stream() as *mut c_void) };
-            check(status, "cf_bwd")?;
-        }
+            || unsafe { ffi::cf_bwd_workspace_size(&p) },
+            // SAFETY: as in the forward: live buffers of the described extents (the workspace
+            // too), enqueued on candle's stream.
+            |ws, s| ("cf_bwd", unsafe { ffi::cf_bwd(&p, ws, s) }),
+        )?;
     }
     let dsinks = dsinks.map(|s| f32::wrap_cuda_slice(s, dev.clone()));
     Ok((T::wrap_cuda_slice(dq, dev.clone()), T::wrap_cuda_slice(dk, dev.clone()), T::wrap_cuda_slice(dv, dev), dsinks))
