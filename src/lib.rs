@@ -40,6 +40,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+pub mod block_mask;
 pub mod compat;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -53,6 +54,7 @@ pub mod params;
 pub mod reference;
 pub mod serving_params;
 
+pub use block_mask::{BlockMask, MaskEval, MaskSpec};
 pub use paged::{rope_write_paged_kv, write_paged_kv};
 pub use params::{
     FlashAttnOptions, PagedKv, VarLen, CHECK_DEVICE_DATA_ENV, MAX_CUDA_GRID_YZ, MAX_CUDA_HEAD_DIM, MAX_CUDA_SEQLEN_SUM,
