@@ -15,6 +15,27 @@
 //! (the CUDA builder, reading the rule's data where it lives with no host synchronisation, is
 //! the next step: see [`BlockMask::from_spec`]); attention through a block mask runs on the CPU
 //! (forward and backward), and on CUDA returns an error until the kernels read the lists.
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! use candle_flash::{flash_attn_with_options, BlockMask, FlashAttnOptions, MaskSpec};
+//! let dev = Device::Cpu;
+//! // Two documents of 200 and 100 tokens packed in one sequence, causal inside each.
+//! let ids: Vec<u32> = (0..300).map(|t| u32::from(t >= 200)).collect();
+//! let ids = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?; // [1, 300]
+//! let spec = MaskSpec::causal().and(MaskSpec::same_document(&ids, &ids));
+//! let mask = BlockMask::from_spec(&spec, 1, 1, 300, 300, &dev)?;
+//! assert_eq!(mask.num_blocks(), (3, 3));
+//! let q = Tensor::randn(0f32, 1., (1, 300, 4, 32), &dev)?;
+//! let k = Tensor::randn(0f32, 1., (1, 300, 2, 32), &dev)?;
+//! let out = flash_attn_with_options(&q, &k, &k, &FlashAttnOptions::new(0.17).block_mask(Some(&mask)))?;
+//! assert_eq!(out.dims(), &[1, 300, 4, 32]);
+//! // Query block 2 (rows 256..300, all of document 1) sees key block 1 in part (keys 200..255)
+//! // and key block 2 in part (causal): key block 0 is never read.
+//! assert_eq!(mask.kv_num_blocks().to_vec3::<i32>()?[0][0], [1, 2, 2]);
+//! assert_eq!(mask.full_kv_num_blocks().to_vec3::<i32>()?[0][0], [0, 0, 0]);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 use std::collections::HashMap;
@@ -723,4 +744,27 @@ impl HostBlocks {
     pub(crate) fn per_head(&self) -> bool {
         self.heads > 1
     }
+}
+
+/// The key tiles `(j0, cols)` of the runs of consecutive key blocks `c < num_blocks` with
+/// `listed(c)`, each run cut to `[lo, hi)` and cut into tiles of `tile` keys from its start: a
+/// tile never holds a key of an unlisted block (the CPU kernels' walk over a mask's keys).
+pub(crate) fn listed_key_tiles(
+    num_blocks: usize,
+    listed: impl Fn(usize) -> bool,
+    (lo, hi): (usize, usize),
+    tile: usize,
+) -> Vec<(usize, usize)> {
+    let mut tiles = vec![];
+    let mut c = 0;
+    while c < num_blocks {
+        let start = c;
+        while c < num_blocks && listed(c) {
+            c += 1;
+        }
+        let (run_lo, run_hi) = ((start * BLOCK_SIZE).max(lo), (c * BLOCK_SIZE).min(hi));
+        tiles.extend((run_lo..run_hi).step_by(tile).map(|j0| (j0, tile.min(run_hi - j0))));
+        c += 1; // past the unlisted block that ended the run (or the end)
+    }
+    tiles
 }

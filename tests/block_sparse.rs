@@ -472,3 +472,39 @@ fn a_mask_is_reused_across_calls() -> Result<()> {
     assert!(mask.density()? > 0.0 && mask.density()? < 1.0);
     Ok(())
 }
+
+/// Key blocks that no query block lists are never read, forward or backward: NaN keys and values
+/// there reach no output or gradient, and their dk and dv are 0.
+#[test]
+fn unlisted_key_blocks_are_never_read() -> Result<()> {
+    let (mut rng, seed) = common::rng();
+    let (sq, sk) = (400, 512);
+    // Every query block picks among key blocks 0 and 2 (and entries outside the blocks).
+    let picks: Vec<i32> = (0..2 * 4 * 4).map(|n| [0, 2, -1, 9][n % 4]).collect();
+    let indices = Tensor::from_vec(picks, (2, 1, 4, 4), &CPU)?;
+    for spec in [None, Some(MaskSpec::causal())] {
+        let mask = BlockMask::from_block_indices(&indices, spec.as_ref(), sq, sk)?;
+        let opts = FlashAttnOptions::new(0.2).block_mask(Some(&mask));
+        for dtype in [DType::F32, DType::BF16] {
+            let [q, k, v, dout] = inputs(&mut rng, (2, sq, sk, 4, 2, 32), dtype)?;
+            let unread = |t: &Tensor| -> Result<Tensor> {
+                let nan = Tensor::full(f32::NAN, (2, 128, 2, 32), &CPU)?;
+                Tensor::cat(&[&t.narrow(1, 0, 128)?, &nan, &t.narrow(1, 256, 128)?, &nan], 1)
+            };
+            let x = [q, unread(&k)?, unread(&v)?, dout];
+            let ctx = format!("{spec:?} {dtype:?} (seed {seed})");
+            let (out, _, [dq, dk, dv]) = run(&x, &opts, dtype, true)?;
+            for (name, t) in [("out", &out), ("dq", &dq)] {
+                assert!(max_err(t, &t.zeros_like()?).is_finite(), "{name} holds a NaN: {ctx}");
+            }
+            for (name, t) in [("dk", &dk), ("dv", &dv)] {
+                for (start, unlisted) in [(0, false), (128, true), (256, false), (384, true)] {
+                    let part = t.narrow(1, start, 128)?;
+                    let e = max_err(&part, &part.zeros_like()?);
+                    assert!(e.is_finite() && (e == 0.0) == unlisted, "{name} keys {start}.. ({e:e}): {ctx}");
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -8,7 +8,7 @@ use super::fwd::{pack_pairs, pack_row_pairs};
 use super::kv::KvRows;
 use super::simd::{multiversion, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
 use super::{dense_f32, exp_shifted_sum, logits_row, transpose_rows, AlignedVec, CpuTiles, SharedMut};
-use crate::block_mask::{BlockClass, HostBlocks, BLOCK_SIZE};
+use crate::block_mask::{listed_key_tiles, BlockClass, HostBlocks, BLOCK_SIZE};
 use crate::inputs::BwdInputs;
 use crate::params::{AttnShape, FlashAttnOptions, HostData};
 use candle_core::{CpuStorage, DType, Layout, Result};
@@ -321,8 +321,16 @@ unsafe fn backward_head(
         *di = dot(isa, o, g);
     }
 
-    for j0 in (0..seq.k_len).step_by(k_tile) {
-        let cols = k_tile.min(seq.k_len - j0);
+    // With a block mask, only the key blocks some query block lists (the q lists), in tiles that
+    // hold no key of another block.
+    let key_tiles: Vec<(usize, usize)> = match blocks {
+        None => (0..seq.k_len).step_by(k_tile).map(|j0| (j0, k_tile.min(seq.k_len - j0))).collect(),
+        Some(blocks) => {
+            let listed = |kb: usize| blocks.q_row(b, head, kb).iter().any(|&c| c != BlockClass::Empty);
+            listed_key_tiles(seq.k_len.div_ceil(BLOCK_SIZE), listed, (0, seq.k_len), k_tile)
+        }
+    };
+    for (j0, cols) in key_tiles {
         // The rows that see some key of this tile form one interval (query ranges move
         // monotonically with the key); Q tiles outside it are skipped entirely. It starts at
         // an even row (the row before a range's start sees none of these keys: P = 0 there).

@@ -13,7 +13,7 @@ use super::fused::ProbsOut;
 use super::kv::KvRows;
 use super::simd::{bf16_pair, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
 use super::{dense_f32, exp_poly, logits_row, transpose_rows, AlignedVec, CpuTiles, OutBuf, OutPtr, SharedMut};
-use crate::block_mask::{BlockClass, HostBlocks, BLOCK_SIZE};
+use crate::block_mask::{listed_key_tiles, BlockClass, HostBlocks, BLOCK_SIZE};
 use crate::params::{AttnShape, FlashAttnOptions, HostData, RowKeys};
 use candle_core::{CpuStorage, DType, Layout, Result};
 use std::borrow::Cow;
@@ -521,32 +521,14 @@ unsafe fn forward_task(
 }
 
 /// The key tiles `(j0, cols)` of a task: `[k_lo, k_hi)` in tiles of `k_cols`, or with a block
-/// mask (`blocked`) only the runs of key blocks some query tile lists, each run cut to
-/// `[k_lo, k_hi)` and tiled from its start.
+/// mask (`blocked`) only the key blocks some query tile lists ([`listed_key_tiles`]).
 fn key_tiles(tiles: &[QueryTile], blocked: bool, (k_lo, k_hi): (usize, usize), k_cols: usize) -> Vec<(usize, usize)> {
-    let tiled = |(lo, hi): (usize, usize)| (lo..hi).step_by(k_cols).map(move |j0| (j0, k_cols.min(hi - j0)));
     if !blocked {
-        return tiled((k_lo, k_hi)).collect();
+        return (k_lo..k_hi).step_by(k_cols).map(|j0| (j0, k_cols.min(k_hi - j0))).collect();
     }
     let num_blocks = tiles.iter().map(|t| t.key_blocks.len()).max().unwrap_or(0);
     let listed = |c: usize| tiles.iter().any(|t| t.key_blocks[c] != KeyBlock::Unlisted);
-    let mut runs = vec![];
-    let mut c = 0;
-    while c < num_blocks {
-        if !listed(c) {
-            c += 1;
-            continue;
-        }
-        let start = c;
-        while c < num_blocks && listed(c) {
-            c += 1;
-        }
-        let (lo, hi) = ((start * BLOCK_SIZE).max(k_lo), (c * BLOCK_SIZE).min(k_hi));
-        if lo < hi {
-            runs.push((lo, hi));
-        }
-    }
-    runs.into_iter().flat_map(tiled).collect()
+    listed_key_tiles(num_blocks, listed, (k_lo, k_hi), k_cols)
 }
 
 /// -inf at the keys of a transposed score tile (`s_t`: keys from `j0` × `rows`, sequence `b`)
