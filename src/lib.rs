@@ -26,6 +26,10 @@
 //! FP8 (e4m3) inputs: [`fp8`] (quantization with per-tensor, per-head or per-block scales, a
 //! Hadamard rotation of q and k, and attention on the quantized tensors; forward only).
 //!
+//! Block-sparse attention: [`FlashAttnOptions::block_mask`] with a [`BlockMask`] (PyTorch
+//! FlexAttention's layout, built from [`MaskSpec`] rules or a model's top-k key blocks); forward
+//! and backward on the CPU so far, an error on CUDA ([`block_mask`]).
+//!
 //! `Tensor::backward()` through any of these functions gives dq, dk, dv; see [`op`] for how
 //! the backward reaches the forward's log-sum-exp without recomputing the forward.
 //!
