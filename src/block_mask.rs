@@ -109,24 +109,24 @@ impl MaskSpec {
 
     /// `self` and `other` both hold.
     pub fn and(self, other: MaskSpec) -> Self {
-        match self {
-            Self::And(mut rules) => {
-                rules.push(other);
-                Self::And(rules)
-            }
-            rule => Self::And(vec![rule, other]),
-        }
+        Self::And(self.chained(other, true))
     }
 
     /// `self` or `other` holds.
     pub fn or(self, other: MaskSpec) -> Self {
-        match self {
-            Self::Or(mut rules) => {
-                rules.push(other);
-                Self::Or(rules)
-            }
-            rule => Self::Or(vec![rule, other]),
-        }
+        Self::Or(self.chained(other, false))
+    }
+
+    /// The rules of a chain of `and`s (`and`) or `or`s with `other` appended: `self`'s own list
+    /// when it is already such a chain (flat, however long), else `self` alone.
+    fn chained(self, other: MaskSpec, and: bool) -> Vec<MaskSpec> {
+        let mut rules = match self {
+            Self::And(rules) if and => rules,
+            Self::Or(rules) if !and => rules,
+            rule => vec![rule],
+        };
+        rules.push(other);
+        rules
     }
 
     /// The rule with its data on the host, for lengths `(sq, sk)` and `batch` sequences (each
@@ -362,14 +362,10 @@ pub enum BlockClass {
 /// Cloning is cheap (the tensors and the host copy are shared).
 #[derive(Clone)]
 pub struct BlockMask {
-    kv_num_blocks: Tensor,
-    kv_indices: Tensor,
-    full_kv_num_blocks: Tensor,
-    full_kv_indices: Tensor,
-    q_num_blocks: Tensor,
-    q_indices: Tensor,
-    full_q_num_blocks: Tensor,
-    full_q_indices: Tensor,
+    /// Each query block's key blocks (`kv_*`, `full_kv_*`).
+    kv: BlockLists,
+    /// Each key block's query blocks (`q_*`, `full_q_*`).
+    q: BlockLists,
     seqlen_q: usize,
     seqlen_k: usize,
     spec: Option<MaskSpec>,
@@ -377,6 +373,17 @@ pub struct BlockMask {
     eval: Option<Arc<MaskEval>>,
     /// The block classes read back from the lists, on first use by the CPU path.
     host: Arc<OnceLock<Arc<HostBlocks>>>,
+}
+
+/// One direction's lists: for every block of one axis (the rows) its partly and fully visible
+/// blocks of the other (`width` of them), as counts `[B, H, rows]` and ascending indices
+/// `[B, H, rows, width]`.
+#[derive(Clone)]
+struct BlockLists {
+    num_blocks: Tensor,
+    indices: Tensor,
+    full_num_blocks: Tensor,
+    full_indices: Tensor,
 }
 
 impl std::fmt::Debug for BlockMask {
@@ -482,8 +489,8 @@ impl BlockMask {
         device: &Device,
     ) -> Result<Self> {
         let (qb, kb) = (seqlen_q.div_ceil(BLOCK_SIZE), seqlen_k.div_ceil(BLOCK_SIZE));
-        // (counts, indices) of `class` along the rows of a (rows × width) view of one (b, h),
-        // `at(r, c)` its class at row r, column c.
+        // The lists of `class` along the rows of a (rows × width) view of each (b, h)'s classes
+        // (transposed: the key blocks are the rows).
         let lists = |class: BlockClass, (rows, width): (usize, usize), transposed: bool| {
             let mut counts = vec![0i32; batch * heads * rows];
             let mut indices = vec![0i32; batch * heads * rows * width];
@@ -506,62 +513,50 @@ impl BlockMask {
             let indices = Tensor::from_vec(indices, (batch, heads, rows, width), device)?;
             Ok::<_, candle_core::Error>((counts, indices))
         };
-        let (kv_num_blocks, kv_indices) = lists(BlockClass::Partial, (qb, kb), false)?;
-        let (full_kv_num_blocks, full_kv_indices) = lists(BlockClass::Full, (qb, kb), false)?;
-        let (q_num_blocks, q_indices) = lists(BlockClass::Partial, (kb, qb), true)?;
-        let (full_q_num_blocks, full_q_indices) = lists(BlockClass::Full, (kb, qb), true)?;
+        let both = |dims: (usize, usize), transposed: bool| {
+            let (num_blocks, indices) = lists(BlockClass::Partial, dims, transposed)?;
+            let (full_num_blocks, full_indices) = lists(BlockClass::Full, dims, transposed)?;
+            Ok::<_, candle_core::Error>(BlockLists { num_blocks, indices, full_num_blocks, full_indices })
+        };
+        let (kv, q) = (both((qb, kb), false)?, both((kb, qb), true)?);
         let (spec, eval) = match spec {
             Some((spec, eval)) => (Some(spec.clone()), Some(Arc::new(eval))),
             None => (None, None),
         };
-        Ok(Self {
-            kv_num_blocks,
-            kv_indices,
-            full_kv_num_blocks,
-            full_kv_indices,
-            q_num_blocks,
-            q_indices,
-            full_q_num_blocks,
-            full_q_indices,
-            seqlen_q,
-            seqlen_k,
-            spec,
-            eval,
-            host: Arc::default(),
-        })
+        Ok(Self { kv, q, seqlen_q, seqlen_k, spec, eval, host: Arc::default() })
     }
 
     /// i32 `[B, H, Qb]`: each query block's number of partly visible key blocks.
     pub fn kv_num_blocks(&self) -> &Tensor {
-        &self.kv_num_blocks
+        &self.kv.num_blocks
     }
     /// i32 `[B, H, Qb, Kb]`: each query block's partly visible key blocks, ascending.
     pub fn kv_indices(&self) -> &Tensor {
-        &self.kv_indices
+        &self.kv.indices
     }
     /// i32 `[B, H, Qb]`: each query block's number of fully visible key blocks.
     pub fn full_kv_num_blocks(&self) -> &Tensor {
-        &self.full_kv_num_blocks
+        &self.kv.full_num_blocks
     }
     /// i32 `[B, H, Qb, Kb]`: each query block's fully visible key blocks, ascending.
     pub fn full_kv_indices(&self) -> &Tensor {
-        &self.full_kv_indices
+        &self.kv.full_indices
     }
     /// i32 `[B, H, Kb]`: each key block's number of partly visible query blocks.
     pub fn q_num_blocks(&self) -> &Tensor {
-        &self.q_num_blocks
+        &self.q.num_blocks
     }
     /// i32 `[B, H, Kb, Qb]`: each key block's partly visible query blocks, ascending.
     pub fn q_indices(&self) -> &Tensor {
-        &self.q_indices
+        &self.q.indices
     }
     /// i32 `[B, H, Kb]`: each key block's number of fully visible query blocks.
     pub fn full_q_num_blocks(&self) -> &Tensor {
-        &self.full_q_num_blocks
+        &self.q.full_num_blocks
     }
     /// i32 `[B, H, Kb, Qb]`: each key block's fully visible query blocks, ascending.
     pub fn full_q_indices(&self) -> &Tensor {
-        &self.full_q_indices
+        &self.q.full_indices
     }
     /// The query and key lengths it was built for.
     pub fn seqlens(&self) -> (usize, usize) {
@@ -569,7 +564,7 @@ impl BlockMask {
     }
     /// Its batch and head counts (each 1 where it broadcasts).
     pub fn batch_heads(&self) -> (usize, usize) {
-        (self.kv_num_blocks.dims()[0], self.kv_num_blocks.dims()[1])
+        (self.kv.num_blocks.dims()[0], self.kv.num_blocks.dims()[1])
     }
     /// The number of query and key blocks.
     pub fn num_blocks(&self) -> (usize, usize) {
@@ -580,14 +575,14 @@ impl BlockMask {
         self.spec.as_ref()
     }
     pub fn device(&self) -> &Device {
-        self.kv_num_blocks.device()
+        self.kv.num_blocks.device()
     }
 
     /// The fraction of the score matrix's blocks that are visited (partial or full), over every
     /// (batch, head) of the mask: what the attention through it costs relative to dense.
     pub fn density(&self) -> Result<f64> {
-        let listed = (self.kv_num_blocks.to_dtype(DType::F64)?.sum_all()?
-            + self.full_kv_num_blocks.to_dtype(DType::F64)?.sum_all()?)?
+        let listed = (self.kv.num_blocks.to_dtype(DType::F64)?.sum_all()?
+            + self.kv.full_num_blocks.to_dtype(DType::F64)?.sum_all()?)?
         .to_scalar::<f64>()?;
         let (qb, kb) = self.num_blocks();
         let (b, h) = self.batch_heads();
@@ -663,9 +658,11 @@ impl HostBlocks {
     fn read(mask: &BlockMask) -> Result<Self> {
         let (batch, heads) = mask.batch_heads();
         let (q_blocks, k_blocks) = mask.num_blocks();
-        let read = |partial: (&Tensor, &Tensor), full: (&Tensor, &Tensor), (rows, width): (usize, usize), what| {
+        let read = |lists: &BlockLists, (rows, width): (usize, usize), what| {
             let mut class = vec![BlockClass::Empty; batch * heads * rows * width];
-            for (kind, (counts, indices)) in [(BlockClass::Partial, partial), (BlockClass::Full, full)] {
+            let partial = (BlockClass::Partial, (&lists.num_blocks, &lists.indices));
+            let full = (BlockClass::Full, (&lists.full_num_blocks, &lists.full_indices));
+            for (kind, (counts, indices)) in [partial, full] {
                 let counts = counts.flatten_all()?.to_vec1::<i32>()?;
                 let indices = indices.flatten_all()?.to_vec1::<i32>()?;
                 if counts.len() != batch * heads * rows || indices.len() != counts.len() * width {
@@ -690,18 +687,8 @@ impl HostBlocks {
             }
             Ok::<_, candle_core::Error>(class)
         };
-        let kv_class = read(
-            (&mask.kv_num_blocks, &mask.kv_indices),
-            (&mask.full_kv_num_blocks, &mask.full_kv_indices),
-            (q_blocks, k_blocks),
-            "kv",
-        )?;
-        let q_class = read(
-            (&mask.q_num_blocks, &mask.q_indices),
-            (&mask.full_q_num_blocks, &mask.full_q_indices),
-            (k_blocks, q_blocks),
-            "q",
-        )?;
+        let kv_class = read(&mask.kv, (q_blocks, k_blocks), "kv")?;
+        let q_class = read(&mask.q, (k_blocks, q_blocks), "q")?;
         Ok(Self { batch, heads, q_blocks, k_blocks, kv_class, q_class, eval: mask.eval.clone() })
     }
 

@@ -276,6 +276,15 @@ fn check(x: &[Tensor; 4], opts: &FlashAttnOptions, dtype: DType, ctx: &str) -> R
     Ok((flash.0, flash.2))
 }
 
+/// [`check`] of attention through `mask` alone, on fresh inputs of `dims` in each of `dtypes`.
+fn check_dtypes(rng: &mut StdRng, mask: &BlockMask, dims: Dims, dtypes: &[DType], ctx: &str) -> Result<()> {
+    let opts = FlashAttnOptions::new(0.17).block_mask(Some(mask));
+    for &dtype in dtypes {
+        check(&inputs(rng, dims, dtype)?, &opts, dtype, &format!("{ctx} {dtype:?}"))?;
+    }
+    Ok(())
+}
+
 /// Every rule and combination at tile-breaking lengths, Sq ≠ Sk included, f32; bf16 at two of them.
 #[test]
 fn every_rule_matches_the_reference() -> Result<()> {
@@ -285,11 +294,13 @@ fn every_rule_matches_the_reference() -> Result<()> {
             if [(113, 300), (300, 113)].contains(&(sq, sk)) { &[DType::F32, DType::BF16] } else { &[DType::F32] };
         for (name, spec) in rules(&mut rng, 2, (sq, sk))? {
             let mask = BlockMask::from_spec(&spec, 2, 1, sq, sk, &CPU)?;
-            let opts = FlashAttnOptions::new(0.17).block_mask(Some(&mask));
-            for &dtype in dtypes {
-                let x = inputs(&mut rng, (2, sq, sk, 2, 1, 32), dtype)?;
-                check(&x, &opts, dtype, &format!("{name} ({sq}, {sk}) {dtype:?} (seed {seed})"))?;
-            }
+            check_dtypes(
+                &mut rng,
+                &mask,
+                (2, sq, sk, 2, 1, 32),
+                dtypes,
+                &format!("{name} ({sq}, {sk}) (seed {seed})"),
+            )?;
         }
     }
     Ok(())
@@ -304,11 +315,8 @@ fn top_k_blocks_match_the_reference() -> Result<()> {
         for (spec, u32s) in [(None, true), (Some(MaskSpec::causal()), false)] {
             let indices = top_k(&mut rng, (2, 4), (sq, sk), 2, u32s)?;
             let mask = BlockMask::from_block_indices(&indices, spec.as_ref(), sq, sk)?;
-            let opts = FlashAttnOptions::new(0.17).block_mask(Some(&mask));
-            for dtype in [DType::F32, DType::BF16] {
-                let x = inputs(&mut rng, (2, sq, sk, 4, 2, 48), dtype)?;
-                check(&x, &opts, dtype, &format!("top-k {spec:?} ({sq}, {sk}) {dtype:?} (seed {seed})"))?;
-            }
+            let ctx = format!("top-k {spec:?} ({sq}, {sk}) (seed {seed})");
+            check_dtypes(&mut rng, &mask, (2, sq, sk, 4, 2, 48), &[DType::F32, DType::BF16], &ctx)?;
         }
     }
     Ok(())
