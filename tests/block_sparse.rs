@@ -516,3 +516,37 @@ fn unlisted_key_blocks_are_never_read() -> Result<()> {
     }
     Ok(())
 }
+
+/// Through a block mask, the sinks' gradient (sinks as a `Var`) matches the reference's, and the
+/// explicit backward gives autograd's gradients.
+#[test]
+fn sinks_gradient_and_explicit_backward() -> Result<()> {
+    let (mut rng, seed) = common::rng();
+    let (sq, sk) = (260, 300);
+    let mask = BlockMask::from_spec(&MaskSpec::causal().and(MaskSpec::chunked(100)), 1, 1, sq, sk, &CPU)?;
+    let x = inputs(&mut rng, (2, sq, sk, 4, 2, 32), DType::F32)?;
+    let sink_logits = Tensor::new(&[0.5f32, -1.0, 2.0, 0.0], &CPU)?;
+    let dsinks = |dtype: DType, flash: bool| -> Result<Tensor> {
+        let sinks = Var::from_tensor(&sink_logits)?;
+        let opts = FlashAttnOptions::new(0.2).block_mask(Some(&mask)).sinks(Some(sinks.as_tensor()));
+        let [q, k, v, dout] = x.clone().map(|t| t.to_dtype(dtype).unwrap());
+        let out =
+            if flash { flash_attn_with_lse(&q, &k, &v, &opts)?.0 } else { reference::attention(&q, &k, &v, &opts)? };
+        let grads = (&out * &dout)?.sum_all()?.backward()?;
+        Ok(grads.get(&sinks).expect("the sinks' gradient").clone())
+    };
+    let (truth, naive, flash) = (dsinks(DType::F64, false)?, dsinks(DType::F32, false)?, dsinks(DType::F32, true)?);
+    let (ef, en) = (max_err(&flash, &truth), max_err(&naive, &truth));
+    // dsinks sums a term over every row of a head (as in tests/parity.rs).
+    let tol = 3.0 * en + floor(DType::F32, true) * ((2 * sq) as f64).sqrt();
+    assert!(ef <= tol, "dsinks error {ef:.3e} > {tol:.3e} (naive {en:.3e}, seed {seed})");
+
+    let opts = FlashAttnOptions::new(0.2).block_mask(Some(&mask)).sinks(Some(&sink_logits));
+    let (out, _, autograd) = run(&x, &opts, DType::F32, true)?;
+    let lse = flash_attn_with_lse(&x[0], &x[1], &x[2], &opts)?.1;
+    let (dq, dk, dv) = candle_flash::flash_attn_backward(&x[0], &x[1], &x[2], &out.detach(), &x[3], &lse, &opts)?;
+    for (name, explicit, auto) in [("dq", &dq, &autograd[0]), ("dk", &dk, &autograd[1]), ("dv", &dv, &autograd[2])] {
+        assert!(max_err(explicit, auto) == 0.0, "{name}: the explicit backward differs from autograd's (seed {seed})");
+    }
+    Ok(())
+}
