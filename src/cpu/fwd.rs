@@ -320,6 +320,15 @@ unsafe fn forward_task(
         t.row_sum[..rows].fill(0.0);
         if let Some(blocks) = blocks {
             key_blocks(blocks, b, kv_head * group..(kv_head + 1) * group, (t.i0, t.q_rows), &mut t.key_blocks);
+            // The tile's keys end at its last listed key block and start at its first (a key
+            // tile that reaches past the last one is cut there, not computed and masked).
+            let listed = |kb: &KeyBlock| *kb != KeyBlock::Unlisted;
+            let first = t.key_blocks.iter().position(listed).unwrap_or(0);
+            let end = t.key_blocks.iter().rposition(listed).map_or(0, |kb| kb + 1);
+            t.keys = (t.keys.0.max(first * BLOCK_SIZE), t.keys.1.min(end * BLOCK_SIZE));
+            if t.keys.1 <= t.keys.0 {
+                t.keys = (0, 0);
+            }
         }
     }
     let plain_logits = opts.softcap.is_none() && !host.has_alibi();
@@ -531,8 +540,8 @@ fn key_tiles(tiles: &[QueryTile], blocked: bool, (k_lo, k_hi): (usize, usize), k
     listed_key_tiles(num_blocks, listed, (k_lo, k_hi), k_cols)
 }
 
-/// -inf at the keys of a transposed score tile (`s_t`: keys from `j0` × `rows`, sequence `b`)
-/// that the block mask hides from their row: every key of a block no row lists, and in the
+/// -inf at the keys of a transposed score tile (`s_t`: keys `j0..j0 + cols` × `rows`, sequence
+/// `b`) that the block mask hides from their row: every key of a block no row lists, and in the
 /// mixed blocks the rows whose block is empty or whose partial block's rule hides the key.
 /// `row_at(r)`: the query head and row of tile row r.
 fn mask_blocks_t(
@@ -542,22 +551,28 @@ fn mask_blocks_t(
     key_blocks: &[KeyBlock],
     row_at: impl Fn(usize) -> (usize, usize),
 ) {
-    for (c, key) in s_t.chunks_exact_mut(rows).enumerate() {
-        let j = j0 + c;
-        let kb = j / BLOCK_SIZE;
-        match key_blocks[kb] {
-            KeyBlock::Full => {}
-            KeyBlock::Unlisted => key.fill(f32::NEG_INFINITY),
-            KeyBlock::Mixed => {
-                for (r, x) in key.iter_mut().enumerate() {
-                    let (head, i) = row_at(r);
-                    let seen = match blocks.kv_row(b, head, i / BLOCK_SIZE)[kb] {
-                        BlockClass::Empty => false,
-                        BlockClass::Full => true,
-                        BlockClass::Partial => blocks.partial_visible(b, head, i, j),
-                    };
-                    if !seen {
-                        *x = f32::NEG_INFINITY;
+    let cols = s_t.len() / rows;
+    // The tile's part of each key block it touches: keys [lo, hi) of block kb.
+    let parts = (j0 / BLOCK_SIZE..(j0 + cols).div_ceil(BLOCK_SIZE))
+        .map(|kb| (kb, (kb * BLOCK_SIZE).max(j0), ((kb + 1) * BLOCK_SIZE).min(j0 + cols)));
+    for (_, lo, hi) in parts.clone().filter(|&(kb, ..)| key_blocks[kb] == KeyBlock::Unlisted) {
+        s_t[(lo - j0) * rows..(hi - j0) * rows].fill(f32::NEG_INFINITY);
+    }
+    if !parts.clone().any(|(kb, ..)| key_blocks[kb] == KeyBlock::Mixed) {
+        return;
+    }
+    // Row by row in the mixed blocks: each row's classes looked up once, the rule evaluated
+    // per element of its partial blocks only.
+    for r in 0..rows {
+        let (head, i) = row_at(r);
+        let classes = blocks.kv_row(b, head, i / BLOCK_SIZE);
+        for (kb, lo, hi) in parts.clone().filter(|&(kb, ..)| key_blocks[kb] == KeyBlock::Mixed) {
+            match classes[kb] {
+                BlockClass::Full => {}
+                BlockClass::Empty => (lo..hi).for_each(|j| s_t[(j - j0) * rows + r] = f32::NEG_INFINITY),
+                BlockClass::Partial => {
+                    for j in (lo..hi).filter(|&j| !blocks.partial_visible(b, head, i, j)) {
+                        s_t[(j - j0) * rows + r] = f32::NEG_INFINITY;
                     }
                 }
             }
