@@ -44,7 +44,8 @@ use std::sync::{Arc, OnceLock};
 /// Query rows and keys of one mask block: 128 × 128, FlexAttention's default block size, the
 /// same on every device. It is a multiple of every tile of the CUDA kernels (64 or 128 query rows,
 /// 32 to 128 keys), so a kernel tile lies in one block and is visited whole, skipped whole, or
-/// masked by the rule; the CPU kernels start their key tiles at block edges for the same reason.
+/// masked by the rule. The CPU kernels cut their key tiles from the runs of key blocks that some
+/// query block lists, so a key block that none lists is never read.
 pub const BLOCK_SIZE: usize = 128;
 
 /// An element rule: which key `j` query row `i` of sequence `b` sees, as data (the GPU kernels
@@ -146,6 +147,8 @@ pub struct MaskEval {
     sk: usize,
 }
 
+/// A [`MaskSpec`] with its data read to the host (per-sequence data: one row per batch entry,
+/// or one row for every sequence).
 #[derive(Clone, Debug)]
 enum Rule {
     Causal,
