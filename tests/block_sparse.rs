@@ -460,6 +460,15 @@ fn bad_block_masks_are_errors() -> Result<()> {
     assert!(e.contains("prefix") && e.contains("[3]"), "{e}");
     let e = err_text(BlockMask::from_spec(&MaskSpec::causal(), 0, 1, 200, 300, &CPU));
     assert!(e.contains("batch 0"), "{e}");
+    // On CUDA, for now, the call says where block masks run.
+    if let Some(gpu) = common::cuda_device() {
+        let mask = BlockMask::from_spec(&MaskSpec::causal(), 1, 1, 200, 300, &gpu)?;
+        let (q, k) = (q.to_device(&gpu)?, k.to_device(&gpu)?);
+        let e = err_text(flash_attn_with_lse(&q, &k, &k, &FlashAttnOptions::new(0.25).block_mask(Some(&mask))));
+        assert!(e.contains("block masks run on the CPU only"), "{e}");
+        let e = err_text(flash_attn_with_lse(&q, &k, &k, &FlashAttnOptions::new(0.25).block_mask(Some(&ok))));
+        assert!(e.contains("block masks run on the CPU only") || e.contains("block_mask is on"), "{e}");
+    }
     Ok(())
 }
 
