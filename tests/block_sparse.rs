@@ -559,3 +559,21 @@ fn sinks_gradient_and_explicit_backward() -> Result<()> {
     }
     Ok(())
 }
+
+/// Empty query or key sequences: masks with no blocks on that axis, zero outputs and gradients.
+#[test]
+fn empty_sequences() -> Result<()> {
+    let (mut rng, seed) = common::rng();
+    for (sq, sk) in [(0, 5), (5, 0), (0, 0)] {
+        let mask = BlockMask::from_spec(&MaskSpec::causal().or(MaskSpec::global_tokens(2)), 1, 1, sq, sk, &CPU)?;
+        assert_eq!(mask.num_blocks(), (sq.div_ceil(BLOCK_SIZE), sk.div_ceil(BLOCK_SIZE)));
+        let opts = FlashAttnOptions::new(0.3).block_mask(Some(&mask));
+        let x = inputs(&mut rng, (2, sq, sk, 2, 1, 8), DType::F32)?;
+        let (out, _, [dq, dk, dv]) = run(&x, &opts, DType::F32, true)?;
+        assert_eq!(out.dims(), &[2, sq, 2, 8]);
+        for t in [&out, &dq, &dk, &dv] {
+            assert!(max_err(t, &t.zeros_like()?) == 0.0, "({sq}, {sk}) (seed {seed})");
+        }
+    }
+    Ok(())
+}
