@@ -316,10 +316,12 @@ fn read_u32_rows(what: &str, t: &Tensor, batch: usize, len: usize) -> Result<Vec
 }
 
 impl MaskEval {
-    /// Whether query row `i` of sequence `b` sees key `j` (`h`: the query head; no rule depends
-    /// on it yet, the layout does: a mask may differ per head). `b` indexes the rule's data
-    /// (an axis of 1 broadcasts).
-    pub fn visible(&self, b: usize, _h: usize, i: usize, j: usize) -> bool {
+    /// Whether query row `i` of sequence `b`, query head `head`, sees key `j`. `b` indexes the
+    /// rule's data (an axis of 1 broadcasts).
+    pub fn visible(&self, b: usize, head: usize, i: usize, j: usize) -> bool {
+        // No rule depends on the head yet; the layout does (a mask may differ per head), so the
+        // element function takes it.
+        let _ = head;
         self.rule.visible(b, (i, self.pos(i)), j)
     }
 
