@@ -26,6 +26,10 @@
 //! FP8 (e4m3) inputs: [`fp8`] (quantization with per-tensor, per-head or per-block scales, a
 //! Hadamard rotation of q and k, and attention on the quantized tensors; forward only).
 //!
+//! Block-sparse attention: [`FlashAttnOptions::block_mask`] with a [`BlockMask`] (PyTorch
+//! FlexAttention's layout, built from [`MaskSpec`] rules or a model's top-k key blocks); forward
+//! and backward on the CPU so far, an error on CUDA ([`block_mask`]).
+//!
 //! `Tensor::backward()` through any of these functions gives dq, dk, dv; see [`op`] for how
 //! the backward reaches the forward's log-sum-exp without recomputing the forward.
 //!
@@ -40,6 +44,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+pub mod block_mask;
 pub mod compat;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -53,6 +58,7 @@ pub mod params;
 pub mod reference;
 pub mod serving_params;
 
+pub use block_mask::{BlockMask, MaskEval, MaskSpec};
 pub use paged::{rope_write_paged_kv, write_paged_kv};
 pub use params::{
     FlashAttnOptions, PagedKv, VarLen, CHECK_DEVICE_DATA_ENV, MAX_CUDA_GRID_YZ, MAX_CUDA_HEAD_DIM, MAX_CUDA_SEQLEN_SUM,

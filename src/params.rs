@@ -14,9 +14,10 @@
 //! clamped by the kernels). `mm_prefix_ranges` is forward only too: [`validate_backward`]
 //! rejects any backward through either.
 
+use crate::block_mask::{BlockMask, HostBlocks};
 use crate::inputs::BwdInputs;
 use candle_core::{bail, DType, Device, Error, Tensor};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// On CUDA, max_seqlen_q + max_seqlen_k must stay below this (2^29): the kernels' mask
 /// arithmetic is 32-bit (`kernels/common/mask.cuh`, checked again in `kernels/dispatch.cu`).
@@ -102,6 +103,13 @@ pub struct FlashAttnOptions {
     /// through `Tensor::backward()` when the tensor is a `Var`, and from [`crate::flash_attn_grads`].
     /// Values must be finite (checked where the device-data policy reads values: always on the CPU).
     pub sinks: Option<Tensor>,
+    /// Block-sparse attention ([`BlockMask`], FlexAttention's layout): a query sees a key only
+    /// where the mask's block lists and rule allow it *and* every other option does (the
+    /// intersection of the masks). The CPU kernels visit only the listed key blocks of each
+    /// query block. Batched layout only (no varlen, paged K/V or `mm_prefix_ranges` with it
+    /// yet); built for the call's Sq and Sk, its batch and head axes 1 or the call's. CPU only
+    /// so far: on CUDA it is an error until the kernels read the lists.
+    pub block_mask: Option<BlockMask>,
     /// Backward only: give bit-identical gradients run to run (no order-dependent atomics). On
     /// Hopper dQ's additions then go in key-block order inside the dK/dV kernel (about 0.7-0.8x
     /// the default backward's speed); elsewhere a separate dQ pass runs.
@@ -136,6 +144,7 @@ impl FlashAttnOptions {
             paged: None,
             mm_prefix_ranges: None,
             sinks: None,
+            block_mask: None,
             deterministic: false,
             check_device_data: false,
         }
@@ -183,6 +192,12 @@ impl FlashAttnOptions {
     /// Learnable attention sinks, f32 `[H]` (see the field [`FlashAttnOptions::sinks`]).
     pub fn sinks(mut self, sinks: Option<&Tensor>) -> Self {
         self.sinks = sinks.cloned();
+        self
+    }
+
+    /// Attention through a block mask (see the field [`FlashAttnOptions::block_mask`]).
+    pub fn block_mask(mut self, mask: Option<&BlockMask>) -> Self {
+        self.block_mask = mask.cloned();
         self
     }
 
@@ -267,6 +282,8 @@ pub struct HostData {
     prefix_ranges: Option<Vec<Vec<(i64, i64)>>>,
     /// The sink logit of each query head (checked finite).
     sinks: Option<Vec<f32>>,
+    /// The block mask's classes and rule on the host.
+    pub(crate) block_mask: Option<Arc<HostBlocks>>,
 }
 
 impl HostData {
@@ -712,6 +729,10 @@ fn validate_inner(
         }
     }
 
+    if let Some(mask) = &opts.block_mask {
+        check_block_mask(mask, opts, q.device(), kernels_on_cuda, (batch, num_heads), (max_seqlen_q, max_seqlen_k))?;
+    }
+
     let host = if read_device_data { Some(read_host_data(q, k, opts, batch, num_heads)?) } else { None };
 
     Ok(AttnShape {
@@ -730,6 +751,49 @@ fn validate_inner(
         alibi_per_batch: opts.alibi_slopes.as_ref().is_some_and(|s| s.rank() == 2),
         host,
     })
+}
+
+/// The checks of a block mask against the call: where it runs, the layout, its device, the
+/// lengths it was built for and its batch and head axes (1 or the call's).
+fn check_block_mask(
+    mask: &BlockMask,
+    opts: &FlashAttnOptions,
+    device: &Device,
+    kernels_on_cuda: bool,
+    (batch, num_heads): (usize, usize),
+    (seqlen_q, seqlen_k): (usize, usize),
+) -> candle_core::Result<()> {
+    if kernels_on_cuda {
+        bail!(
+            "candle-flash: block masks run on the CPU only so far (the CUDA kernels do not read them yet): \
+             run this call on the CPU, or without block_mask"
+        )
+    }
+    if opts.varlen.is_some() {
+        bail!(
+            "candle-flash: a block mask needs the batched layout (q (batch, seq, heads, head_dim)): \
+             varlen and paged K/V with a block mask are not supported yet"
+        )
+    }
+    if opts.mm_prefix_ranges.is_some() {
+        bail!("candle-flash: mm_prefix_ranges with a block mask is not supported yet")
+    }
+    check_same_device("block_mask", mask.kv_num_blocks(), device)?;
+    if mask.seqlens() != (seqlen_q, seqlen_k) {
+        bail!(
+            "candle-flash: the block mask was built for seqlen_q {} and seqlen_k {}, but the call has {seqlen_q} and {seqlen_k}",
+            mask.seqlens().0,
+            mask.seqlens().1
+        )
+    }
+    let (mask_batch, mask_heads) = mask.batch_heads();
+    if ![1, batch].contains(&mask_batch) || ![1, num_heads].contains(&mask_heads) {
+        bail!(
+            "candle-flash: the block mask has batch {mask_batch} and heads {mask_heads}, which do not broadcast \
+             to the call's batch {batch} and {num_heads} query heads (each must be 1 or the call's)"
+        )
+    }
+    Ok(())
 }
 
 /// Shape-only checks of a paged cache (k is `(num_blocks, page_block_size, Hkv, D)`, rank
@@ -860,7 +924,8 @@ fn read_host_data(
             Some(values)
         }
     };
-    Ok(HostData { seqs, alibi, num_heads, pages, prefix_ranges, sinks })
+    let block_mask = opts.block_mask.as_ref().map(BlockMask::host).transpose()?;
+    Ok(HostData { seqs, alibi, num_heads, pages, prefix_ranges, sinks, block_mask })
 }
 
 /// Checks the extra tensors of a backward call (out, grad_out, lse) against the forward's shape.

@@ -4,6 +4,7 @@
 //! and the Llama block (`AttnImpl::Naive`). It computes in the dtype of its inputs: convert
 //! them to f64 for a ground truth.
 
+use crate::block_mask::HostBlocks;
 use crate::params::{validate_reference, AttnShape, FlashAttnOptions, HostData, SeqSpan};
 use candle_core::{DType, Result, Tensor, D};
 
@@ -93,7 +94,13 @@ fn attention_impl(
         let qs = qp.narrow(0, seq.q_start, seq.q_len)?;
         let ks = kp.narrow(0, seq.k_start, seq.k_len)?;
         let vs = vp.narrow(0, seq.k_start, seq.k_len)?;
-        let visible = Visible { opts, shape: &shape, seq, prefix_ranges: prefix_ranges.as_ref().map(|r| &r[b][..]) };
+        let visible = Visible {
+            opts,
+            shape: &shape,
+            seq,
+            prefix_ranges: prefix_ranges.as_ref().map(|r| &r[b][..]),
+            block_mask: host.block_mask.as_deref().map(|m| (m, b)),
+        };
         let (o, lse) = sequence_attention(&qs, &ks, &vs, opts, (&shape, host), &visible, b, (want_lse, p_e4m3))?;
         outs.push(o);
         lses.extend(lse);
@@ -115,12 +122,26 @@ struct Visible<'a> {
     seq: &'a SeqSpan,
     /// This sequence's `mm_prefix_ranges` rows, `[start, end]` pairs as given.
     prefix_ranges: Option<&'a [Vec<i32>]>,
+    /// The block mask and this sequence's index: its dense element mask (the block lists and,
+    /// in partial blocks, the rule), intersected with the rest.
+    block_mask: Option<(&'a HostBlocks, usize)>,
 }
 
 impl Visible<'_> {
     /// The causal/window mask, or (candle-flash-attn's multimodal prefixes) query position and
-    /// key both inside one `[start, end)` range, the key below Sk.
-    fn get(&self, i: usize, j: usize) -> bool {
+    /// key both inside one `[start, end)` range, the key below Sk; and the block mask's element
+    /// mask for query head `h`.
+    fn get(&self, h: usize, i: usize, j: usize) -> bool {
+        self.block_mask.is_none_or(|(mask, b)| mask.visible(b, h, i, j)) && self.options_mask(i, j)
+    }
+
+    /// Whether the block mask differs per head (then so does the bias).
+    fn per_head(&self) -> bool {
+        self.block_mask.is_some_and(|(mask, _)| mask.per_head())
+    }
+
+    /// Every mask but the block mask (the same for every head).
+    fn options_mask(&self, i: usize, j: usize) -> bool {
         let (lo, hi) = self.shape.key_range(self.opts, self.seq, i);
         let pos = i as i64 + self.seq.diag_offset() as i64;
         let in_prefix = self.prefix_ranges.is_some_and(|ranges| {
@@ -138,11 +159,11 @@ impl Visible<'_> {
 fn bias((shape, host): (&AttnShape, &HostData), visible: &Visible, b: usize) -> Option<(Vec<f32>, usize)> {
     let seq = visible.seq;
     let (sq, sk) = (seq.q_len, seq.k_len);
-    let unmasked = (0..sq).all(|i| (0..sk).all(|j| visible.get(i, j)));
+    let heads = if host.has_alibi() || visible.per_head() { shape.num_heads } else { 1 };
+    let unmasked = (0..heads).all(|h| (0..sq).all(|i| (0..sk).all(|j| visible.get(h, i, j))));
     if unmasked && !host.has_alibi() {
         return None;
     }
-    let heads = if host.has_alibi() { shape.num_heads } else { 1 };
     let mut out = vec![0f32; heads * sq * sk];
     for head in 0..heads {
         let slope = host.alibi_slope(b, head);
@@ -150,7 +171,7 @@ fn bias((shape, host): (&AttnShape, &HostData), visible: &Visible, b: usize) -> 
             let pos = i as isize + seq.diag_offset();
             let row = &mut out[(head * sq + i) * sk..(head * sq + i + 1) * sk];
             for (j, x) in row.iter_mut().enumerate() {
-                *x = if !visible.get(i, j) {
+                *x = if !visible.get(head, i, j) {
                     f32::NEG_INFINITY
                 } else if let Some(slope) = slope {
                     -slope * (pos - j as isize).unsigned_abs() as f32
@@ -207,7 +228,7 @@ fn sequence_attention(
         let bias = Tensor::from_vec(bias, (heads, sq, sk), q.device())?.to_dtype(dtype)?;
         s = s.broadcast_add(&bias)?;
     }
-    let no_empty_row = (0..sq).all(|i| (0..sk).any(|j| visible.get(i, j)));
+    let no_empty_row = (0..h).all(|head| (0..sq).all(|i| (0..sk).any(|j| visible.get(head, i, j))));
     let tracked = [q, k, v].iter().any(|t| t.track_op());
     if !want_lse && !tracked && no_empty_row && !p_e4m3 && sinks.is_none() {
         // Inference without empty rows: candle's fused softmax (no backward, no LSE needed).

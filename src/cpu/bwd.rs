@@ -8,6 +8,7 @@ use super::fwd::{pack_pairs, pack_row_pairs};
 use super::kv::KvRows;
 use super::simd::{multiversion, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
 use super::{dense_f32, exp_shifted_sum, logits_row, transpose_rows, AlignedVec, CpuTiles, SharedMut};
+use crate::block_mask::{listed_key_tiles, BlockClass, HostBlocks, BLOCK_SIZE};
 use crate::inputs::BwdInputs;
 use crate::params::{AttnShape, FlashAttnOptions, HostData};
 use candle_core::{CpuStorage, DType, Layout, Result};
@@ -267,6 +268,7 @@ unsafe fn backward_head(
     let q_off = |i: usize| (seq.q_start + i) * q_rs + head * d;
     let dkv_off = |j: usize| (seq.k_start + j) * q_rs + head * d;
     let alibi = host.alibi_slope(b, head);
+    let blocks = host.block_mask.as_deref();
     let scale = opts.softmax_scale;
     let Scratch {
         k_head,
@@ -319,13 +321,29 @@ unsafe fn backward_head(
         *di = dot(isa, o, g);
     }
 
-    for j0 in (0..seq.k_len).step_by(k_tile) {
-        let cols = k_tile.min(seq.k_len - j0);
+    // With a block mask, only the key blocks some query block lists (the q lists), in tiles that
+    // hold no key of another block.
+    let key_tiles: Vec<(usize, usize)> = match blocks {
+        None => (0..seq.k_len).step_by(k_tile).map(|j0| (j0, k_tile.min(seq.k_len - j0))).collect(),
+        Some(blocks) => {
+            let listed = |kb: usize| blocks.q_row(b, head, kb).iter().any(|&c| c != BlockClass::Empty);
+            listed_key_tiles(seq.k_len.div_ceil(BLOCK_SIZE), listed, (0, seq.k_len), k_tile)
+        }
+    };
+    for (j0, cols) in key_tiles {
         // The rows that see some key of this tile form one interval (query ranges move
         // monotonically with the key); Q tiles outside it are skipped entirely. It starts at
         // an even row (the row before a range's start sees none of these keys: P = 0 there).
         let ranges = (j0..j0 + cols).map(|j| shape.query_range(opts, seq, j)).filter(|r| r.1 > r.0);
         let (i_lo, i_hi) = ranges.fold((usize::MAX, 0), |(lo, hi), r| (lo.min(r.0), hi.max(r.1)));
+        // With a block mask, only the query blocks the tile's key blocks list (the q lists).
+        let (i_lo, i_hi) = match blocks {
+            None => (i_lo, i_hi),
+            Some(blocks) => {
+                let listed = listed_query_rows(blocks, (b, head), (j0, cols), seq.q_len);
+                (i_lo.max(listed.0), i_hi.min(listed.1))
+            }
+        };
         if i_hi <= i_lo {
             continue;
         }
@@ -358,6 +376,9 @@ unsafe fn backward_head(
 
         for i0 in (i_lo..i_hi).step_by(q_tile) {
             let rows = q_tile.min(i_hi - i0);
+            if blocks.is_some_and(|blocks| !lists_rows(blocks, (b, head), (j0, cols), (i0, rows))) {
+                continue; // none of these rows' query blocks is listed for this key tile
+            }
             // The keys of this tile that these rows see, [c_lo, c_hi) (c_lo even: key pairs);
             // a causal diagonal tile stops at its last row's diagonal.
             let (c_lo, c_hi) = (i0..i0 + rows)
@@ -386,7 +407,7 @@ unsafe fn backward_head(
                 tile_matmul(isa, (rows, n, d), probs_c, k_tile, false, MatRef::rows(q_tile_rows, d), b, scale);
             }
             // AMX with plain logits: P (f32 and its row pairs) in one fused pass.
-            let fused = amx && opts.softcap.is_none() && alibi.is_none();
+            let fused = amx && opts.softcap.is_none() && alibi.is_none() && blocks.is_none();
             for r in (0..rows).filter(|_| fused) {
                 let (lo, hi) = shape.key_range(opts, seq, i0 + r);
                 row_vis[r] = (lo.saturating_sub(j0 + c_lo), hi.saturating_sub(j0 + c_lo));
@@ -415,6 +436,9 @@ unsafe fn backward_head(
                 let pos = i as isize + seq.diag_offset();
                 let keys = shape.key_range(opts, seq, i);
                 logits_row(row, j0 + c_lo, keys, logits_scale, opts.softcap, alibi.map(|s| (s, pos)));
+                if let Some(blocks) = blocks {
+                    mask_blocks_row(blocks, row, (b, head, i), j0 + c_lo);
+                }
                 let row_lse = lse[shape.lse_index(seq, head, i)];
                 if row_lse == f32::NEG_INFINITY {
                     row.fill(0.0); // the row saw no key: no gradient flows through it
@@ -523,6 +547,71 @@ unsafe fn backward_head(
             let dst = std::slice::from_raw_parts_mut(dq.0.add(q_off(i)), d);
             dst.iter_mut().zip(row).for_each(|(o, x)| *o = scale * x);
         }
+    }
+}
+
+/// The query rows `[lo, hi)` (cut to `[0, q_len)`) from the first to the last query block that
+/// the q lists of key tile `[j0, j0 + cols)` name for sequence `b`, head `head`; empty when
+/// none does. The rows in between whose blocks are not listed are masked per row.
+fn listed_query_rows(
+    blocks: &HostBlocks,
+    (b, head): (usize, usize),
+    (j0, cols): (usize, usize),
+    q_len: usize,
+) -> (usize, usize) {
+    let (mut first, mut last) = (usize::MAX, 0);
+    for kb in j0 / BLOCK_SIZE..(j0 + cols).div_ceil(BLOCK_SIZE) {
+        let row = blocks.q_row(b, head, kb);
+        if let Some(qb) = row.iter().position(|&c| c != BlockClass::Empty) {
+            first = first.min(qb);
+        }
+        if let Some(qb) = row.iter().rposition(|&c| c != BlockClass::Empty) {
+            last = last.max(qb + 1);
+        }
+    }
+    if first >= last {
+        return (0, 0);
+    }
+    (first * BLOCK_SIZE, (last * BLOCK_SIZE).min(q_len))
+}
+
+/// Whether the q lists of key tile `[j0, j0 + cols)` name a query block of rows `[i0, i0 + rows)`.
+fn lists_rows(
+    blocks: &HostBlocks,
+    (b, head): (usize, usize),
+    (j0, cols): (usize, usize),
+    (i0, rows): (usize, usize),
+) -> bool {
+    (j0 / BLOCK_SIZE..(j0 + cols).div_ceil(BLOCK_SIZE)).any(|kb| {
+        let row = blocks.q_row(b, head, kb);
+        row[i0 / BLOCK_SIZE..(i0 + rows).div_ceil(BLOCK_SIZE)].iter().any(|&c| c != BlockClass::Empty)
+    })
+}
+
+/// -inf at the keys of one row of logits (keys from `j0`; query row `i` of sequence `b`, head
+/// `head`) that the block mask hides: those of key blocks whose q list leaves out the row's
+/// query block, and in partial blocks those the rule hides.
+fn mask_blocks_row(blocks: &HostBlocks, row: &mut [f32], (b, head, i): (usize, usize, usize), j0: usize) {
+    let qb = i / BLOCK_SIZE;
+    let end = j0 + row.len();
+    // One key block's part of the row at a time: full parts untouched, empty ones masked whole.
+    let mut start = j0;
+    while start < end {
+        let kb = start / BLOCK_SIZE;
+        let stop = ((kb + 1) * BLOCK_SIZE).min(end);
+        let part = &mut row[start - j0..stop - j0];
+        match blocks.q_row(b, head, kb)[qb] {
+            BlockClass::Full => {}
+            BlockClass::Empty => part.fill(f32::NEG_INFINITY),
+            BlockClass::Partial => {
+                for (j, x) in (start..stop).zip(part) {
+                    if !blocks.partial_visible(b, head, i, j) {
+                        *x = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        start = stop;
     }
 }
 

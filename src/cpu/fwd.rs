@@ -13,6 +13,7 @@ use super::fused::ProbsOut;
 use super::kv::KvRows;
 use super::simd::{bf16_pair, tile_matmul, tile_matmul_bf16_pairs, CpuIsa, MatRef};
 use super::{dense_f32, exp_poly, logits_row, transpose_rows, AlignedVec, CpuTiles, OutBuf, OutPtr, SharedMut};
+use crate::block_mask::{listed_key_tiles, BlockClass, HostBlocks, BLOCK_SIZE};
 use crate::params::{AttnShape, FlashAttnOptions, HostData, RowKeys};
 use candle_core::{CpuStorage, DType, Layout, Result};
 use std::borrow::Cow;
@@ -40,6 +41,51 @@ struct QueryTile {
     /// The union of the rows' key hulls, and the keys every row sees whole (no mask edge).
     keys: (usize, usize),
     all_see: (usize, usize),
+    /// With a block mask: what each key block holds for this tile's rows ([`KeyBlock`]).
+    key_blocks: Vec<KeyBlock>,
+}
+
+/// A key block as seen by the rows of one query tile through a block mask.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum KeyBlock {
+    /// No row lists it: skipped (masked where a key tile straddles it and a listed one).
+    Unlisted,
+    /// Some rows list it, not every one as full: each row's class (and the rule) per element.
+    Mixed,
+    /// Every row lists it as full: no element test.
+    Full,
+}
+
+/// Each key block's [`KeyBlock`] for the rows `i0..i0 + q_rows` of query heads `heads` of
+/// sequence `b`: the union of their query blocks' lists.
+fn key_blocks(
+    blocks: &HostBlocks,
+    b: usize,
+    heads: std::ops::Range<usize>,
+    (i0, q_rows): (usize, usize),
+    out: &mut Vec<KeyBlock>,
+) {
+    out.clear();
+    let of_class = |c: BlockClass| match c {
+        BlockClass::Empty => KeyBlock::Unlisted,
+        BlockClass::Partial => KeyBlock::Mixed,
+        BlockClass::Full => KeyBlock::Full,
+    };
+    let query_blocks = i0 / BLOCK_SIZE..(i0 + q_rows).div_ceil(BLOCK_SIZE);
+    for head in heads {
+        for qb in query_blocks.clone() {
+            let row = blocks.kv_row(b, head, qb);
+            if out.is_empty() {
+                out.extend(row.iter().map(|&c| of_class(c)));
+            }
+            // Rows that agree keep the block's kind; rows that differ make it mixed.
+            for (o, &c) in out.iter_mut().zip(row) {
+                if *o != of_class(c) {
+                    *o = KeyBlock::Mixed;
+                }
+            }
+        }
+    }
 }
 
 impl QueryTile {
@@ -59,6 +105,7 @@ impl QueryTile {
             any_gap: false,
             keys: (0, 0),
             all_see: (0, 0),
+            key_blocks: vec![],
         }
     }
 }
@@ -205,6 +252,7 @@ unsafe fn forward_task(
 ) {
     let (h, d, group) = (shape.num_heads, shape.head_dim, shape.group_size());
     let seq = &host.seqs[b];
+    let blocks = host.block_mask.as_deref();
     let q_rs = h * d;
     let d2 = d.div_ceil(2);
     let Scratch {
@@ -270,6 +318,18 @@ unsafe fn forward_task(
         t.acc[..rows * d].fill(0.0);
         t.row_max[..rows].fill(f32::NEG_INFINITY);
         t.row_sum[..rows].fill(0.0);
+        if let Some(blocks) = blocks {
+            key_blocks(blocks, b, kv_head * group..(kv_head + 1) * group, (t.i0, t.q_rows), &mut t.key_blocks);
+            // The tile's keys end at its last listed key block and start at its first (a key
+            // tile that reaches past the last one is cut there, not computed and masked).
+            let listed = |kb: &KeyBlock| *kb != KeyBlock::Unlisted;
+            let first = t.key_blocks.iter().position(listed).unwrap_or(0);
+            let end = t.key_blocks.iter().rposition(listed).map_or(0, |kb| kb + 1);
+            t.keys = (t.keys.0.max(first * BLOCK_SIZE), t.keys.1.min(end * BLOCK_SIZE));
+            if t.keys.1 <= t.keys.0 {
+                t.keys = (0, 0);
+            }
+        }
     }
     let plain_logits = opts.softcap.is_none() && !host.has_alibi();
     // AMX with plain logits and a positive scale: Sᵀ stays unscaled (stored straight from the
@@ -282,8 +342,7 @@ unsafe fn forward_task(
     let k_lo = tiles.iter().filter(|t| t.keys.1 > t.keys.0).map(|t| t.keys.0).min().unwrap_or(0);
     let k_hi = tiles.iter().map(|t| t.keys.1).max().unwrap_or(0);
 
-    for j0 in (k_lo..k_hi).step_by(k_cols) {
-        let cols = k_cols.min(k_hi - j0);
+    for (j0, cols) in key_tiles(tiles, blocks.is_some(), (k_lo, k_hi), k_cols) {
         let k2 = cols.div_ceil(2);
         // AMX on bf16 K/V: K's rows read in place (bf16 rows are their pairs along d, even
         // element in the low half) and V's pairs built from its raw rows; nothing widened.
@@ -339,6 +398,18 @@ unsafe fn forward_task(
             // Keys past every row's hull are not computed: a causal task's first query tiles
             // stop at their diagonal instead of running the whole key tile masked.
             let cols = cols.min(t.keys.1 - j0);
+            // With a block mask: tiles whose key blocks none of these rows list are skipped,
+            // and only tiles with a block not full for every row get the element pass.
+            let block_pass = match blocks {
+                None => false,
+                Some(_) => {
+                    let tile_blocks = &t.key_blocks[j0 / BLOCK_SIZE..(j0 + cols).div_ceil(BLOCK_SIZE)];
+                    if tile_blocks.iter().all(|&kb| kb == KeyBlock::Unlisted) {
+                        continue;
+                    }
+                    tile_blocks.iter().any(|&kb| kb != KeyBlock::Full)
+                }
+            };
             let k2 = cols.div_ceil(2);
             let s_t = &mut scores_t[..cols * rows];
             // Sᵀ = scale · K Qᵀ for this tile (keys × rows); unscaled when the AMX softmax
@@ -373,6 +444,10 @@ unsafe fn forward_task(
                     }
                     column.iter().enumerate().for_each(|(j, &x)| s_t[j * rows + r] = x);
                 }
+            }
+            if let Some(blocks) = blocks.filter(|_| block_pass) {
+                // The block mask on top of the masks above (their intersection).
+                mask_blocks_t(blocks, s_t, (rows, b, j0), &t.key_blocks, |r| row_of(t, r));
             }
             let (max, sum, correction) = (&mut t.row_max[..rows], &mut t.row_sum[..rows], &mut t.correction[..rows]);
             // The softmax step writes P where the product reads it: on AVX-512 and AVX2 in one
@@ -449,6 +524,57 @@ unsafe fn forward_task(
             } else {
                 // A row that sees no key: output 0 (lse -inf, or the sink's logit).
                 out.write_zeros(at, d);
+            }
+        }
+    }
+}
+
+/// The key tiles `(j0, cols)` of a task: `[k_lo, k_hi)` in tiles of `k_cols`, or with a block
+/// mask (`blocked`) only the key blocks some query tile lists ([`listed_key_tiles`]).
+fn key_tiles(tiles: &[QueryTile], blocked: bool, (k_lo, k_hi): (usize, usize), k_cols: usize) -> Vec<(usize, usize)> {
+    if !blocked {
+        return (k_lo..k_hi).step_by(k_cols).map(|j0| (j0, k_cols.min(k_hi - j0))).collect();
+    }
+    let num_blocks = tiles.iter().map(|t| t.key_blocks.len()).max().unwrap_or(0);
+    let listed = |c: usize| tiles.iter().any(|t| t.key_blocks[c] != KeyBlock::Unlisted);
+    listed_key_tiles(num_blocks, listed, (k_lo, k_hi), k_cols)
+}
+
+/// -inf at the keys of a transposed score tile (`s_t`: keys `j0..j0 + cols` × `rows`, sequence
+/// `b`) that the block mask hides from their row: every key of a block no row lists, and in the
+/// mixed blocks the rows whose block is empty or whose partial block's rule hides the key.
+/// `row_at(r)`: the query head and row of tile row r.
+fn mask_blocks_t(
+    blocks: &HostBlocks,
+    s_t: &mut [f32],
+    (rows, b, j0): (usize, usize, usize),
+    key_blocks: &[KeyBlock],
+    row_at: impl Fn(usize) -> (usize, usize),
+) {
+    let cols = s_t.len() / rows;
+    // The tile's part of each key block it touches: keys [lo, hi) of block kb.
+    let parts = (j0 / BLOCK_SIZE..(j0 + cols).div_ceil(BLOCK_SIZE))
+        .map(|kb| (kb, (kb * BLOCK_SIZE).max(j0), ((kb + 1) * BLOCK_SIZE).min(j0 + cols)));
+    for (_, lo, hi) in parts.clone().filter(|&(kb, ..)| key_blocks[kb] == KeyBlock::Unlisted) {
+        s_t[(lo - j0) * rows..(hi - j0) * rows].fill(f32::NEG_INFINITY);
+    }
+    if !parts.clone().any(|(kb, ..)| key_blocks[kb] == KeyBlock::Mixed) {
+        return;
+    }
+    // Row by row in the mixed blocks: each row's classes looked up once, the rule evaluated
+    // per element of its partial blocks only.
+    for r in 0..rows {
+        let (head, i) = row_at(r);
+        let classes = blocks.kv_row(b, head, i / BLOCK_SIZE);
+        for (kb, lo, hi) in parts.clone().filter(|&(kb, ..)| key_blocks[kb] == KeyBlock::Mixed) {
+            match classes[kb] {
+                BlockClass::Full => {}
+                BlockClass::Empty => (lo..hi).for_each(|j| s_t[(j - j0) * rows + r] = f32::NEG_INFINITY),
+                BlockClass::Partial => {
+                    for j in (lo..hi).filter(|&j| !blocks.partial_visible(b, head, i, j)) {
+                        s_t[(j - j0) * rows + r] = f32::NEG_INFINITY;
+                    }
+                }
             }
         }
     }
