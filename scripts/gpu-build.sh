@@ -35,5 +35,7 @@ cp ../shared/device/cuda-libs.sh "$out/"
 # The binaries embed candle's PTX (~200 MB together); xz -9 shrinks them under the device
 # tool's 64 MiB carry limit (~10 MB). Carry gpu-pack; the device scripts unpack it.
 mkdir -p gpu-pack
-tar -C "$out" -cf - . | xz --lzma2=preset=9,dict=256MiB -T1 > gpu-pack/bin.tar.xz
+# (written aside and moved in whole: a pack being written is never the one carried)
+tar -C "$out" -cf - . | xz --lzma2=preset=9,dict=256MiB -T1 > gpu-pack/bin.tar.xz.part
+mv gpu-pack/bin.tar.xz.part gpu-pack/bin.tar.xz
 ls -la "$out/tests" gpu-pack
