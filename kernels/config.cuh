@@ -340,6 +340,29 @@ decltype(auto) with_fwd_sm90_traits(FwdSm90Config c, F&& f) {
     return f(FwdSm90TraitsD128<T>{});  // not reached: every enumerator has its case
 }
 
+// ------------------------------------------------------------------ sm90 forward, 512-wide heads
+// sm90/fwd_wide.cu: d = dv = 512 (Gemma 4's global layers) on wgmma, f16 / bf16. A 64 x 512 f32
+// output is 256 registers a thread in one warpgroup, so the output is split by columns across two
+// consumer warpgroups (as FlashAttention-3 splits a 512-wide V): the softmax warpgroup computes S =
+// Q K^T, the mask and the online softmax and O[:, 0:256] += P V with P from registers; the second
+// output warpgroup O[:, 256:512] += P V with P from shared memory. CTA = 64 query rows (one m64
+// slice: O fills both warpgroups' registers), key blocks of 64 (S on m64n64k16: at n32 the Q
+// operand's shared-memory reads, 2 KB per k16 step, would bind the product), one tile a CTA.
+// K and V go through a ring of four 64 x 256 chunks (K low, K high, V low, V high of a key block;
+// 32 KB each): Q 64 KB + ring 128 KB + P 2 x 8 KB + the rows' factors = 209 KB. Registers:
+// consumers 240 (O 128 + S 32 + P 16), the producer 32.
+template <typename T_>
+struct FwdSm90WideTraits {
+    using Elem = T_;
+    static constexpr int kHeadDim = 512, kBlockM = 64, kBlockN = 64;
+    static constexpr int kChunkCols = 256;  // columns of a ring chunk = of each warpgroup's O
+    static constexpr int kChunks = 4;       // ring slots: K low, K high, V low, V high
+    static constexpr int kNThreads = 384;   // two consumer warpgroups + the producer
+    static constexpr int kProducerRegs = 32, kConsumerRegs = 240;
+    static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "setmaxnreg: the SM's registers");
+    static_assert(2 * kChunkCols == kHeadDim, "two chunks a row");
+};
+
 // ------------------------------------------------------------------ backward (tensor cores)
 // dK/dV kernel: CTA = 8 warps over kBlockN keys of one KV head, looping over kBlockM query rows
 // per step (and over the query heads of its split). Three warp layouts:

@@ -116,6 +116,9 @@ cudaError_t run_fwd_plan(const CfFwdParams& p, const FwdPlan& pl, void* ws, cuda
                     return launch_fwd_sm90<decltype(kt)>(p, pl, ws, s);
                 });
             return cudaErrorInvalidValue;  // not planned: 16-bit and e4m3 (output type T) only
+        case FwdKernel::kWgmmaWide:
+            if constexpr (sizeof(T) == 2) return launch_fwd_sm90_wide<FwdSm90WideTraits<T>>(p, pl, s);
+            return cudaErrorInvalidValue;  // not planned: f16 / bf16 only
         default:
             return with_head_dim_tile(pl.tile, [&](auto dc) -> cudaError_t {
                 constexpr int D = decltype(dc)::value;

@@ -89,6 +89,11 @@ cudaError_t run_fwd_tc(const CfFwdParams& p, bool across_heads, cudaStream_t str
 struct FwdPlan;
 template <typename Kt>
 cudaError_t launch_fwd_sm90(const CfFwdParams& p, const FwdPlan& pl, void* workspace, cudaStream_t stream);
+// sm_90a wgmma forward of 512-wide heads (sm90/fwd_wide.cu), Kt = FwdSm90WideTraits<T>; one CTA
+// a 64-row tile, the plan's CTA order (cta_order) and TMA choice (tma). Call only when
+// sm90a_available() and plan.cu's fwd_sm90_wide_takes chose it.
+template <typename Kt>
+cudaError_t launch_fwd_sm90_wide(const CfFwdParams& p, const FwdPlan& pl, cudaStream_t stream);
 // SIMT forward (simt/fwd.cu), element type T, shape kShape (config.cuh SimtShape), and the
 // dynamic shared memory it asks for a call (the plan checks it fits before choosing it).
 template <typename T, SimtShape kShape>

@@ -204,6 +204,27 @@ cudaError_t fwd_sm90_grid(const CfFwdParams& p, FwdPlan& pl) {
     });
 }
 
+// The wgmma forward of 512-wide heads (sm90/fwd_wide.cu) takes d = dv = 512 in f16 / bf16 on
+// sm_90a, past the decode shapes: those (a KV group's rows, group x seqlen_q, at most 128) stay
+// on the wide-head split-KV kernel, which packs a group's heads into one CTA so the cache is read
+// once for all of them (plan_wide_split's own rule).
+bool fwd_sm90_wide_takes(const CfFwdParams& p) {
+    return (p.dtype == CF_F16 || p.dtype == CF_BF16) && p.d == FwdSm90WideTraits<__half>::kHeadDim &&
+           head_dim_v(p) == p.d && p.prefix_ranges == nullptr && (int64_t)(p.h / p.hkv) * p.seqlen_q > 128 &&
+           sm90a_available();
+}
+// Its grid (one CTA a 64-row tile, one CTA an SM) and CTA order (fwd_heavy_groups).
+cudaError_t fwd_sm90_wide_grid(const CfFwdParams& p, FwdPlan& pl) {
+    using Kt = FwdSm90WideTraits<__half>;
+    int sms = 0;
+    const cudaError_t e = current_sm_count(sms);
+    if (e != cudaSuccess) return e;
+    const int64_t query_blocks = (p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
+    pl.ctas = query_blocks * p.h * p.b;
+    pl.cta_order = fwd_heavy_groups(p, query_blocks, (int64_t)p.h * p.b, sms);
+    return cudaSuccess;
+}
+
 // The mma.sync forward's CTA order: across heads on grids of a few waves (mma_sync_heavy_first).
 cudaError_t fwd_mma_sync_order(const CfFwdParams& p, const FwdPlan& pl, int& order) {
     return with_element_type(p.dtype, [&](auto t) {
@@ -244,6 +265,12 @@ cudaError_t plan_fwd(const CfFwdParams& p, PlanFor what, FwdPlan& pl) {
         pl.workspace = fp8_vt_layout(p).bytes;
         pl.tma = true;  // the e4m3 kernel loads by TMA only (check_fwd_e4m3 asked tma_enabled)
         return launch ? fwd_sm90_grid(p, pl) : cudaSuccess;
+    }
+    if (fwd_sm90_wide_takes(p)) {  // 512-wide heads past the decode shapes, on wgmma
+        pl.kernel = FwdKernel::kWgmmaWide;
+        pl.tile = FwdSm90WideTraits<__half>::kHeadDim;
+        pl.tma = tma_enabled();
+        return launch ? fwd_sm90_wide_grid(p, pl) : cudaSuccess;
     }
     pl.split = split_plan(p);
     pl.workspace = pl.split.bytes;
@@ -332,6 +359,10 @@ void describe_fwd_plan(const FwdPlan& pl, char* buf, size_t cap) {
         case FwdKernel::kWideSplit:
             std::snprintf(buf, cap, "wide_split %s nsplit=%d pack=%d workspace=%zu", wide_split_name(sp.wide), sp.nsplit,
                           sp.pack, pl.workspace);
+            break;
+        case FwdKernel::kWgmmaWide:
+            std::snprintf(buf, cap, "wgmma_wide tile=%d ctas=%lld order=%d%s workspace=%zu", pl.tile, (long long)pl.ctas,
+                          pl.cta_order, pl.tma ? "" : " no_tma", pl.workspace);
             break;
         default:
             std::snprintf(buf, cap, "wgmma %s ctas=%lld order=%d%s workspace=%zu", fwd_sm90_config_name(pl.sm90),

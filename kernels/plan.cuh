@@ -404,8 +404,9 @@ inline FwdSm90Config fwd_sm90_config(const CfFwdParams& p) {
 // the tensor-core tiles without the wide-head kernel, a value head dim of its own, prefix ranges;
 // f32 whose tensors the tiles cannot load), the mma.sync kernel (sm80/fwd.cu), the split-KV
 // decode (sm80/fwd_split.cu), the wide-head kernel (sm80/fwd_wide_split.cu), the sm_90a wgmma
-// kernel (sm90/fwd.cu) in a 16-bit or an e4m3 configuration.
-enum class FwdKernel { kSimt, kMmaSync, kSplit, kWideSplit, kWgmma };
+// kernel (sm90/fwd.cu) in a 16-bit or an e4m3 configuration, the sm_90a wgmma kernel of 512-wide
+// heads (sm90/fwd_wide.cu: d = dv = 512 past the decode shapes).
+enum class FwdKernel { kSimt, kMmaSync, kSplit, kWideSplit, kWgmma, kWgmmaWide };
 struct FwdPlan {
     FwdKernel kernel;
     int tile;            // head-dim tile of kMmaSync / kSplit / kWgmma (round_head_dim; e4m3: fwd_fp8_tile)
@@ -418,8 +419,8 @@ struct FwdPlan {
     // across heads (common/mask.cuh QueryBlockCta, mma_sync_heavy_first); kWgmma the trailing
     // (head, sequence) groups that run query block slowest (fwd_heavy_groups); 0 = launch order.
     int cta_order;
-    int64_t ctas;        // kWgmma: the grid (persistent configurations: at most one wave); -1 until planned
-    bool tma;            // kWgmma: Q / K / V by TMA where the maps encode (else cp.async throughout)
+    int64_t ctas;        // kWgmma / kWgmmaWide: the grid (persistent configurations: at most one wave); -1 until planned
+    bool tma;            // kWgmma / kWgmmaWide: Q / K / V by TMA where the maps encode (else cp.async throughout)
     size_t workspace;    // bytes cf_fwd needs (split partials, the e4m3 V^T)
 };
 // What a plan is for: sizing the workspace (no occupancy query, nothing the size depends on) or

@@ -55,7 +55,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   record plans-switched $? "$(last_result "$qlog")"
   # the sm_90a kernels' cp.async fallback for every tile (forward K/V/Q, backward Q/dO)
   tlog="$OUT/parity_no_tma.log"
-  CANDLE_FLASH_DISABLE_TMA=1 gpu-bin/tests/parity --test-threads=1 > "$tlog" 2>&1
+  { CANDLE_FLASH_DISABLE_TMA=1 gpu-bin/tests/parity --test-threads=1 &&
+    CANDLE_FLASH_DISABLE_TMA=1 gpu-bin/tests/every_kernel wgmma_wide_prefill --test-threads=1; } > "$tlog" 2>&1
   record parity-no-tma $? "$(last_result "$tlog")"
   # a value head dim of its own on the SIMT kernels' narrow shape (no zero-padded copies)
   vlog="$OUT/value_head_dims_simt.log"
@@ -104,12 +105,12 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
   # racecheck: one process per test, each within SAN_TIMEOUT. All five in one process did not
   # finish in 280 s; alone (H100, 2026-11-24) they take 2-53 s, except decode (split-KV over 700
   # keys, every head-dim tile and dtype): ~155 s per kernel family.
-  for t in prefill deterministic_backward decode varlen_with_empty_sequences long_queries_head_dim_64 simt_wide_head_dims wide_split_decode; do
+  for t in prefill deterministic_backward decode varlen_with_empty_sequences long_queries_head_dim_64 simt_wide_head_dims wide_split_decode wgmma_wide_prefill; do
     san "racecheck-$t" racecheck -- gpu-bin/tests/every_kernel "$t" --exact
     san "racecheck-sm80-$t" racecheck CANDLE_FLASH_DISABLE_SM90A=1 -- gpu-bin/tests/every_kernel "$t" --exact
   done
   # synccheck: one process per test as well (all six in one process outgrew 570 s on the H200).
-  for t in prefill deterministic_backward decode varlen_with_empty_sequences f32_simt_kernels long_queries_head_dim_64 simt_wide_head_dims wide_split_decode; do
+  for t in prefill deterministic_backward decode varlen_with_empty_sequences f32_simt_kernels long_queries_head_dim_64 simt_wide_head_dims wide_split_decode wgmma_wide_prefill; do
     san "synccheck-$t" synccheck -- gpu-bin/tests/every_kernel "$t" --exact
   done
   san initcheck initcheck CANDLE_FLASH_NO_POISON=1 -- gpu-bin/tests/every_kernel

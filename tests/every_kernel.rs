@@ -20,6 +20,7 @@
 //!                wide-head split kernel);
 //!   wide_split   the wide-head split-KV decode kernel in each configuration (16 / 64 rows a CTA,
 //!                v a tensor of its own or a view of the key cache) and its combine;
+//!   wgmma_wide   the sm_90a forward of 512-wide heads (TMA and cp.async loads, empty tiles);
 //! and the sm_90a 192 x 96 forward for head dim 64 past 2048 query rows. Learnable sinks ride on
 //! deterministic, decode (the combine adds them), varlen (rows without keys: lse = the sink; the
 //! sinks' gradient kernel) and the f32 SIMT cases; prefill runs without them.
@@ -140,6 +141,30 @@ fn wide_split_decode() {
             let what = format!("{dtype:?} sq {sq} heads {h}/{hkv} ({d}, {dv}) view {view}");
             assert!(ef <= tol, "{what}: error {ef:.2e} > {tol:.2e} (seed {seed})");
             println!("{what}: {ef:.1e} (naive {en:.1e})");
+        }
+    }
+}
+
+/// The sm_90a wgmma forward of 512-wide heads (kernels/sm90/fwd_wide.cu; elsewhere these shapes
+/// run the wide-head kernel): tile-breaking lengths (a partial last key block, a partial last
+/// query tile), Sq != Sk, causal with Sq > Sk (tiles whose rows see no key: o = 0, lse = the sink),
+/// windows, softcap with ALiBi (the general logits), GQA / MQA, sinks, and a varlen batch with
+/// empty sequences whose key blocks cross sequence ends (those load with cp.async, the rest by
+/// TMA). Forward against the reference (the gradients of these heads run on the SIMT kernels,
+/// simt_wide_head_dims).
+#[test]
+fn wgmma_wide_prefill() {
+    let Some(gpu) = common::cuda_device() else { return };
+    for dtype in [DType::F16, DType::BF16] {
+        for case in [
+            Case::new(dtype, (1023, 1023), (2, 1), 512).causal(),
+            Case::new(dtype, (129, 113), (2, 2), 512),
+            Case::new(dtype, (200, 130), (2, 1), 512).causal().sinks(-8.0, 6.0),
+            Case::new(dtype, (300, 300), (4, 2), 512).window(Some(100), Some(20)).softcap(30.0).alibi(1),
+            Case::new(dtype, (0, 0), (2, 2), 512).varlen(&[(150, 170), (0, 20), (140, 0), (300, 257)]).causal(),
+        ] {
+            let summary = common::check_case(&case, &gpu, false).unwrap();
+            println!("{case:?}: {summary}");
         }
     }
 }

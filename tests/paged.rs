@@ -259,6 +259,11 @@ fn cuda_mm_prefix_ranges_and_value_head_dims() {
     for dtype in DTYPES {
         cases.push((Case::new(dtype, (0, 0), (16, 1), 576).dv(512).varlen(&decode).causal(), 64));
         cases.push((Case::new(dtype, (0, 0), (4, 2), 512).varlen(&decode).softcap(20.0).sinks(-8.0, 6.0), 7));
+        // 512-wide prefill (sm_90a: the wgmma kernel of these heads, K / V by cp.async from the
+        // pages; a page of 64 keys is one key block, 7 is gathered row by row)
+        let prefill = [(150, 300), (0, 20), (200, 200)];
+        cases.push((Case::new(dtype, (0, 0), (4, 2), 512).varlen(&prefill).causal(), 64));
+        cases.push((Case::new(dtype, (0, 0), (4, 2), 512).varlen(&prefill).sinks(-8.0, 6.0), 7));
         if std::env::var("CANDLE_FLASH_PAD_VALUE_HEAD_DIM").as_deref() == Ok("0") {
             cases.push((Case::new(dtype, (0, 0), (8, 2), 192).dv(128).varlen(&decode).causal(), 16));
         }
