@@ -350,7 +350,7 @@ decltype(auto) with_fwd_sm90_traits(FwdSm90Config c, F&& f) {
 // operand's shared-memory reads, 2 KB per k16 step, would bind the product), one tile a CTA.
 // K and V go through a ring of four 64 x 256 chunks (K low, K high, V low, V high of a key block;
 // 32 KB each): Q 64 KB + ring 128 KB + P 2 x 8 KB + the rows' factors = 209 KB. Registers:
-// consumers 240 (O 128 + S 32 + P 16), the producer 32.
+// consumers 232 (O 128 + S 32 + P 16), the producer 32.
 template <typename T_>
 struct FwdSm90WideTraits {
     using Elem = T_;
@@ -358,8 +358,13 @@ struct FwdSm90WideTraits {
     static constexpr int kChunkCols = 256;  // columns of a ring chunk = of each warpgroup's O
     static constexpr int kChunks = 4;       // ring slots: K low, K high, V low, V high
     static constexpr int kNThreads = 384;   // two consumer warpgroups + the producer
-    static constexpr int kProducerRegs = 32, kConsumerRegs = 240;
-    static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536, "setmaxnreg: the SM's registers");
+    // setmaxnreg moves registers within what the CTA was given at launch (384 x 168, not the
+    // SM's 65536): the consumers can gain only what the producer gives up, else their
+    // setmaxnreg.inc waits forever.
+    static constexpr int kLaunchRegs = (65536 / kNThreads) & ~7;
+    static constexpr int kProducerRegs = 32;  // 24 spilled its cp.async paths (32 bytes)
+    static constexpr int kConsumerRegs = ((kLaunchRegs * kNThreads - 128 * kProducerRegs) / 256) & ~7;
+    static_assert(256 * kConsumerRegs + 128 * kProducerRegs <= kLaunchRegs * kNThreads, "setmaxnreg: the CTA's registers");
     static_assert(2 * kChunkCols == kHeadDim, "two chunks a row");
 };
 
