@@ -181,17 +181,24 @@ struct FwdWideSoftmaxWg {
         acc.zero();
         softmax = OnlineSoftmax<2>();
 
-        // The tiles' addresses are loop-invariant: laundered once a block, so that the compiler
-        // rebuilds the 64 descriptors of S from three bases instead of keeping them all live
-        // (hoisted, they spilled the warpgroup at 240 registers).
-        auto issue_s = [&](float (&s)[BN / 2]) {
-            uint32_t q0 = aQ, k0 = aKlo, k1 = aKhi;
-            asm volatile("" : "+r"(q0), "+r"(k0), "+r"(k1));
+        // S in two commit groups, one per K chunk, each issued once its chunk has landed (the
+        // high chunk gets the low half's time to arrive); the low chunk is released as soon as
+        // its half has completed, so that the next block's low chunk loads while the high half
+        // and P V still run (with one ring stage per chunk, the loads of K(j+1) otherwise
+        // started only after all of S(j)). The tiles' addresses are loop-invariant: laundered
+        // once a block, so that the compiler rebuilds the 64 descriptors of S from three bases
+        // instead of keeping them all live (hoisted, they spilled the warpgroup).
+        auto issue_s_half = [&](float (&s)[BN / 2], int j, int half) {
+            ring.consumer_wait(wide_chunk(kv + j, half));
+            uint32_t q0 = aQ, k0 = half ? aKhi : aKlo;
+            asm volatile("" : "+r"(q0), "+r"(k0));
+            // wgmma.fence before the first half only: ptxas adds the arrive before the second
+            // (info C7519); the explicit fence there scheduled the loop differently, untimed.
+            if (half == 0) wg_fence();
 #pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                const uint64_t da = desc_k_major(q0, BM, ks);
-                const uint64_t db = desc_k_major(ks < KS / 2 ? k0 : k1, BN, ks % (KS / 2));
-                wgmma_ss<BN, T, 0, 0>(s, da, db, ks > 0);
+            for (int ks = 0; ks < KS / 2; ++ks) {
+                const int kq = KS / 2 * half + ks;
+                wgmma_ss<BN, T, 0, 0>(s, desc_k_major(q0, BM, kq), desc_k_major(k0, BN, ks), half > 0 || ks > 0);
             }
             wg_commit();
         };
@@ -199,14 +206,6 @@ struct FwdWideSoftmaxWg {
 #pragma unroll
             for (int ks = 0; ks < PS; ++ks) wgmma_rs<CC, T, 1>(acc.o, pa[ks], desc_mn_major(aV, BN, ks), 1);
             wg_commit();
-        };
-        auto wait_k = [&](int j) {
-            ring.consumer_wait(wide_chunk(kv + j, 0));
-            ring.consumer_wait(wide_chunk(kv + j, 1));
-        };
-        auto release_k = [&](int j) {
-            ring.consumer_release(wide_chunk(kv + j, 0), lane);
-            ring.consumer_release(wide_chunk(kv + j, 1), lane);
         };
         // P(j-1) V(j-1) complete: O and P's fragments are free again, and so is V's low chunk.
         auto finish_pv = [&](int j) {
@@ -255,28 +254,30 @@ struct FwdWideSoftmaxWg {
         float corr[2];
         {  // block 0: S only
             float s[BN / 2];
-            wait_k(0);
-            wg_fence();
-            issue_s(s);
+            issue_s_half(s, 0, 0);
+            issue_s_half(s, 0, 1);
+            wg_wait<1>();
+            ring.consumer_release(wide_chunk(kv, 0), lane);
             wg_wait<0>();
             reg_fence(s);
-            release_k(0);
+            ring.consumer_release(wide_chunk(kv, 1), lane);
             softmax_block(s, 0, corr);  // corr = 0 or 1 on O = 0: nothing to rescale
             pack_p(s, pa);
             publish_p(corr, 0);
         }
         for (int j = 1; j < t.nblocks; ++j) {
             float s[BN / 2];
-            wait_k(j);
+            issue_s_half(s, j, 0);
+            issue_s_half(s, j, 1);
             ring.consumer_wait(wide_chunk(kv + j - 1, 2));
-            wg_fence();
-            issue_s(s);
             scale_rows<1, FwdWideAcc<Kt>::OT>(acc.o, corr);  // block j-1's correction, while S runs
             wg_fence();  // O written by this thread -> read by the P V wgmma
             issue_pv();
+            wg_wait<2>();  // S's low half done: its K chunk is free
+            ring.consumer_release(wide_chunk(kv + j, 0), lane);
             wg_wait<1>();  // S(j) done, P(j-1) V(j-1) may still run
             reg_fence(s);
-            release_k(j);
+            ring.consumer_release(wide_chunk(kv + j, 1), lane);
             softmax_block(s, j, corr);
             finish_pv(j - 1);
             pack_p(s, pa);
