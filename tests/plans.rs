@@ -142,7 +142,13 @@ fn kernel_plans() {
     // past the decode shapes: the wgmma kernel of 512-wide heads where sm_90a runs, else the
     // wide-head kernel (the 64-row configuration where it fits the device's shared memory, else 16
     // rows); (576, 512) prefill stays on the wide-head kernel
-    let wide_prefill = if wgmma { "wgmma_wide tile=512 " } else if wide_split { "wide_split Rows" } else { "simt wide" };
+    let wide_prefill = if wgmma {
+        "wgmma_wide tile=512 "
+    } else if wide_split {
+        "wide_split Rows"
+    } else {
+        "simt wide"
+    };
     expect(&device, "d=512 prefill", call(bf16, (512, 512), (2, 2), 512), wide_prefill, "simt wide");
     let mla_prefill = if wide_split { "wide_split Rows" } else { "simt wide" };
     expect(&device, "(576, 512) prefill", call(bf16, (512, 512), (2, 2), 576).dv(512), mla_prefill, "simt wide");
