@@ -273,16 +273,12 @@ struct FwdProducer {
         const int dch = p.d >> 3;
         uint32_t kv = 0, tcount = 0;  // key blocks and tiles loaded so far (pipeline counters)
         uint32_t nraw = 0;            // kVtInKernel: raw V tiles transposed so far (vraw_bar's phases)
-        for (int it = 0; it < sched.niters; ++it) {
-            const int tile = sched.tile_index(it);
-            if (tile >= sched.ntiles) continue;
-            const FwdTile t = sched.decode(p, tile);
-            if (t.empty() || t.nblocks == 0) continue;  // the consumers skip it too
+        sched.for_each_loaded_tile(p, [&](const FwdTile& t) {
             const SeqInfo& si = t.si;
             const int hk = kv_head(p, t.h);
-            // TMA coordinates of this sequence: varlen maps are one batch of all rows
-            const int64_t krow0 = si.k_varlen ? si.k_row0 : 0, qrow0 = si.q_varlen ? si.q_row0 : 0;
-            const int kbatch = si.k_varlen ? 0 : si.b, qbatch = si.q_varlen ? 0 : si.b;
+            const FwdTmaRows rows(si);
+            const int64_t krow0 = rows.k_row0, qrow0 = rows.q_row0;
+            const int kbatch = rows.k_batch, qbatch = rows.q_batch;
             // The cp.async path computes its head pointers when it runs (the producer works at 40
             // registers: nothing long-lived that the TMA path does not need).
             // kVtInKernel: raw V of key block j into ss.vraw (thread 0; one arrival and its bytes
@@ -370,7 +366,7 @@ struct FwdProducer {
             load_v(t.nblocks - 1);
             kv += t.nblocks;
             ++tcount;
-        }
+        });
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its issuing thread
     }
 };

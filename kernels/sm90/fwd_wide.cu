@@ -90,15 +90,12 @@ struct FwdWideProducer {
         const FwdWideScheduler sched(p, tail_groups);
         const int dch = p.d >> 3;
         uint32_t kv = 0, tcount = 0;
-        for (int it = 0; it < sched.niters; ++it) {
-            const int tile = sched.tile_index(it);
-            if (tile >= sched.ntiles) continue;
-            const FwdTile t = sched.decode(p, tile);
-            if (t.empty() || t.nblocks == 0) continue;  // the consumers skip it too
+        sched.for_each_loaded_tile(p, [&](const FwdTile& t) {
             const SeqInfo& si = t.si;
             const int hk = kv_head(p, t.h);
-            const int64_t krow0 = si.k_varlen ? si.k_row0 : 0, qrow0 = si.q_varlen ? si.q_row0 : 0;
-            const int kbatch = si.k_varlen ? 0 : si.b, qbatch = si.q_varlen ? 0 : si.b;
+            const FwdTmaRows rows(si);
+            const int64_t krow0 = rows.k_row0, qrow0 = rows.q_row0;
+            const int kbatch = rows.k_batch, qbatch = rows.q_batch;
 
             pl.q().producer_acquire(tcount);
             if (maps.q_ok) {
@@ -141,7 +138,7 @@ struct FwdWideProducer {
             }
             kv += t.nblocks;
             ++tcount;
-        }
+        });
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its issuing thread
     }
 };

@@ -30,6 +30,18 @@ struct FwdTile {
     __device__ __forceinline__ bool empty() const { return m0 >= si.sq; }
 };
 
+// Where this sequence's rows sit in the forward's TMA maps (tma.cuh): a varlen tensor's map is one
+// batch of all its rows, a batched tensor's has the sequence as its batch coordinate.
+struct FwdTmaRows {
+    int64_t k_row0, q_row0;
+    int k_batch, q_batch;
+    __device__ __forceinline__ explicit FwdTmaRows(const SeqInfo& si)
+        : k_row0(si.k_varlen ? si.k_row0 : 0),
+          q_row0(si.q_varlen ? si.q_row0 : 0),
+          k_batch(si.k_varlen ? 0 : si.b),
+          q_batch(si.q_varlen ? 0 : si.b) {}
+};
+
 // kOneTilePerCta: the non-persistent kernels (only they take `tail_groups`; the persistent ones
 // carry none of its code).
 template <int kBlockM, int kBlockN, bool kOneTilePerCta>
@@ -57,6 +69,19 @@ struct FwdTileScheduler {
     // Tile of this CTA's it-th iteration (it < niters); >= ntiles: none (skip it).
     __device__ __forceinline__ int tile_index(int it) const {
         return (((it >> pair) * (int)gridDim.x + (int)blockIdx.x) << pair) + (it & pair);
+    }
+
+    // The producers' walk: f(t) for each of this CTA's tiles that has key blocks to load, in
+    // order (the consumers walk the same tiles, and also store the empty ones).
+    template <class F>
+    __device__ __forceinline__ void for_each_loaded_tile(const CfFwdParams& p, F&& f) const {
+        for (int it = 0; it < niters; ++it) {
+            const int tile = tile_index(it);
+            if (tile >= ntiles) continue;
+            const FwdTile t = decode(p, tile);
+            if (t.empty() || t.nblocks == 0) continue;  // the consumers skip it too
+            f(t);
+        }
     }
 
     __device__ __forceinline__ FwdTile decode(const CfFwdParams& p, int tile) const {
