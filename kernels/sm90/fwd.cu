@@ -595,12 +595,7 @@ struct FwdEpilogue {
             if (q4 == 0 && row < si.sq) lseg[row] = lse;
         }
         unsigned char* sOb = reinterpret_cast<unsigned char*>(sO);
-#pragma unroll
-        for (int j = 0; j < DT; ++j)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-                *reinterpret_cast<uint32_t*>(sOb + panel_offset(BM, rl0 + g + 8 * r, 8 * j + 2 * q4)) =
-                    pack2<T>(ml.o[4 * j + 2 * r], ml.o[4 * j + 2 * r + 1]);
+        stage_acc_rows<T, DT>(sOb, BM, rl0 + g, 0, ml.o, q4);
         __syncwarp();
         T* og = si.o<T>(p, t.h);
 #pragma unroll

@@ -344,12 +344,7 @@ struct FwdWideEpilogue {
                 acc.o[4 * j + 2 * r + 1] *= inv[r];
             }
         unsigned char* sOb = reinterpret_cast<unsigned char*>(ss.q);
-#pragma unroll
-        for (int j = 0; j < OT; ++j)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-                *reinterpret_cast<uint32_t*>(sOb + panel_offset(BM, rl0 + g + 8 * r, col0 + 8 * j + 2 * q4)) =
-                    pack2<T>(acc.o[4 * j + 2 * r], acc.o[4 * j + 2 * r + 1]);
+        stage_acc_rows<T, OT>(sOb, BM, rl0 + g, col0, acc.o, q4);
         __syncwarp();
         T* og = t.si.o<T>(p, t.h);
         constexpr int CPR = CC / 8;  // 16-byte chunks of a half row

@@ -30,6 +30,19 @@ __device__ __forceinline__ uint32_t panel_offset(int R, int r, int c) {
                       ((((c & 63) >> 3) ^ (r & 7)) << 4) + ((c & 7) << 1));
 }
 
+// An m64 accumulator slice's NJ n8 tiles (one warp's rows r0 = 16 w + lane / 4 and r0 + 8,
+// columns col0 + 8 j + 2 (lane % 4)) rounded to T into an R-row panel tile at byte address `tile`
+// (the forwards' output staging, 4 bytes a store).
+template <typename T, int NJ>
+__device__ __forceinline__ void stage_acc_rows(unsigned char* tile, int R, int r0, int col0, const float* acc, int q4) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            *reinterpret_cast<uint32_t*>(tile + panel_offset(R, r0 + 8 * r, col0 + 8 * j + 2 * q4)) =
+                pack2<T>(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+}
+
 __device__ __forceinline__ uint64_t gmma_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
     return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
            ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);  // 1 = 128-byte swizzle
