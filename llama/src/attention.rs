@@ -9,7 +9,7 @@ use super::qlinear::QLinear;
 use super::qlinear::WeightSource;
 use super::rotary::{apply_rope, Rope};
 use candle_core::{bail, Module, Result, Tensor};
-use candle_flash::{reference, FlashAttnOptions, PagedKv, VarLen};
+use candle_flash::{reference, BlockMask, FlashAttnOptions, PagedKv, VarLen};
 use candle_nn::VarBuilder;
 use std::str::FromStr;
 
@@ -176,6 +176,30 @@ impl LlamaAttention {
             },
             AttnImpl::Naive => reference::attention(&q, &k, &v, &opts)?,
             AttnImpl::Fp8 => fp8_attention(&q, &k, &v, &opts)?,
+        };
+        self.o_proj.forward(&y.reshape((b, s, h * d))?)
+    }
+}
+
+impl LlamaAttention {
+    /// [`forward`](Self::forward) without a cache, through a block mask that intersects the
+    /// causal one: several documents packed in one batch row for training and prefill
+    /// ([`BlockMask::from_spec`] with [`candle_flash::MaskSpec::same_document`]), or any other
+    /// block-sparse pattern. The mask's lengths are the call's (`S` queries and keys); autograd
+    /// differentiates the block as without a mask. Flash and naive only (the e4m3 path has no
+    /// block masks).
+    pub fn forward_block_masked(&self, x: &Tensor, rope: &Rope, mask: &BlockMask) -> Result<Tensor> {
+        let (b, s, _hidden) = x.dims3()?;
+        let (h, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let (q, k, v) = self.proj.forward(x, 0)?;
+        let q = apply_rope(&q.reshape((b, s, h, d))?, rope)?;
+        let k = apply_rope(&k.reshape((b, s, hkv, d))?, rope)?;
+        let v = v.reshape((b, s, hkv, d))?;
+        let opts = self.attn_options().block_mask(Some(mask));
+        let y = match self.attn_impl {
+            AttnImpl::Flash => candle_flash::flash_attn_with_options(&q, &k, &v, &opts)?,
+            AttnImpl::Naive => reference::attention(&q, &k, &v, &opts)?,
+            AttnImpl::Fp8 => bail!("llama attention: the fp8 path takes no block mask"),
         };
         self.o_proj.forward(&y.reshape((b, s, h * d))?)
     }
