@@ -210,7 +210,7 @@ cudaError_t fwd_sm90_grid(const CfFwdParams& p, FwdPlan& pl) {
 // once for all of them (plan_wide_split's own rule).
 bool fwd_sm90_wide_takes(const CfFwdParams& p) {
     return (p.dtype == CF_F16 || p.dtype == CF_BF16) && p.d == FwdSm90WideTraits<__half>::kHeadDim &&
-           head_dim_v(p) == p.d && p.prefix_ranges == nullptr && (int64_t)(p.h / p.hkv) * p.seqlen_q > 128 &&
+           head_dim_v(p) == p.d && p.prefix_ranges == nullptr && !wide_decode_shape(p) &&
            sm90a_available();
 }
 // Its grid (one CTA a 64-row tile, one CTA an SM) and CTA order (fwd_heavy_groups).
@@ -219,8 +219,8 @@ cudaError_t fwd_sm90_wide_grid(const CfFwdParams& p, FwdPlan& pl) {
     int sms = 0;
     const cudaError_t e = current_sm_count(sms);
     if (e != cudaSuccess) return e;
-    const int64_t query_blocks = (p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
-    pl.ctas = query_blocks * p.h * p.b;
+    pl.ctas = FwdTileScheduler<Kt::kBlockM, Kt::kBlockN, true>::num_tiles(p);
+    const int query_blocks = (p.seqlen_q + Kt::kBlockM - 1) / Kt::kBlockM;
     pl.cta_order = fwd_heavy_groups(p, query_blocks, (int64_t)p.h * p.b, sms);
     return cudaSuccess;
 }

@@ -99,6 +99,10 @@ inline int wide_split_rows(WideSplit w) {
     return w == WideSplit::kRows64VInK3 || w == WideSplit::kRows64V2 ? 64 : 16;
 }
 
+// The decode shapes of wide heads: a KV group's rows (group heads x seqlen_q queries) at most 128
+// (decode, MTP / speculative steps), which the wide-head kernel packs into one CTA.
+inline bool wide_decode_shape(const CfFwdParams& p) { return (int64_t)(p.h / p.hkv) * p.seqlen_q <= 128; }
+
 // Its plan. Decode shapes (a KV group's rows, group heads x seqlen_q queries, at most 128: decode,
 // MTP / speculative steps): a CTA takes every row of one KV group (pack = group), and, one CTA per
 // SM (the tiles take 100-225 KB), the key range is cut until the grid fills one wave of SMs (the
@@ -109,7 +113,7 @@ inline SplitPlan plan_wide_split(const CfFwdParams& p, WideSplit w, int sms) {
     SplitPlan sp{};
     sp.wide = w;
     const int group = p.h / p.hkv;
-    const bool decode = (int64_t)group * p.seqlen_q <= 128;
+    const bool decode = wide_decode_shape(p);
     sp.pack = decode ? group : 1;
     const int rows = wide_split_rows(w);
     sp.mblocks = (int)(((int64_t)sp.pack * p.seqlen_q + rows - 1) / rows);

@@ -470,13 +470,7 @@ struct FwdMainloop {
                         pa[ks][hr] = pack_e4m3x4(a[0], a[1], a[4], a[5]);
                     }
             } else {
-#pragma unroll
-            for (int ks = 0; ks < PS; ++ks) {
-                pa[ks][0] = pack2<T>(s[8 * ks + 0], s[8 * ks + 1]);
-                pa[ks][1] = pack2<T>(s[8 * ks + 2], s[8 * ks + 3]);
-                pa[ks][2] = pack2<T>(s[8 * ks + 4], s[8 * ks + 5]);
-                pa[ks][3] = pack2<T>(s[8 * ks + 6], s[8 * ks + 7]);
-            }
+                acc_to_a_frags<T, PS>(s, pa);
             }
         };
 

@@ -76,7 +76,8 @@ struct FwdWidePipelines {
 // Buffer number of chunk c of the CTA's key block kb (kb counts across tiles).
 __device__ __forceinline__ uint32_t wide_chunk(uint32_t kb, int c) { return 4u * kb + (uint32_t)c; }
 
-using FwdWideScheduler = FwdTileScheduler<64, 64, true>;
+template <typename Kt>
+using FwdWideScheduler = FwdTileScheduler<Kt::kBlockM, Kt::kBlockN, true>;
 
 // ---------------------------------------------------------------- producer
 template <typename Kt>
@@ -87,7 +88,7 @@ struct FwdWideProducer {
     static __device__ __forceinline__ void run(const CfFwdParams& p, const FwdTmaMaps& maps, int tail_groups,
                                                FwdWideSharedStorage<Kt>& ss, const FwdWidePipelines<Kt>& pl,
                                                int ptid) {
-        const FwdWideScheduler sched(p, tail_groups);
+        const FwdWideScheduler<Kt> sched(p, tail_groups);
         const int dch = p.d >> 3;
         uint32_t kv = 0, tcount = 0;
         sched.for_each_loaded_tile(p, [&](const FwdTile& t) {
@@ -218,15 +219,6 @@ struct FwdWideSoftmaxWg {
                                t.mk.block_full(wrow0, 16, n0, BN));
             softmax.template step<1, NT>(s, cmul, corr);
         };
-        auto pack_p = [&](const float (&s)[BN / 2], uint32_t (&a)[PS][4]) {
-#pragma unroll
-            for (int ks = 0; ks < PS; ++ks) {
-                a[ks][0] = pack2<T>(s[8 * ks + 0], s[8 * ks + 1]);
-                a[ks][1] = pack2<T>(s[8 * ks + 2], s[8 * ks + 3]);
-                a[ks][2] = pack2<T>(s[8 * ks + 4], s[8 * ks + 5]);
-                a[ks][3] = pack2<T>(s[8 * ks + 6], s[8 * ks + 7]);
-            }
-        };
         // P(j) (its A fragments, pa) and its row factors into slot j & 1 for warpgroup 1, once
         // P(j-1) V(j-1) has completed (publishing from S while that product still read pa and O
         // made ptxas serialise every wgmma of the kernel, C7513). stmatrix: matrix i of k16 step
@@ -259,7 +251,7 @@ struct FwdWideSoftmaxWg {
             reg_fence(s);
             ring.consumer_release(wide_chunk(kv, 1), lane);
             softmax_block(s, 0, corr);  // corr = 0 or 1 on O = 0: nothing to rescale
-            pack_p(s, pa);
+            acc_to_a_frags<T, PS>(s, pa);
             publish_p(corr, 0);
         }
         for (int j = 1; j < t.nblocks; ++j) {
@@ -277,7 +269,7 @@ struct FwdWideSoftmaxWg {
             ring.consumer_release(wide_chunk(kv + j, 1), lane);
             softmax_block(s, j, corr);
             finish_pv(j - 1);
-            pack_p(s, pa);
+            acc_to_a_frags<T, PS>(s, pa);
             publish_p(corr, j);
         }
         const int last = t.nblocks - 1;
@@ -386,7 +378,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         return;
     }
     setmaxnreg_inc<Kt::kConsumerRegs>();
-    const FwdWideScheduler sched(p, tail_groups);
+    const FwdWideScheduler<Kt> sched(p, tail_groups);
     const int wwarp = warp & 3;
     uint32_t kv = 0, tcount = 0;
     for (int it = 0; it < sched.niters; ++it) {
@@ -444,13 +436,13 @@ cudaError_t launch_fwd_sm90_wide(const CfFwdParams& p, const FwdPlan& pl, cudaSt
     static_assert(smem <= 227 * 1024, "must fit sm_90's 227 KB per CTA");
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
-    const int64_t ntiles = FwdTileScheduler<Kt::kBlockM, Kt::kBlockN, true>::num_tiles(p);
-    if (ntiles == 0) return cudaSuccess;
-    if (ntiles > INT32_MAX) return cudaErrorInvalidConfiguration;  // tile indices are int
+    // one tile a CTA (FwdWideSharedStorage's slots are not reused across tiles): the plan's grid
+    if (pl.ctas == 0) return cudaSuccess;
+    if (pl.ctas < 0) return cudaErrorInvalidValue;                  // not a launch plan
+    if (pl.ctas > INT32_MAX) return cudaErrorInvalidConfiguration;  // tile indices are int
     FwdTmaMaps maps{};  // q_ok = kv_ok = 0: cp.async
     if (pl.tma) maps = make_fwd_tma_maps(p, Kt::kBlockM, Kt::kBlockN);
-    // one tile a CTA (FwdWideSharedStorage's slots are not reused across tiles)
-    kern<<<(unsigned)ntiles, Kt::kNThreads, smem, stream>>>(p, maps, pl.cta_order);
+    kern<<<(unsigned)pl.ctas, Kt::kNThreads, smem, stream>>>(p, maps, pl.cta_order);
     return cudaGetLastError();
 }
 

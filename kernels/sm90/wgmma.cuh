@@ -43,6 +43,20 @@ __device__ __forceinline__ void stage_acc_rows(unsigned char* tile, int R, int r
                 pack2<T>(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
 }
 
+// An m64nN accumulator (N = 16 PS: a thread's 8 PS values, n8 tile t at 4 t) as the 16-bit A
+// fragments of PS k16 steps (the RS wgmma's P): register i of step ks holds tile 2 ks + (i >> 1),
+// row g + 8 (i & 1).
+template <typename T, int PS>
+__device__ __forceinline__ void acc_to_a_frags(const float* s, uint32_t (&a)[PS][4]) {
+#pragma unroll
+    for (int ks = 0; ks < PS; ++ks) {
+        a[ks][0] = pack2<T>(s[8 * ks + 0], s[8 * ks + 1]);
+        a[ks][1] = pack2<T>(s[8 * ks + 2], s[8 * ks + 3]);
+        a[ks][2] = pack2<T>(s[8 * ks + 4], s[8 * ks + 5]);
+        a[ks][3] = pack2<T>(s[8 * ks + 6], s[8 * ks + 7]);
+    }
+}
+
 __device__ __forceinline__ uint64_t gmma_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
     return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
            ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);  // 1 = 128-byte swizzle
