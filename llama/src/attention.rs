@@ -150,12 +150,7 @@ impl LlamaAttention {
     /// `0..=rope.start + i`. Without a cache the keys are just this call's, and autograd
     /// differentiates the whole block (the cache writes in place, which autograd cannot follow).
     pub fn forward(&self, x: &Tensor, rope: &Rope, cache: Option<&mut KvCache>) -> Result<Tensor> {
-        let (b, s, _hidden) = x.dims3()?;
-        let (h, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let (q, k, v) = self.proj.forward(x, 0)?;
-        let q = apply_rope(&q.reshape((b, s, h, d))?, rope)?;
-        let k = apply_rope(&k.reshape((b, s, hkv, d))?, rope)?;
-        let v = v.reshape((b, s, hkv, d))?;
+        let (q, k, v) = self.rotated_qkv(x, rope)?;
         let (k, v) = match cache {
             Some(cache) => {
                 if cache.len() != rope.start {
@@ -177,11 +172,25 @@ impl LlamaAttention {
             AttnImpl::Naive => reference::attention(&q, &k, &v, &opts)?,
             AttnImpl::Fp8 => fp8_attention(&q, &k, &v, &opts)?,
         };
-        self.o_proj.forward(&y.reshape((b, s, h * d))?)
+        self.out(x, &y)
     }
-}
 
-impl LlamaAttention {
+    /// q `(B, S, H, D)` and k with the rotary embedding of `rope`, v `(B, S, Hkv, D)`, from `x`.
+    fn rotated_qkv(&self, x: &Tensor, rope: &Rope) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, s, _hidden) = x.dims3()?;
+        let (h, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let (q, k, v) = self.proj.forward(x, 0)?;
+        let q = apply_rope(&q.reshape((b, s, h, d))?, rope)?;
+        let k = apply_rope(&k.reshape((b, s, hkv, d))?, rope)?;
+        Ok((q, k, v.reshape((b, s, hkv, d))?))
+    }
+
+    /// The output projection of the attention `y` of `x`'s `B` x `S` positions.
+    fn out(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+        let (b, s, _hidden) = x.dims3()?;
+        self.o_proj.forward(&y.reshape((b, s, self.num_heads * self.head_dim))?)
+    }
+
     /// [`forward`](Self::forward) without a cache, through a block mask that intersects the
     /// causal one: several documents packed in one batch row for training and prefill
     /// ([`BlockMask::from_spec`] with [`candle_flash::MaskSpec::same_document`]), or any other
@@ -189,19 +198,14 @@ impl LlamaAttention {
     /// differentiates the block as without a mask. Flash and naive only (the e4m3 path has no
     /// block masks).
     pub fn forward_block_masked(&self, x: &Tensor, rope: &Rope, mask: &BlockMask) -> Result<Tensor> {
-        let (b, s, _hidden) = x.dims3()?;
-        let (h, hkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let (q, k, v) = self.proj.forward(x, 0)?;
-        let q = apply_rope(&q.reshape((b, s, h, d))?, rope)?;
-        let k = apply_rope(&k.reshape((b, s, hkv, d))?, rope)?;
-        let v = v.reshape((b, s, hkv, d))?;
+        let (q, k, v) = self.rotated_qkv(x, rope)?;
         let opts = self.attn_options().block_mask(Some(mask));
         let y = match self.attn_impl {
             AttnImpl::Flash => candle_flash::flash_attn_with_options(&q, &k, &v, &opts)?,
             AttnImpl::Naive => reference::attention(&q, &k, &v, &opts)?,
             AttnImpl::Fp8 => bail!("llama attention: the fp8 path takes no block mask"),
         };
-        self.o_proj.forward(&y.reshape((b, s, h * d))?)
+        self.out(x, &y)
     }
 }
 

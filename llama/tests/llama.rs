@@ -267,28 +267,30 @@ fn attention_block_output_and_gradients_match_reference() -> Result<()> {
     Ok(())
 }
 
+/// Random q, k, v, o projections of an attention block (scaled for unit-variance outputs).
+fn block_weights(rng: &mut StdRng, hidden: usize, h: usize, hkv: usize, d: usize) -> [Tensor; 4] {
+    let mut mk = |out: usize, inp: usize| randn(rng, &[out, inp], 2.0 / (inp as f32).sqrt());
+    [mk(h * d, hidden), mk(hkv * d, hidden), mk(hkv * d, hidden), mk(hidden, h * d)]
+}
+
+/// The attention block with projections `w` (`block_weights`).
+fn attention_block(w: &[Tensor; 4], h: usize, hkv: usize, attn: AttnImpl) -> Result<LlamaAttention> {
+    let lin = |w: &Tensor| Linear::new(w.clone(), None);
+    LlamaAttention::new(lin(&w[0]), lin(&w[1]), lin(&w[2]), lin(&w[3]), h, hkv, attn)
+}
+
 /// The block with learnable sinks: flash and naive agree on the output and on the sinks'
 /// gradient (a `Var`), and the cached path (prefill, then one-token decodes) on the output.
 #[test]
 fn attention_block_with_sinks_matches_reference() -> Result<()> {
     let mut rng = StdRng::seed_from_u64(9);
     let (b, s, hidden, h, hkv, d) = (2, 11, 32, 4, 2, 8);
-    let mk = |rng: &mut StdRng, out: usize, inp: usize| randn(rng, &[out, inp], 2.0 / (inp as f32).sqrt());
-    let (wq, wk, wv, wo) = (
-        mk(&mut rng, h * d, hidden),
-        mk(&mut rng, hkv * d, hidden),
-        mk(&mut rng, hkv * d, hidden),
-        mk(&mut rng, hidden, h * d),
-    );
+    let w = block_weights(&mut rng, hidden, h, hkv, d);
     let x = randn(&mut rng, &[b, s, hidden], 1.0);
     let probe = randn(&mut rng, &[b, s, hidden], 1.0);
     let sinks = Var::from_tensor(&Tensor::new(&[-6f32, -0.5, 1.5, 5.0], &DEV)?)?;
     let rot = RotaryEmbedding::from_parts(d, 10_000.0, &RopeScaling::None)?;
-    let block = |attn| -> Result<LlamaAttention> {
-        let lin = |w: &Tensor| Linear::new(w.clone(), None);
-        LlamaAttention::new(lin(&wq), lin(&wk), lin(&wv), lin(&wo), h, hkv, attn)?
-            .with_sinks(Some(sinks.as_tensor().clone()))
-    };
+    let block = |attn| attention_block(&w, h, hkv, attn)?.with_sinks(Some(sinks.as_tensor().clone()));
     let rope = rot.rope(0, s, DType::F32, &DEV)?;
     let mut results = vec![];
     for attn in [AttnImpl::Flash, AttnImpl::Naive] {
@@ -326,19 +328,10 @@ fn attention_block_with_packed_documents() -> Result<()> {
     use candle_flash::{BlockMask, MaskSpec};
     let mut rng = StdRng::seed_from_u64(21);
     let (s, hidden, h, hkv, d, first) = (11, 32, 4, 2, 8, 5);
-    let mk = |rng: &mut StdRng, out: usize, inp: usize| randn(rng, &[out, inp], 2.0 / (inp as f32).sqrt());
-    let (wq, wk, wv, wo) = (
-        mk(&mut rng, h * d, hidden),
-        mk(&mut rng, hkv * d, hidden),
-        mk(&mut rng, hkv * d, hidden),
-        mk(&mut rng, hidden, h * d),
-    );
+    let w = block_weights(&mut rng, hidden, h, hkv, d);
     let x = Var::from_tensor(&randn(&mut rng, &[1, s, hidden], 1.0))?;
     let rot = RotaryEmbedding::from_parts(d, 10_000.0, &RopeScaling::None)?;
-    let block = |attn| -> Result<LlamaAttention> {
-        let lin = |w: &Tensor| Linear::new(w.clone(), None);
-        LlamaAttention::new(lin(&wq), lin(&wk), lin(&wv), lin(&wo), h, hkv, attn)
-    };
+    let block = |attn| attention_block(&w, h, hkv, attn);
     let docs: Vec<u32> = (0..s).map(|i| u32::from(i >= first)).collect();
     let ids = Tensor::from_vec(docs, (1, s), &DEV)?;
     let mask = BlockMask::from_spec(&MaskSpec::same_document(&ids, &ids), 1, 1, s, s, &DEV)?;
