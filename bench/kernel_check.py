@@ -239,7 +239,9 @@ def header_structs(path):
             cut = max(first.rfind(" "), first.rfind("*"))
             ty = first[:cut + 1].strip()
             ctype = vp if "*" in ty else (scalars.get(ty.removeprefix("const ")) or out[ty.removeprefix("const ")])
-            fields += [(n, ctype) for n in [first[cut + 1:].strip()] + more]
+            for n in [first[cut + 1:].strip()] + more:
+                m = re.fullmatch(r"(\w+)\[(\d+)\]", n)  # a fixed-size array
+                fields.append((m.group(1), ctype * int(m.group(2))) if m else (n, ctype))
         out[name] = type(name, (ctypes.Structure,), {"_fields_": fields})
     return out
 
@@ -247,7 +249,7 @@ def header_structs(path):
 _STRUCTS = header_structs(os.path.join(KDIR, "flash_api.h"))
 CfDescale, CfFwdParams, CfBwdParams = _STRUCTS["CfDescale"], _STRUCTS["CfFwdParams"], _STRUCTS["CfBwdParams"]
 # The sizes dispatch.cu and src/cuda/ffi.rs assert: the parse itself is checked.
-assert ctypes.sizeof(CfFwdParams) == 368 and ctypes.sizeof(CfBwdParams) == 512, "flash_api.h parse"
+assert ctypes.sizeof(CfFwdParams) == 1224 and ctypes.sizeof(CfBwdParams) == 1368, "flash_api.h parse"
 
 
 lib = None

@@ -8,7 +8,8 @@
 
 // The sizes src/cuda/ffi.rs asserts for its mirrors (LP64): a field added on one side only fails
 // to compile on both.
-static_assert(sizeof(CfFwdParams) == 368 && sizeof(CfBwdParams) == 512, "change src/cuda/ffi.rs with flash_api.h");
+static_assert(sizeof(CfFwdParams) == 1224 && sizeof(CfBwdParams) == 1368, "change src/cuda/ffi.rs with flash_api.h");
+static_assert(sizeof(CfBlockMask::nodes) == CF_MASK_MAX_NODES * sizeof(CfMaskNode), "the header's node count");
 
 namespace cf {
 
@@ -37,6 +38,35 @@ int check_fwd_e4m3(const CfFwdParams* p, bool probe_maps) {
                                  : make_fwd_tma_maps(*p, 128, 128, p->q, fp8_vt_layout(*p).cols, fwd_fp8_tile(p->d));
         if (!m.q_ok || !m.kv_ok) return CF_ERR_UNSUPPORTED_DTYPE;
     }
+    return CF_OK;
+}
+
+// A block mask (flash_api.h CfBlockMask): its layout against the call (CF_ERR_BAD_ARGUMENT), then
+// what its kernels take (CF_ERR_UNSUPPORTED_BLOCK_MASK): the sm_90a forward's 128-row tiles,
+// f16 / bf16, d == dv <= 256 (from 33), batched, no paged K/V, no prefix ranges.
+int check_block_mask(const CfFwdParams& p) {
+    const CfBlockMask& m = p.block_mask;
+    if (!m.kv_idx || !m.full_kv_num || !m.full_kv_idx || !m.q_num || !m.q_idx || !m.full_q_num || !m.full_q_idx)
+        return CF_ERR_BAD_ARGUMENT;
+    if ((m.batch != 1 && m.batch != p.b) || (m.heads != 1 && m.heads != p.h)) return CF_ERR_BAD_ARGUMENT;
+    if (m.q_blocks != (p.seqlen_q + CF_MASK_BLOCK - 1) / CF_MASK_BLOCK ||
+        m.k_blocks != (p.seqlen_k + CF_MASK_BLOCK - 1) / CF_MASK_BLOCK)
+        return CF_ERR_BAD_ARGUMENT;
+    if (m.n_nodes < 0 || m.n_nodes > CF_MASK_MAX_NODES) return CF_ERR_BAD_ARGUMENT;
+    for (int x = 0; x < m.n_nodes; ++x) {
+        const CfMaskNode& nd = m.nodes[x];
+        if (nd.op < CF_MASK_ALL || nd.op > CF_MASK_GLOBAL_TOKENS) return CF_ERR_BAD_ARGUMENT;
+        if (nd.op == CF_MASK_CHUNKED && nd.a < 1) return CF_ERR_BAD_ARGUMENT;
+        if ((nd.op == CF_MASK_SAME_DOCUMENT || nd.op == CF_MASK_PREFIX_LM) &&
+            (nd.q_data == nullptr || nd.q_batch_stride < 0))
+            return CF_ERR_BAD_ARGUMENT;
+        if (nd.op == CF_MASK_SAME_DOCUMENT && (nd.k_data == nullptr || nd.k_batch_stride < 0)) return CF_ERR_BAD_ARGUMENT;
+    }
+    const bool dtype_ok = p.dtype == CF_F16 || p.dtype == CF_BF16;
+    const int rd = round_head_dim(p.d);
+    if (!dtype_ok || p.cu_seqlens_q != nullptr || p.block_table != nullptr || p.prefix_ranges != nullptr ||
+        head_dim_v(p) != p.d || !fwd_sm90_takes(rd) || rd > 256 || !sm90a_available())
+        return CF_ERR_UNSUPPORTED_BLOCK_MASK;
     return CF_OK;
 }
 
@@ -78,6 +108,10 @@ int check_fwd(const CfFwdParams* p, bool probe_maps = false) {
             return CF_ERR_BAD_ARGUMENT;
     }
     if (p->prefix_ranges != nullptr && p->prefix_max_ranges < 0) return CF_ERR_BAD_ARGUMENT;
+    if (has_block_mask(*p)) {
+        const int st = check_block_mask(*p);
+        if (st != CF_OK) return st;
+    }
     if (simt_only(*p)) {
         // the e4m3 kernel has none of these; the SIMT shape's tiles must fit the device
         if (p->dtype == CF_E4M3) return CF_ERR_UNSUPPORTED_DTYPE;
@@ -147,6 +181,9 @@ int check_bwd(const CfBwdParams* p) {
     if (st != CF_OK) return st;
     const CfFwdParams& f = p->fwd;
     if (f.block_table != nullptr || f.prefix_ranges != nullptr) return CF_ERR_BAD_ARGUMENT;  // forward only
+    // a block mask's backward: the sm_90a dK/dV kernels with dQ by atomic reductions (deterministic
+    // mode orders them by key blocks of the dense walk)
+    if (has_block_mask(f) && (bwd_sm90_tile_for(f) == 0 || p->deterministic != 0)) return CF_ERR_UNSUPPORTED_BLOCK_MASK;
     // the backward's SIMT tiles must fit the device
     if (simt_only(f)) {
         const int dv = head_dim_v(f);
@@ -321,6 +358,10 @@ const char* cf_error_string(int status) {
         case CF_ERR_MISALIGNED:
             return "candle-flash: f16/bf16 tensors need 16-byte aligned pointers and strides that are multiples of 8 elements";
         case CF_ERR_BAD_ARGUMENT: return "candle-flash: bad argument";
+        case CF_ERR_UNSUPPORTED_BLOCK_MASK:
+            return "candle-flash: block masks run on CUDA on the sm_90a (Hopper) kernels: f16 / bf16, head dims 33 to "
+                   "256 with dv == d, the batched layout (no varlen, no paged K/V, no mm_prefix_ranges), and a "
+                   "backward that is not deterministic; run other calls on the CPU";
         default:
             if (status > 0) return cudaGetErrorString(static_cast<cudaError_t>(status));
             return "candle-flash: unknown error";

@@ -23,6 +23,8 @@ enum CfStatus {
     CF_ERR_UNSUPPORTED_HEAD_DIM = -2,
     CF_ERR_MISALIGNED = -3,
     CF_ERR_BAD_ARGUMENT = -4,
+    // a block mask with what its kernels do not run (cf_error_string says what they take)
+    CF_ERR_UNSUPPORTED_BLOCK_MASK = -5,
 };
 
 // Addressing of one (batch b, row i, head h) vector, for x in {q, k, v, o, dout, dq, dk, dv}:
@@ -41,6 +43,60 @@ typedef struct {
     int64_t batch_stride;
     int32_t head_div;
 } CfDescale;
+
+// Block-sparse attention (src/block_mask.rs, FlexAttention's BlockMask): the score matrix of each
+// (sequence, query head) cut into CF_MASK_BLOCK x CF_MASK_BLOCK blocks. For query block r the
+// mask lists its fully visible key blocks (full_kv_idx, full_kv_num of them) and its partly
+// visible ones (kv_idx, kv_num): inside those the element rule (nodes) decides; every other key
+// block is hidden and never read. The q lists are the same transposed (each key block's query
+// blocks), for the backward. Entry e of (sequence b, query head h) is
+//   e = (batch == 1 ? 0 : b) * heads + (heads == 1 ? 0 : h)
+// counts [e][rows] and indices [e][rows][width], rows / width = q_blocks / k_blocks for the kv
+// lists and k_blocks / q_blocks for the q lists, int32, contiguous. The lists are device data the
+// host does not read: a count is cut to [0, width], and an index outside [0, width) selects no
+// key (the step is computed fully masked), so any values give defined rows and no access outside
+// the tensors; an index listed twice is counted twice. Batched layout only (no varlen, no paged
+// K/V), no prefix ranges; the forward intersects it with every other option's mask.
+// The element rule is an OR of terms, each term an AND of nodes (a node with `last_in_term` set
+// closes its term); no term: no element of a partial block is visible. Positions follow the
+// causal convention: query i of a sequence sits at key position pos = i + seqlen_k - seqlen_q.
+#define CF_MASK_BLOCK 128
+#define CF_MASK_MAX_NODES 16
+enum CfMaskOp {
+    CF_MASK_ALL = 0,            // every key
+    CF_MASK_CAUSAL = 1,         // j <= pos
+    CF_MASK_WINDOW = 2,         // pos - a <= j <= pos + b (a or b < 0: unbounded on that side)
+    CF_MASK_SAME_DOCUMENT = 3,  // q_data[b][i] == k_data[b][j] (document ids)
+    CF_MASK_PREFIX_LM = 4,      // j <= pos || j < q_data[b] (prefix length)
+    CF_MASK_CHUNKED = 5,        // floor(pos / a) == floor(j / a), a >= 1
+    CF_MASK_GLOBAL_TOKENS = 6,  // j < a
+};
+typedef struct {
+    int32_t op;  // CfMaskOp
+    int32_t a, b;
+    int32_t last_in_term;  // nonzero: the node ends its AND term
+    // u32 data: SAME_DOCUMENT q_data [B or 1][seqlen_q], k_data [B or 1][seqlen_k]; PREFIX_LM
+    // q_data [B or 1]. Row b at b * batch_stride (0: one row for every sequence).
+    const uint32_t* q_data;
+    const uint32_t* k_data;
+    int64_t q_batch_stride, k_batch_stride;
+} CfMaskNode;
+typedef struct {
+    // kv_num NULL: no block mask (the rest is not read)
+    const int32_t* kv_num;
+    const int32_t* kv_idx;
+    const int32_t* full_kv_num;
+    const int32_t* full_kv_idx;
+    const int32_t* q_num;
+    const int32_t* q_idx;
+    const int32_t* full_q_num;
+    const int32_t* full_q_idx;
+    int32_t batch, heads;        // the mask's (each 1: broadcast, or the call's b / h)
+    int32_t q_blocks, k_blocks;  // ceil(seqlen_q / 128), ceil(seqlen_k / 128)
+    int32_t n_nodes;             // <= CF_MASK_MAX_NODES
+    int32_t pad_;
+    CfMaskNode nodes[16];  // CF_MASK_MAX_NODES
+} CfBlockMask;
 
 typedef struct {
     const void* q;
@@ -124,6 +180,8 @@ typedef struct {
     // SIMT kernels.
     int32_t dv;
     int32_t prefix_max_ranges;
+    // Block-sparse attention (CfBlockMask above); block_mask.kv_num NULL: none.
+    CfBlockMask block_mask;
 } CfFwdParams;
 
 typedef struct {

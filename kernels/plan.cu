@@ -182,9 +182,11 @@ SplitPlan split_plan(const CfFwdParams& p) {
 
 // The head-dim tile of the wgmma backward for this call, 0 when the mma.sync / SIMT kernels run
 // (f32, no sm_90a, or a tile bwd_sm90_tile leaves to mma.sync). cf_bwd's dq_accum layout follows it.
+}  // namespace
 int bwd_sm90_tile_for(const CfFwdParams& f) {
     return f.dtype != CF_F32 && !simt_only(f) && sm90a_available() ? bwd_sm90_tile(round_head_dim(f.d)) : 0;
 }
+namespace {
 
 // The wgmma forward's grid and CTA order: one CTA a tile, or at most one wave of persistent CTAs
 // (whose scheduler orders the tiles: order 0); one CTA a tile takes the trailing heavy-first
@@ -264,6 +266,12 @@ cudaError_t plan_fwd(const CfFwdParams& p, PlanFor what, FwdPlan& pl) {
         pl.tile = fwd_fp8_tile(p.d);
         pl.workspace = fp8_vt_layout(p).bytes;
         pl.tma = true;  // the e4m3 kernel loads by TMA only (check_fwd_e4m3 asked tma_enabled)
+        return launch ? fwd_sm90_grid(p, pl) : cudaSuccess;
+    }
+    if (has_block_mask(p)) {  // check_fwd allowed it: f16 / bf16, d == dv <= 256, sm_90a (no split-KV)
+        pl.kernel = FwdKernel::kWgmma;
+        pl.sm90 = fwd_sm90_config(p);
+        pl.tma = tma_enabled();
         return launch ? fwd_sm90_grid(p, pl) : cudaSuccess;
     }
     if (fwd_sm90_wide_takes(p)) {  // 512-wide heads past the decode shapes, on wgmma

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include "config.cuh"
 #include "launch.cuh"
+#include "common/block_sparse.cuh"
 
 namespace cf {
 
@@ -389,7 +390,18 @@ inline bool fwd_sm90_long(const CfFwdParams& p, int tile) {
     const int from = tile == 128 ? 4096 : tile == 192 ? 1024 : (masked ? 8192 : 4096);
     return p.seqlen_k >= from && p.seqlen_q >= from;
 }
+// Through a block mask: the 128-row tiles whose key blocks divide the mask's 128 (one query
+// block a tile, whole tiles per key block: common/block_sparse.cuh).
 inline FwdSm90Config fwd_sm90_config(const CfFwdParams& p) {
+    if (has_block_mask(p)) {
+        switch (round_head_dim(p.d)) {
+            case 64: return FwdSm90Config::kD64Short;
+            case 96: return FwdSm90Config::kD96;
+            case 128: return FwdSm90Config::kD128;
+            case 192: return FwdSm90Config::kD192;
+            default: return FwdSm90Config::kD256;
+        }
+    }
     switch (round_head_dim(p.d)) {
         case 64: {
             const bool masked = has_window(p);
@@ -445,6 +457,8 @@ bool smem_fits(int bytes);
 bool tma_enabled();
 // The calls only the SIMT kernels run, and their shape (config.cuh SimtShape).
 bool simt_only(const CfFwdParams& p);
+// The head-dim tile of the wgmma backward of a call, 0 when the mma.sync / SIMT kernels run.
+int bwd_sm90_tile_for(const CfFwdParams& f);
 SimtShape simt_shape(const CfFwdParams& p);
 // The 16-byte rules of the tensor-core tile loads (elements of elem_bytes bytes; batch strides
 // are not checked for varlen sides).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds (here, no GPU needed) the `cuda` test binaries and the bench example, and copies them
+# Builds (here, no GPU needed) the `cuda` test binaries and the bench examples, and copies them
 # stripped into the ignored folder gpu-bin/, with the library-path helper, for the GPU machine:
 #   bash scripts/gpu-run.sh   (there, with gpu-pack/ copied along)
 set -euo pipefail
@@ -29,7 +29,9 @@ for line in sys.stdin:
 done
 cargo build --release --features cuda --example bench
 cp "${CARGO_TARGET_DIR:-target}/release/examples/bench" "$out/bench"
-strip "$out"/tests/* "$out/bench"
+cargo build --release --features cuda --example block_sparse_bench
+cp "${CARGO_TARGET_DIR:-target}/release/examples/block_sparse_bench" "$out/block_sparse_bench"
+strip "$out"/tests/* "$out/bench" "$out/block_sparse_bench"
 # ../shared does not travel to the device: carry its library-path helper along.
 cp ../shared/device/cuda-libs.sh "$out/"
 # The binaries embed candle's PTX (~200 MB together); xz -9 shrinks them under the device

@@ -11,10 +11,10 @@
 //!
 //! A mask is built once (from a rule, [`BlockMask::from_spec`], or from the key blocks a model
 //! picked, [`BlockMask::from_block_indices`]) and reused by every call and layer with the same
-//! lengths. Its tensors live on the device it was built for. The builders run on the CPU so far
-//! (the CUDA builder, reading the rule's data where it lives with no host synchronisation, is
-//! the next step: see [`BlockMask::from_spec`]); attention through a block mask runs on the CPU
-//! (forward and backward), and on CUDA returns an error until the kernels read the lists.
+//! lengths. Its tensors live on the device it was built for. The builders run on the host (they
+//! read the rule's data there; a CUDA builder would not: see [`BlockMask::from_spec`]); attention
+//! through a block mask runs forward and backward on the CPU and on CUDA's sm_90a kernels (f16 /
+//! bf16, head dims 33 to 256; other CUDA calls are an error that says so: docs/api.md).
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
@@ -128,6 +128,16 @@ impl MaskSpec {
         };
         rules.push(other);
         rules
+    }
+
+    /// The tensors the rule reads (document ids, prefix lengths), in rule order.
+    pub fn data_tensors(&self) -> Vec<&Tensor> {
+        match self {
+            Self::SameDocument { q_doc, k_doc } => vec![q_doc, k_doc],
+            Self::PrefixLm { prefix } => vec![prefix],
+            Self::And(rules) | Self::Or(rules) => rules.iter().flat_map(Self::data_tensors).collect(),
+            _ => vec![],
+        }
     }
 
     /// The rule with its data on the host, for lengths `(sq, sk)` and `batch` sequences (each
@@ -411,9 +421,10 @@ impl BlockMask {
     /// are read for it).
     ///
     /// The builder runs on the host: it reads the rule's data there and copies the lists to
-    /// `device`. A CUDA builder (one thread block per (batch, query block), the rule evaluated
-    /// on the device with no host synchronisation) goes here, behind the `cuda` feature, when
-    /// the CUDA kernels read block masks.
+    /// `device` (a host synchronisation when the rule's data is on a GPU). A CUDA builder (one
+    /// thread block per (batch, query block), the rule evaluated on the device with no host
+    /// synchronisation, as the kernels evaluate it: kernels/common/block_sparse.cuh) would go here,
+    /// behind the `cuda` feature.
     pub fn from_spec(
         spec: &MaskSpec,
         batch: usize,

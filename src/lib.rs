@@ -28,7 +28,7 @@
 //!
 //! Block-sparse attention: [`FlashAttnOptions::block_mask`] with a [`BlockMask`] (PyTorch
 //! FlexAttention's layout, built from [`MaskSpec`] rules or a model's top-k key blocks); forward
-//! and backward on the CPU so far, an error on CUDA ([`block_mask`]).
+//! and backward on the CPU and on the Hopper (sm_90a) kernels, f16 / bf16 ([`block_mask`]).
 //!
 //! `Tensor::backward()` through any of these functions gives dq, dk, dv; see [`op`] for how
 //! the backward reaches the forward's log-sum-exp without recomputing the forward.

@@ -764,10 +764,12 @@ fn check_block_mask(
     (seqlen_q, seqlen_k): (usize, usize),
 ) -> candle_core::Result<()> {
     if kernels_on_cuda {
-        bail!(
-            "candle-flash: block masks run on the CPU only so far (the CUDA kernels do not read them yet): \
-             run this call on the CPU, or without block_mask"
-        )
+        // the rule's data is read where it lives: on the call's device (u32, as the builders checked)
+        if let Some(spec) = mask.spec() {
+            for t in spec.data_tensors() {
+                check_same_device("the block mask rule's data", t, device)?;
+            }
+        }
     }
     if opts.varlen.is_some() {
         bail!(

@@ -1,14 +1,15 @@
-//! Block-sparse attention ([`BlockMask`], FlexAttention's layout) on the CPU: the builders'
-//! block lists against a brute-force classification of every element, the forward and the
-//! gradients (through `Tensor::backward()`) against the f64 reference with the equivalent dense
-//! mask for every rule and combinations of them, with tile-breaking lengths, Sq ≠ Sk, rows that
-//! see no key, top-k block indices with duplicates and out-of-range entries, the other options
-//! on top (GQA, causal / window, softcap, ALiBi, sinks), f32, f16 and bf16; and the errors.
+//! Block-sparse attention ([`BlockMask`], FlexAttention's layout) on the CPU and on the CUDA
+//! kernels that read block masks (sm_90a, f16 / bf16): the builders' block lists against a
+//! brute-force classification of every element, the forward and the gradients (through
+//! `Tensor::backward()`) against the f64 reference with the equivalent dense mask for every rule
+//! and combinations of them, with tile-breaking lengths, Sq ≠ Sk, rows that see no key, top-k
+//! block indices with duplicates and out-of-range entries, the other options on top (GQA, causal
+//! / window, softcap, ALiBi, sinks), f32, f16 and bf16; and the errors.
 
 mod common;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_flash::block_mask::{BlockClass, BLOCK_SIZE};
-use candle_flash::{flash_attn_with_lse, reference, BlockMask, FlashAttnOptions, MaskSpec};
+use candle_flash::{describe_kernel_plans, flash_attn_with_lse, reference, BlockMask, FlashAttnOptions, MaskSpec};
 use common::{floor, max_err, randn};
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -276,6 +277,169 @@ fn check(x: &[Tensor; 4], opts: &FlashAttnOptions, dtype: DType, ctx: &str) -> R
     Ok((flash.0, flash.2))
 }
 
+/// `spec` with its data tensors on `dev` (the CUDA kernels read the rule's data where it lives).
+fn spec_on(spec: &MaskSpec, dev: &Device) -> Result<MaskSpec> {
+    Ok(match spec {
+        MaskSpec::SameDocument { q_doc, k_doc } => {
+            MaskSpec::same_document(&q_doc.to_device(dev)?, &k_doc.to_device(dev)?)
+        }
+        MaskSpec::PrefixLm { prefix } => MaskSpec::prefix_lm(&prefix.to_device(dev)?),
+        MaskSpec::And(rules) => MaskSpec::And(rules.iter().map(|r| spec_on(r, dev)).collect::<Result<_>>()?),
+        MaskSpec::Or(rules) => MaskSpec::Or(rules.iter().map(|r| spec_on(r, dev)).collect::<Result<_>>()?),
+        rule => rule.clone(),
+    })
+}
+
+/// `opts` with every tensor option on `dev` and the block mask `mask` (built for `dev`).
+fn opts_on(opts: &FlashAttnOptions, mask: &BlockMask, dev: &Device) -> Result<FlashAttnOptions> {
+    let mut o = opts.clone().block_mask(Some(mask));
+    o.alibi_slopes = opts.alibi_slopes.as_ref().map(|t| t.to_device(dev)).transpose()?;
+    o.sinks = opts.sinks.as_ref().map(|t| t.to_device(dev)).transpose()?;
+    Ok(o)
+}
+
+/// [`check`] on the GPU: the flash call on `gpu` through `gpu_opts` (the same mask built there)
+/// against the f64 reference and the naive same-dtype computation on the CPU through `opts`.
+fn check_gpu(
+    gpu: &Device,
+    x: &[Tensor; 4],
+    opts: &FlashAttnOptions,
+    gpu_opts: &FlashAttnOptions,
+    dtype: DType,
+    ctx: &str,
+) -> Result<()> {
+    let truth = run(x, opts, DType::F64, false)?;
+    let naive = run(x, opts, dtype, false)?;
+    let xg = x.clone().map(|t| t.to_device(gpu).unwrap());
+    let flash = run(&xg, gpu_opts, dtype, true)?;
+    let cpu = |t: &Tensor| t.to_device(&CPU).unwrap();
+    let (ef, en) = (max_err(&cpu(&flash.0), &truth.0), max_err(&naive.0, &truth.0));
+    let tol = 2.0 * en + floor(dtype, false);
+    assert!(ef <= tol, "forward error {ef:.3e} > {tol:.3e} (naive {en:.3e}): {ctx}");
+    let el = max_err(&cpu(&flash.1), &truth.1);
+    assert!(el <= 1e-3 + 2.0 * max_err(&naive.1, &truth.1), "lse error {el:.3e}: {ctx}");
+    for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
+        let (ef, en) = (max_err(&cpu(&flash.2[i]), &truth.2[i]), max_err(&naive.2[i], &truth.2[i]));
+        let tol = 3.0 * en + floor(dtype, true);
+        assert!(ef <= tol, "{name} error {ef:.3e} > {tol:.3e} (naive {en:.3e}): {ctx}");
+    }
+    Ok(())
+}
+
+/// The CUDA kernels through block masks (the sm_90a forward and backward, f16 / bf16) against the
+/// reference: every rule at tile-breaking lengths and Sq ≠ Sk, each head-dim tile (64, 96, 128,
+/// 192, 256), top-k lists per head with duplicates and out-of-range entries, and the other options
+/// on top (GQA, causal, windows, softcap, ALiBi, sinks).
+#[test]
+fn cuda_kernels_match_the_reference() -> Result<()> {
+    let Some(gpu) = common::cuda_device() else { return Ok(()) };
+    let (mut rng, seed) = common::rng();
+    for (sq, sk) in [(1, 300), (17, 17), (113, 300), (300, 113), (1023, 1023)] {
+        for (name, spec) in rules(&mut rng, 2, (sq, sk))? {
+            let dtype = if name.len() % 2 == 0 { DType::BF16 } else { DType::F16 };
+            let mask = BlockMask::from_spec(&spec, 2, 1, sq, sk, &CPU)?;
+            let gmask = BlockMask::from_spec(&spec_on(&spec, &gpu)?, 2, 1, sq, sk, &gpu)?;
+            let opts = FlashAttnOptions::new(0.17).block_mask(Some(&mask));
+            let x = inputs(&mut rng, (2, sq, sk, 2, 1, 64), dtype)?;
+            let ctx = format!("cuda {name} ({sq}, {sk}) {dtype:?} (seed {seed})");
+            check_gpu(&gpu, &x, &opts, &opts_on(&opts, &gmask, &gpu)?, dtype, &ctx)?;
+        }
+    }
+    // Each head-dim tile, a rule with partial blocks of every kind.
+    let (sq, sk) = (300, 260);
+    let (q_doc, k_doc) = documents(&mut rng, 2, (sq, sk))?;
+    let spec = MaskSpec::causal().and(MaskSpec::same_document(&q_doc, &k_doc)).or(MaskSpec::global_tokens(3));
+    let mask = BlockMask::from_spec(&spec, 2, 1, sq, sk, &CPU)?;
+    let gmask = BlockMask::from_spec(&spec_on(&spec, &gpu)?, 2, 1, sq, sk, &gpu)?;
+    for (d, dtype) in [(40, DType::BF16), (96, DType::F16), (128, DType::BF16), (192, DType::F16), (256, DType::BF16)] {
+        let opts = FlashAttnOptions::new(0.12).block_mask(Some(&mask));
+        let x = inputs(&mut rng, (2, sq, sk, 4, 2, d), dtype)?;
+        let ctx = format!("cuda d = {d} {dtype:?} (seed {seed})");
+        check_gpu(&gpu, &x, &opts, &opts_on(&opts, &gmask, &gpu)?, dtype, &ctx)?;
+    }
+    // Top-k lists per (batch, head), with duplicates and bad entries, alone and causal inside.
+    for (spec, u32s) in [(None, true), (Some(MaskSpec::causal()), false)] {
+        let (sq, sk) = (400, 530);
+        let indices = top_k(&mut rng, (2, 4), (sq, sk), 3, u32s)?;
+        let mask = BlockMask::from_block_indices(&indices, spec.as_ref(), sq, sk)?;
+        let gmask = BlockMask::from_block_indices(&indices.to_device(&gpu)?, spec.as_ref(), sq, sk)?;
+        for (h, hkv) in [(4, 4), (4, 1)] {
+            let opts = FlashAttnOptions::new(0.2).block_mask(Some(&mask));
+            let x = inputs(&mut rng, (2, sq, sk, h, hkv, 128), DType::BF16)?;
+            let ctx = format!("cuda top-k {spec:?} ({h}, {hkv}) (seed {seed})");
+            check_gpu(&gpu, &x, &opts, &opts_on(&opts, &gmask, &gpu)?, DType::BF16, &ctx)?;
+        }
+    }
+    // The other options on top.
+    let docs = BlockMask::from_spec(&MaskSpec::same_document(&q_doc, &k_doc), 2, 1, sq, sk, &CPU)?;
+    let gdocs = BlockMask::from_spec(&spec_on(&MaskSpec::same_document(&q_doc, &k_doc), &gpu)?, 2, 1, sq, sk, &gpu)?;
+    let alibi = Tensor::new(&[0.3f32, 0.1, 0.05, 0.2], &CPU)?;
+    let sinks = Tensor::new(&[1.0f32, -2.0, 0.5, 3.0], &CPU)?;
+    let base = FlashAttnOptions::new(0.2);
+    for (name, opts) in [
+        ("causal", base.clone().causal(true)),
+        ("window(50, 10), softcap", base.clone().window(Some(50), Some(10)).softcap(Some(3.0))),
+        ("alibi, causal", base.clone().alibi(Some(&alibi)).causal(true)),
+        ("sinks", base.clone().sinks(Some(&sinks))),
+    ] {
+        for ((h, hkv), dtype) in [((4, 1), DType::BF16), ((4, 4), DType::F16)] {
+            let opts = opts.clone().block_mask(Some(&docs));
+            let x = inputs(&mut rng, (2, sq, sk, h, hkv, 64), dtype)?;
+            let ctx = format!("cuda documents, {name} ({h}, {hkv}) {dtype:?} (seed {seed})");
+            check_gpu(&gpu, &x, &opts, &opts_on(&opts, &gdocs, &gpu)?, dtype, &ctx)?;
+        }
+    }
+    Ok(())
+}
+
+/// The kernels a block mask runs on: the sm_90a forward's 128-row tiles whose key blocks divide
+/// the mask's (not the long-block or 192-row tiles the same call takes without a mask), the
+/// sm_90a backward with atomic dQ.
+#[test]
+fn cuda_block_mask_plans() -> Result<()> {
+    let Some(gpu) = common::cuda_device() else { return Ok(()) };
+    let n = 4096;
+    let mask = BlockMask::from_spec(&MaskSpec::causal(), 1, 1, n, n, &gpu)?;
+    for (d, fwd, bwd) in [
+        (64, "wgmma D64Short ", "wgmma tile=64 dq=atomic"),
+        (128, "wgmma D128 ", "wgmma tile=128 dq=atomic"),
+        (256, "wgmma D256 ", "wgmma_wide tile=256 dq=atomic"),
+    ] {
+        let q = Tensor::zeros((1, n, 2, d), DType::BF16, &gpu)?;
+        let plans = describe_kernel_plans(&q, &q, &q, &FlashAttnOptions::new(0.1).block_mask(Some(&mask)))?;
+        assert!(plans.forward.starts_with(fwd), "d = {d}: forward plan {:?}", plans.forward);
+        let backward = plans.backward.unwrap_or_default();
+        assert!(backward.starts_with(bwd), "d = {d}: backward plan {backward:?}");
+    }
+    Ok(())
+}
+
+/// On CUDA, what the block-mask kernels do not take is an error that says what they take: f32,
+/// head dims up to 32, the deterministic backward, rule data on another device.
+#[test]
+fn cuda_block_masks_outside_the_kernels_are_errors() -> Result<()> {
+    let Some(gpu) = common::cuda_device() else { return Ok(()) };
+    let mask = BlockMask::from_spec(&MaskSpec::causal(), 1, 1, 200, 300, &gpu)?;
+    let opts = FlashAttnOptions::new(0.25).block_mask(Some(&mask));
+    let t = |dims: &[usize], dtype: DType| Tensor::zeros(dims, dtype, &gpu).unwrap();
+    for (d, dtype) in [(64, DType::F32), (32, DType::BF16)] {
+        let (q, k) = (t(&[1, 200, 2, d], dtype), t(&[1, 300, 2, d], dtype));
+        let e = err_text(flash_attn_with_lse(&q, &k, &k, &opts));
+        assert!(e.contains("block masks run on CUDA on the sm_90a"), "d = {d} {dtype:?}: {e}");
+    }
+    let (q, k) = (t(&[1, 200, 2, 64], DType::BF16), t(&[1, 300, 2, 64], DType::BF16));
+    let (out, lse) = flash_attn_with_lse(&q, &k, &k, &opts)?;
+    let det = opts.clone().deterministic(true);
+    let e = err_text(candle_flash::flash_attn_grads(&q, &k, &k, &out, &out, &lse, &det).map(|g| g.dq));
+    assert!(e.contains("not deterministic"), "{e}");
+    let ids = Tensor::zeros((1, 300), DType::U32, &CPU)?;
+    let cpu_rule = BlockMask::from_spec(&MaskSpec::same_document(&ids, &ids), 1, 1, 300, 300, &gpu)?;
+    let k = t(&[1, 300, 2, 64], DType::BF16);
+    let e = err_text(flash_attn_with_lse(&k, &k, &k, &FlashAttnOptions::new(0.25).block_mask(Some(&cpu_rule))));
+    assert!(e.contains("rule's data is on"), "{e}");
+    Ok(())
+}
+
 /// [`check`] of attention through `mask` alone, on fresh inputs of `dims` in each of `dtypes`.
 fn check_dtypes(rng: &mut StdRng, mask: &BlockMask, dims: Dims, dtypes: &[DType], ctx: &str) -> Result<()> {
     let opts = FlashAttnOptions::new(0.17).block_mask(Some(mask));
@@ -460,14 +624,11 @@ fn bad_block_masks_are_errors() -> Result<()> {
     assert!(e.contains("prefix") && e.contains("[3]"), "{e}");
     let e = err_text(BlockMask::from_spec(&MaskSpec::causal(), 0, 1, 200, 300, &CPU));
     assert!(e.contains("batch 0"), "{e}");
-    // On CUDA, for now, the call says where block masks run.
+    // A mask built for another device than the call's.
     if let Some(gpu) = common::cuda_device() {
-        let mask = BlockMask::from_spec(&MaskSpec::causal(), 1, 1, 200, 300, &gpu)?;
         let (q, k) = (q.to_device(&gpu)?, k.to_device(&gpu)?);
-        let e = err_text(flash_attn_with_lse(&q, &k, &k, &FlashAttnOptions::new(0.25).block_mask(Some(&mask))));
-        assert!(e.contains("block masks run on the CPU only"), "{e}");
         let e = err_text(flash_attn_with_lse(&q, &k, &k, &FlashAttnOptions::new(0.25).block_mask(Some(&ok))));
-        assert!(e.contains("block masks run on the CPU only") || e.contains("block_mask is on"), "{e}");
+        assert!(e.contains("block_mask is on"), "{e}");
     }
     Ok(())
 }

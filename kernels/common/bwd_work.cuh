@@ -2,7 +2,7 @@
 // sm_80 (sm80/bwd.cuh) and sm_90a (sm90/bwd.cuh) kernels: kBlockN keys of one KV head of one sequence, and the steps
 // (query head of its GQA split, query block of BM rows) whose queries see those keys.
 #pragma once
-#include "mask.cuh"
+#include "block_sparse.cuh"
 
 namespace cf {
 
@@ -128,13 +128,18 @@ struct DkdvWork {
     MaskInfo mk;
     int b, hkv_i, split, n0, h_begin, mb_lo, nm, total_it, dch, rot;
     StepDivider by_nm;  // kMulDiv: step it -> (head it / nm, query block it % nm)
+    // A block mask (the sm_90a kernels only: check_bwd): every head's steps are its key block's
+    // q lists (full blocks first, 128 / BM steps each), nm the most of any of the CTA's heads;
+    // a head with fewer has void steps at its end (computed fully masked). The kernel parameter's
+    // (a reference, not a copy: it stays in the parameter space, __grid_constant__).
+    const CfBlockMask& bmask;
     const T* kg;  // K / V rows of this KV head, row 0 of the sequence
     const T* vg;
 
     // grid: (key block, KV head * nsplit + split, batch), see DkdvCta
     __device__ __forceinline__ DkdvWork(const CfBwdParams& p, const BwdWs& ws) : DkdvWork(p, ws, DkdvCta::of<kHeavyFirst>(ws)) {}
     __device__ __forceinline__ DkdvWork(const CfBwdParams& p, const BwdWs& ws, DkdvCta c)
-        : si(p.fwd, c.b), mk(si.sq, si.sk, p.fwd.window_left, p.fwd.window_right) {
+        : si(p.fwd, c.b), mk(si.sq, si.sk, p.fwd.window_left, p.fwd.window_right), bmask(p.fwd.block_mask) {
         const CfFwdParams& f = p.fwd;
         b = c.b;
         hkv_i = c.y / ws.nsplit;
@@ -148,14 +153,27 @@ struct DkdvWork {
         if (n0 < si.sk) mk.query_range(n0, min(n0 + BN, si.sk) - 1, m_lo, m_hi);
         mb_lo = m_lo / BM;
         nm = m_hi > m_lo ? (m_hi + BM - 1) / BM - mb_lo : 0;
+        if constexpr (CF_MASK_BLOCK % BM == 0 && CF_MASK_BLOCK % BN == 0) {
+            if (sparse()) {
+                mb_lo = 0;
+                int most = 0;
+                if (nm > 0)
+                    for (int hh = h_begin; hh < h_end; ++hh) {
+                        most = max(most, BlockList(bmask, true, b, hh, n0 / CF_MASK_BLOCK).n);
+                        if (bmask.heads == 1) break;  // one list for every head
+                    }
+                nm = most * (CF_MASK_BLOCK / BM);
+            }
+        }
         if constexpr (kMulDiv) by_nm = StepDivider(nm);
         total_it = nm * max(h_end - h_begin, 0);
         // MaskInfo's windows, not the raw ones: a window as wide as the sequence is no mask
-        rot = kRotate && !kReverse && mk.wl < 0 && mk.wr < 0 && nm > 0 ? c.kb % nm : 0;
+        rot = kRotate && !kReverse && mk.wl < 0 && mk.wr < 0 && nm > 0 && !sparse() ? c.kb % nm : 0;
         kg = si.k<T>(f, hkv_i);
         vg = si.v<T>(f, hkv_i);
     }
     __device__ __forceinline__ bool empty() const { return n0 >= si.sk; }
+    __device__ __forceinline__ bool sparse() const { return has_block_mask_lists(bmask); }
     // Deterministic dQ: how many key blocks add into step it's query block (BM rows from m0)
     // before this CTA's does, i.e. this key block minus the first key block the rows see.
     __device__ __forceinline__ int dq_turn(int m0) const {
@@ -184,9 +202,39 @@ struct DkdvWork {
     __device__ __forceinline__ int row0(int it) const {
         int q, r;
         step_divmod(it, q, r);
+        if constexpr (CF_MASK_BLOCK % BM == 0) {
+            if (sparse()) {
+                int m0;
+                StepKind kind;
+                sparse_step(h_begin + q, r, m0, kind);
+                return m0;
+            }
+        }
         if constexpr (kRotate) r = r + rot < nm ? r + rot : r + rot - nm;
         if constexpr (kReverse) r = nm - 1 - r;
         return (mb_lo + r) * BM;
+    }
+
+    // Through a block mask: step r of head h (its first query row and its kind).
+    __device__ __forceinline__ void sparse_step(int h, int r, int& m0, StepKind& kind) const {
+        if constexpr (CF_MASK_BLOCK % BM == 0) {
+            const BlockList l(bmask, true, b, h, n0 / CF_MASK_BLOCK);
+            if (r < l.n * (CF_MASK_BLOCK / BM)) {
+                list_step<CF_MASK_BLOCK / BM, BM>(l, r, m0, kind);
+                return;
+            }
+        }
+        m0 = 0;
+        kind = StepKind::kVoid;
+    }
+    // Step it's kind: kFull without a block mask (the options' masks are MaskInfo's business).
+    __device__ __forceinline__ StepKind step_kind(int it) const {
+        if (!sparse()) return StepKind::kFull;
+        int q, r, m0;
+        step_divmod(it, q, r);
+        StepKind kind;
+        sparse_step(h_begin + q, r, m0, kind);
+        return kind;
     }
 
     // cp.async copies of the CTA's K and V rows. Loader: the kernel's shared layout (TileLoader /

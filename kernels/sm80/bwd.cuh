@@ -21,7 +21,7 @@ namespace cf {
 
 // ------------------------------------------------------------------ dK / dV (+ atomic dQ)
 template <typename Kt>
-__global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfBwdParams p, const BwdWs ws) {
+__global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const __grid_constant__ CfBwdParams p, const BwdWs ws) {
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads, ST = Kt::kStages;
     constexpr int E = kChunkElems<T>, MK = kMmaK<T>;

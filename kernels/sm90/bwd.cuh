@@ -382,9 +382,10 @@ struct BwdMainloop {
     // P^T, dS^T in registers (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1)) in
     // place over sT / dpT, P^T overlapped with dP^T's product as Kt::kOverlapP says; step it's
     // rows in ring stage st.
+    // kind: the step's in a block mask (DkdvWork::step_kind, read at the step's start).
     __device__ __forceinline__ void p_ds(float (&sT)[NA], float (&dpT)[NA], const LogitInfo& li, int it, int m0,
-                                         int st) const {
-        const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
+                                         int st, StepKind kind) const {
+        const bool full = kind == StepKind::kFull && mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
         const float* cL = sL + st * BM;
         const float* cD = sD + st * BM;
         if constexpr (Kt::kOverlapP) {
@@ -405,6 +406,8 @@ struct BwdMainloop {
             bwd_p_ds<BM, Kt::kGeneralLogits ? Logits::kGeneral : Logits::kPlain>(li, mk, sT, dpT, cL, cD, full, m0,
                                                                                n0 + key_l0, q4);
         }
+        if (kind != StepKind::kFull)
+            mask_rule_p_ds<BM>(sT, dpT, w.bmask, mk, b, m0, n0 + key_l0, q4, kind == StepKind::kVoid);
     }
 
     // ---- the dV / dK step: dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
@@ -655,7 +658,7 @@ struct BwdEpilogue {
 // kernel carries none of it (a run-time switch cost d = 64 ~2%).
 template <typename Kt, bool kOrdered = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
-    bwd_dkdv_sm90_kernel(const CfBwdParams p, const BwdWs ws, const __grid_constant__ BwdTmaMaps maps) {
+    bwd_dkdv_sm90_kernel(const __grid_constant__ CfBwdParams p, const BwdWs ws, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NCT = Kt::kNConsumerThreads;
@@ -748,6 +751,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         float* sT0 = sDq + wg * 2 * 64 * 64;  // this warpgroup's [2 panels][64][64] dQ tile
         for (int it = 0; it < total_it; ++it) {
             const int hq = w.head(it), m0 = w.row0(it);
+            const StepKind kind = w.step_kind(it);  // through a block mask: the rule too
             const int st = pipe.stage(it);
             const bool owner = (it & 1) == wg;
             CF_BTRACE(trace, wg, it, 0);
@@ -764,7 +768,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             }
             CF_BTRACE(trace, wg, it, 2);
             uint32_t pa[MS][4], dsa[MS][4];
-            ml.p_ds(sT, dpT, li, it, m0, st);
+            ml.p_ds(sT, dpT, li, it, m0, st, kind);
             ml.issue_dv(pa, sT, tdO);
             ml.issue_dk(dsa, dpT, tQ);
             CF_BTRACE(trace, wg, it, 6);
@@ -805,6 +809,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     } else {
     for (int it = 0; it < total_it; ++it) {
         const int hq = w.head(it), m0 = w.row0(it);
+        const StepKind kind = w.step_kind(it);  // through a block mask: the rule too
         const int st = pipe.stage(it);
         CF_BTRACE(trace, wg, it, 0);
         if (warp == 0 && it + 1 < total_it) {
@@ -824,7 +829,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
         // ---- P^T, dS^T, then dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
         uint32_t pa[MS][4], dsa[MS][4];
-        ml.p_ds(sT, dpT, li, it, m0, st);
+        ml.p_ds(sT, dpT, li, it, m0, st, kind);
         ml.issue_dv(pa, sT, tdO);
         ml.dq_signal();  // the reduction issued early in this step (late flush), ~1000 cycles ago
         ml.issue_dk(dsa, dpT, tQ);

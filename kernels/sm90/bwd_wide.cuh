@@ -257,7 +257,7 @@ struct BwdWideEpilogue {
 // kOrdered: deterministic mode, as in bwd_dkdv_sm90_kernel.
 template <typename Kt, bool kOrdered = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
-    bwd_dkdv_sm90_wide_kernel(const CfBwdParams p, const BwdWs ws, const __grid_constant__ BwdTmaMaps maps) {
+    bwd_dkdv_sm90_wide_kernel(const __grid_constant__ CfBwdParams p, const BwdWs ws, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads;
@@ -323,6 +323,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     for (int it = 0; it < total_it; ++it) {
         CF_BTRACE(trace, wg, it, 0);
         const int hq = w.head(it), m0 = w.row0(it);
+        const StepKind kind = w.step_kind(it);  // through a block mask: the rule too
         const int st = pipe.stage(it);
         pipe.consumer_wait(it);  // this step's tiles landed (and the fence for the cp.async part)
         CF_BTRACE(trace, wg, it, 1);
@@ -350,8 +351,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             ml.receive_dp(dp);
             // ---- P^T, dS^T (element 4j+e: key key_l0 + 8 (e >> 1), query 8j + 2 q4 + (e & 1))
             const LogitInfo li(f, w.b, hq);
-            const bool full = mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
+            const bool full = kind == StepKind::kFull && mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
             bwd_p_ds<BM>(li, mk, sc, dp, sL + st * BM, sD + st * BM, full, m0, n0 + key_l0, q4);
+            if (kind != StepKind::kFull)
+                mask_rule_p_ds<BM>(sc, dp, w.bmask, mk, w.b, m0, n0 + key_l0, q4, kind == StepKind::kVoid);
             CF_BTRACE(trace, wg, it, 5);
             ml.store_p_ds(sc, dp);
             fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)

@@ -269,7 +269,7 @@ struct FwdProducer {
     // way every producer thread commits once per buffer.
     static __device__ __forceinline__ void run(const CfFwdParams& p, const FwdTmaMaps& maps, int tail_groups,
                                                FwdSharedStorage<Kt>& ss, const FwdPipelines<Kt>& pl, int ptid) {
-        const FwdTileScheduler<BM, BN, !Kt::kPersistent> sched(p, tail_groups);
+        const FwdTileScheduler<BM, BN, !Kt::kPersistent, !Kt::kFp8> sched(p, tail_groups);
         const int dch = p.d >> 3;
         uint32_t kv = 0, tcount = 0;  // key blocks and tiles loaded so far (pipeline counters)
         uint32_t nraw = 0;            // kVtInKernel: raw V tiles transposed so far (vraw_bar's phases)
@@ -288,7 +288,7 @@ struct FwdProducer {
                 if constexpr (Kt::kVtInKernel) {
                     if (ptid == 0) {
                         tma_load_tile<BN, D, 1>(smem_addr(ss.vraw.data), &maps.v, raw_bar,
-                                                krow0 + (t.nb_hi - 1 - j) * BN, hk, kbatch);
+                                                krow0 + t.template key_start<BN>(j), hk, kbatch);
                         mbar_arrive(raw_bar);
                     }
                 }
@@ -297,7 +297,7 @@ struct FwdProducer {
                 const Pipeline<Kt::kStages> pipe = is_k ? pl.k() : pl.v();
                 T* dst = is_k ? ss.k[pipe.stage(kv + j)] : ss.v[pipe.stage(kv + j)];
                 const uint32_t n = kv + j;
-                const int n0 = (t.nb_hi - 1 - j) * BN;
+                const int n0 = t.template key_start<BN>(j);
                 pipe.producer_acquire(n);
                 if constexpr (Kt::kVtInKernel) {
                     if (!is_k) {
@@ -416,7 +416,8 @@ struct FwdMainloop {
 #endif
 
     // kv: pipeline counter of the tile's first key block. wrow0: this warp's first query row.
-    __device__ __forceinline__ void run(const FwdTile& t, const LogitInfo& li, float cmul, const FwdPipelines<Kt>& pl,
+    __device__ __forceinline__ void run(const CfFwdParams& p, const FwdTile& t, const LogitInfo& li, float cmul,
+                                        const FwdPipelines<Kt>& pl,
                                         uint32_t aQwg, uint32_t aK, uint32_t aV, uint32_t kv, int wrow0, int lane,
                                         const PingPong<Kt>& turn) {
         const int q4 = lane & 3, g = lane >> 2;
@@ -453,9 +454,16 @@ struct FwdMainloop {
         };
         // Logit transform and mask (skipped for blocks this warp sees whole), then the online
         // softmax; leaves P in s and the output correction in corr.
-        auto softmax_block = [&](float (&s)[BN / 2], int n0, float (&corr)[2]) {
-            mask_scores<1, NT>(s, li, t.mk, [&](int, int r) { return wrow0 + g + 8 * r; }, n0, q4,
-                               t.mk.block_full(wrow0, 16, n0, BN));
+        // Through a block mask a partly visible block also takes the rule's mask (a void step,
+        // a bad list entry, hides everything). The step's key and kind are read at the start of
+        // its iteration (next_step), so that a list entry's load runs under the waits and S.
+        auto softmax_block = [&](float (&s)[BN / 2], int n0, StepKind kind, float (&corr)[2]) {
+            auto row_of = [&](int, int r) { return wrow0 + g + 8 * r; };
+            mask_scores<1, NT>(s, li, t.mk, row_of, n0, q4, kind == StepKind::kFull && t.mk.block_full(wrow0, 16, n0, BN));
+            if constexpr (CF_MASK_BLOCK % BN == 0) {  // (the tiles a block mask runs on: plan.cuh)
+                if (kind != StepKind::kFull)
+                    mask_rule_scores<1, NT>(s, p.block_mask, t.mk, t.si.b, row_of, n0, q4, kind == StepKind::kVoid);
+            }
             softmax.template step<1, NT>(s, cmul, corr);
         };
         auto to_p = [&](const float (&s)[BN / 2]) {
@@ -480,6 +488,9 @@ struct FwdMainloop {
         // the rescale runs while S is on the tensor cores, not on the step's critical tail).
         float corr[2];
         // Block 0: S only (nothing to multiply with V yet).
+        int n0;
+        StepKind kind;
+        t.template step<BN>(0, n0, kind);
         {
             pl.k().consumer_wait(kv);
             float s[BN / 2];
@@ -490,11 +501,12 @@ struct FwdMainloop {
             wg_wait<0>();
             reg_fence(s);
             pl.k().consumer_release(kv, lane);
-            softmax_block(s, (t.nb_hi - 1) * BN, corr);  // corr = 0 or 1 on o = 0: nothing to rescale
+            softmax_block(s, n0, kind, corr);  // corr = 0 or 1 on o = 0: nothing to rescale
             to_p(s);
         }
         for (int j = 1; j < t.nblocks; ++j) {
             float s[BN / 2];
+            t.template step<BN>(j, n0, kind);
             if constexpr (Kt::kSerialPV) {
                 // P(j-1) V(j-1), completed, then S(j), completed, then the softmax: no product
                 // is in flight while another's registers are live, so S 128 + O 64 is the peak
@@ -521,7 +533,7 @@ struct FwdMainloop {
                 reg_fence(s);
                 CF_TRACE(trace, turn.wg, j, 6);
                 pl.k().consumer_release(kv + j, lane);
-                softmax_block(s, (t.nb_hi - 1 - j) * BN, corr);
+                softmax_block(s, n0, kind, corr);
                 CF_TRACE(trace, turn.wg, j, 7);
             } else {
                 CF_TRACE(trace, turn.wg, j, 0);
@@ -544,7 +556,7 @@ struct FwdMainloop {
                 reg_fence(s);
                 CF_TRACE(trace, turn.wg, j, 5);
                 pl.k().consumer_release(kv + j, lane);
-                softmax_block(s, (t.nb_hi - 1 - j) * BN, corr);
+                softmax_block(s, n0, kind, corr);
                 CF_TRACE(trace, turn.wg, j, 6);
                 finish_pv(kv + j - 1);
                 CF_TRACE(trace, turn.wg, j, 7);
@@ -642,7 +654,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
     }
 
     setmaxnreg_inc<Kt::kConsumerRegs>();
-    const FwdTileScheduler<Kt::kBlockM, Kt::kBlockN, !Kt::kPersistent> sched(p, tail_groups);
+    const FwdTileScheduler<Kt::kBlockM, Kt::kBlockN, !Kt::kPersistent, !Kt::kFp8> sched(p, tail_groups);
     const PingPong<Kt> turn{wg};
     const uint32_t aQwg = smem_addr(ss.q) + wg * 64 * kPanelRowBytes;  // this warpgroup's 64 rows of Q
     const uint32_t aK = smem_addr(ss.k), aV = smem_addr(ss.v);
@@ -671,7 +683,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
 #ifdef CF_FWD_TRACE
         ml.trace = blockIdx.x == 0 && tcount == 0;
 #endif
-        ml.run(t, li, cmul, pl, aQwg, aK, aV, kv, t.m0 + rl0, lane, turn);
+        ml.run(p, t, li, cmul, pl, aQwg, aK, aV, kv, t.m0 + rl0, lane, turn);
         if constexpr (Kt::kSeparateO) pl.q().consumer_release(tcount, lane);  // Q read for the last time
         FwdEpilogue<Kt>::store(p, t, ml, cmul, out_scale, ss.o_staging(), rl0, lane);
         if constexpr (!Kt::kSeparateO) pl.q().consumer_release(tcount, lane);  // staging done: Q's rows are free

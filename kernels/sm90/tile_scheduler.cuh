@@ -13,21 +13,45 @@
 // groups' heaviest tiles do not start in the grid's last wave.
 #pragma once
 #include <algorithm>
-#include "../common/mask.cuh"
+#include "../common/block_sparse.cuh"
 
 namespace cf {
 
 // One tile: query rows [m0, m_last] of head h of one sequence, against key blocks
-// nb_hi - 1 - j for j = 0 .. nblocks - 1 (last first: the boundary block is masked first).
+// nb_hi - 1 - j for j = 0 .. nblocks - 1 (last first: the boundary block is masked first), or,
+// through a block mask (`sparse`), the steps of its query block's lists (common/block_sparse.cuh:
+// the fully visible blocks, then the partly visible ones, 128 / kBlockN steps each).
 struct FwdTile {
     SeqInfo si;
     MaskInfo mk;
     int h, m0, m_last, nb_hi, nblocks;
+    bool sparse;
+    BlockList bl;  // sparse only
 
     __device__ __forceinline__ FwdTile(const CfFwdParams& p, int b)
-        : si(p, b, KvKind<KvPath::kAny>{}), mk(si.sq, si.sk, p.window_left, p.window_right) {}
+        : si(p, b, KvKind<KvPath::kAny>{}), mk(si.sq, si.sk, p.window_left, p.window_right), sparse(false) {}
     // No query row of this tile exists in its sequence: nothing to load, compute or store.
     __device__ __forceinline__ bool empty() const { return m0 >= si.sq; }
+    // Step j's first key and its kind (always kFull without a block mask: the options' masks
+    // are MaskInfo's business).
+    template <int BN>
+    __device__ __forceinline__ void step(int j, int& n0, StepKind& kind) const {
+        if constexpr (CF_MASK_BLOCK % BN == 0) {
+            if (sparse) {
+                list_step<CF_MASK_BLOCK / BN, BN>(bl, j, n0, kind);
+                return;
+            }
+        }
+        n0 = (nb_hi - 1 - j) * BN;
+        kind = StepKind::kFull;
+    }
+    template <int BN>
+    __device__ __forceinline__ int key_start(int j) const {
+        int n0;
+        StepKind kind;
+        step<BN>(j, n0, kind);
+        return n0;
+    }
 };
 
 // Where this sequence's rows sit in the forward's TMA maps (tma.cuh): a varlen tensor's map is one
@@ -43,8 +67,9 @@ struct FwdTmaRows {
 };
 
 // kOneTilePerCta: the non-persistent kernels (only they take `tail_groups`; the persistent ones
-// carry none of its code).
-template <int kBlockM, int kBlockN, bool kOneTilePerCta>
+// carry none of its code). kBlockMasks: the kernel reads block masks (the 16-bit forward; the
+// others carry none of its code).
+template <int kBlockM, int kBlockN, bool kOneTilePerCta, bool kBlockMasks = false>
 struct FwdTileScheduler {
     int num_m, ntiles, pair, niters, tail;
     bool heavy_last;
@@ -101,6 +126,14 @@ struct FwdTileScheduler {
         t.mk.key_range(t.m0, t.m_last, n_lo, n_hi);
         t.nb_hi = (n_hi + kBlockN - 1) / kBlockN;
         t.nblocks = n_hi > n_lo ? t.nb_hi - n_lo / kBlockN : 0;
+        // a block mask: the plan runs it on tiles inside one mask block (kBlockM = 128, kBlockN | 128)
+        if constexpr (kBlockMasks && kBlockM == CF_MASK_BLOCK && CF_MASK_BLOCK % kBlockN == 0) {
+            if (has_block_mask(p) && t.nblocks > 0) {
+                t.sparse = true;
+                t.bl = BlockList(p.block_mask, false, t.si.b, t.h, t.m0 / CF_MASK_BLOCK);
+                t.nblocks = t.bl.n * (CF_MASK_BLOCK / kBlockN);
+            }
+        }
         return t;
     }
 };

@@ -84,6 +84,87 @@ pub struct CfFwdParams {
     /// The head dim of v, o, dout and dv (0: `d`).
     pub dv: i32,
     pub prefix_max_ranges: i32,
+    /// Block-sparse attention; `kv_num` null: none.
+    pub block_mask: CfBlockMask,
+}
+
+/// `CfMaskOp`: the element rules of a block mask's partial blocks.
+pub const CF_MASK_ALL: i32 = 0;
+pub const CF_MASK_CAUSAL: i32 = 1;
+pub const CF_MASK_WINDOW: i32 = 2;
+pub const CF_MASK_SAME_DOCUMENT: i32 = 3;
+pub const CF_MASK_PREFIX_LM: i32 = 4;
+pub const CF_MASK_CHUNKED: i32 = 5;
+pub const CF_MASK_GLOBAL_TOKENS: i32 = 6;
+/// `CF_MASK_MAX_NODES`.
+pub const CF_MASK_MAX_NODES: usize = 16;
+
+/// `CfMaskNode`: one rule of an AND term of the element rule (an OR of such terms).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CfMaskNode {
+    pub op: i32,
+    pub a: i32,
+    pub b: i32,
+    pub last_in_term: i32,
+    pub q_data: *const u32,
+    pub k_data: *const u32,
+    pub q_batch_stride: i64,
+    pub k_batch_stride: i64,
+}
+
+impl CfMaskNode {
+    pub const NONE: Self = Self {
+        op: CF_MASK_ALL,
+        a: 0,
+        b: 0,
+        last_in_term: 0,
+        q_data: std::ptr::null(),
+        k_data: std::ptr::null(),
+        q_batch_stride: 0,
+        k_batch_stride: 0,
+    };
+}
+
+/// `CfBlockMask`: the lists of a [`crate::BlockMask`] and its element rule.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CfBlockMask {
+    pub kv_num: *const i32,
+    pub kv_idx: *const i32,
+    pub full_kv_num: *const i32,
+    pub full_kv_idx: *const i32,
+    pub q_num: *const i32,
+    pub q_idx: *const i32,
+    pub full_q_num: *const i32,
+    pub full_q_idx: *const i32,
+    pub batch: i32,
+    pub heads: i32,
+    pub q_blocks: i32,
+    pub k_blocks: i32,
+    pub n_nodes: i32,
+    pub pad_: i32,
+    pub nodes: [CfMaskNode; CF_MASK_MAX_NODES],
+}
+
+impl CfBlockMask {
+    pub const NONE: Self = Self {
+        kv_num: std::ptr::null(),
+        kv_idx: std::ptr::null(),
+        full_kv_num: std::ptr::null(),
+        full_kv_idx: std::ptr::null(),
+        q_num: std::ptr::null(),
+        q_idx: std::ptr::null(),
+        full_q_num: std::ptr::null(),
+        full_q_idx: std::ptr::null(),
+        batch: 0,
+        heads: 0,
+        q_blocks: 0,
+        k_blocks: 0,
+        n_nodes: 0,
+        pad_: 0,
+        nodes: [CfMaskNode::NONE; CF_MASK_MAX_NODES],
+    };
 }
 
 #[repr(C)]
@@ -113,8 +194,8 @@ pub struct CfBwdParams {
 
 // The sizes that flash_api.h's field order gives on LP64 (8-byte pointers and int64_t): a
 // field added or dropped on one side only shows up here at compile time.
-const _: () = assert!(std::mem::size_of::<CfFwdParams>() == 368);
-const _: () = assert!(std::mem::size_of::<CfBwdParams>() == 512);
+const _: () = assert!(std::mem::size_of::<CfFwdParams>() == 1224);
+const _: () = assert!(std::mem::size_of::<CfBwdParams>() == 1368);
 
 /// `CfRopeKvParams`: the fused rotary embedding and paged cache write.
 #[repr(C)]
@@ -286,9 +367,14 @@ mod tests {
                     }
                 };
                 for field in std::iter::once(first[cut + 1..].trim()).chain(parts) {
+                    // a fixed-size array `name[n]`
+                    let (field, count) = match field.split_once('[') {
+                        Some((f, n)) => (f, n.trim_end_matches(']').parse::<usize>().expect("an array length")),
+                        None => (field, 1),
+                    };
                     offset = offset.div_ceil(a) * a;
                     fields.push((field.to_string(), offset));
-                    offset += size;
+                    offset += size * count;
                     align = align.max(a);
                 }
             }
@@ -312,7 +398,7 @@ mod tests {
     #[test]
     fn mirrors_match_the_header_field_by_field() {
         let layouts = c_layouts();
-        assert_eq!(layouts.len(), 8, "a struct was added to flash_api.h: mirror it here and below");
+        assert_eq!(layouts.len(), 10, "a struct was added to flash_api.h: mirror it here and below");
         assert_mirrors!(layouts, CfDescale { ptr, batch_stride, head_div });
         assert_mirrors!(
             layouts,
@@ -365,7 +451,29 @@ mod tests {
                 sinks,
                 prefix_ranges,
                 dv,
-                prefix_max_ranges
+                prefix_max_ranges,
+                block_mask
+            }
+        );
+        assert_mirrors!(layouts, CfMaskNode { op, a, b, last_in_term, q_data, k_data, q_batch_stride, k_batch_stride });
+        assert_mirrors!(
+            layouts,
+            CfBlockMask {
+                kv_num,
+                kv_idx,
+                full_kv_num,
+                full_kv_idx,
+                q_num,
+                q_idx,
+                full_q_num,
+                full_q_idx,
+                batch,
+                heads,
+                q_blocks,
+                k_blocks,
+                n_nodes,
+                pad_,
+                nodes
             }
         );
         assert_mirrors!(

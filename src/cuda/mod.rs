@@ -11,6 +11,7 @@
 mod ffi;
 mod serving;
 
+use crate::block_mask::{BlockMask, MaskSpec};
 use crate::inputs::{device_storage, BwdInputs, Fp8Kernel, StorageGuard};
 use crate::params::{AttnShape, FlashAttnOptions};
 use candle_core::backend::BackendStorage;
@@ -131,8 +132,9 @@ struct FwdArgs<'a> {
     v: TensorArg<'a>,
     o: TensorArg<'a>,
     lse: TensorArg<'a>,
-    /// [`OPTION_TENSORS`], where the options have them.
-    options: [Option<TensorArg<'a>>; 6],
+    /// [`OPTION_TENSORS`], where the options have them, then a block mask's tensors
+    /// ([`BlockMaskTensors`]).
+    options: Vec<Option<TensorArg<'a>>>,
 }
 
 /// The option tensors the kernels read, in the order of [`option_tensors`].
@@ -140,35 +142,157 @@ const OPTION_TENSORS: [&str; 6] =
     ["alibi_slopes", "seqlens_q", "seqlens_k", "block_table", "sinks", "mm_prefix_ranges"];
 
 /// The option tensors the kernels read ([`OPTION_TENSORS`]: ALiBi slopes, cu_seqlens_q,
-/// cu_seqlens_k, the paged block table, the sinks, the prefix ranges), contiguous (usually the tensors
+/// cu_seqlens_k, the paged block table, the sinks, the prefix ranges; then, with a block mask,
+/// its eight lists and its rule's data: [`BlockMaskTensors`]), contiguous (usually the tensors
 /// themselves), to be kept alive until the launch is enqueued.
-fn option_tensors(opts: &FlashAttnOptions) -> Result<[Option<Tensor>; 6]> {
+fn option_tensors(opts: &FlashAttnOptions) -> Result<Vec<Option<Tensor>>> {
     let vl = opts.varlen.as_ref();
     let contiguous = |t: Option<&Tensor>| t.map(Tensor::contiguous).transpose();
-    Ok([
+    let mut tensors = vec![
         contiguous(opts.alibi_slopes.as_ref())?,
         contiguous(vl.map(|v| &v.seqlens_q))?,
         contiguous(vl.map(|v| &v.seqlens_k))?,
         contiguous(opts.paged.as_ref().map(|p| &p.block_table))?,
         contiguous(opts.sinks.as_ref())?,
         contiguous(opts.mm_prefix_ranges.as_ref())?,
-    ])
+    ];
+    if let Some(mask) = &opts.block_mask {
+        for t in BlockMaskTensors::of(mask)?.tensors {
+            tensors.push(contiguous(t.as_ref())?);
+        }
+    }
+    Ok(tensors)
 }
 
 /// The storage guards of [`option_tensors`]: read them as [`option_args`].
-fn option_guards(tensors: &[Option<Tensor>; 6]) -> [Option<StorageGuard<'_>>; 6] {
-    tensors.each_ref().map(|t| t.as_ref().map(Tensor::storage_and_layout))
+fn option_guards(tensors: &[Option<Tensor>]) -> Vec<Option<StorageGuard<'_>>> {
+    tensors.iter().map(|t| t.as_ref().map(Tensor::storage_and_layout)).collect()
 }
 
 fn option_args<'a>(
-    guards: &'a [Option<StorageGuard<'_>>; 6],
+    guards: &'a [Option<StorageGuard<'_>>],
     stream: &'a CudaStream,
-) -> Result<[Option<TensorArg<'a>>; 6]> {
-    let mut args: [Option<TensorArg<'a>>; 6] = Default::default();
-    for ((arg, name), g) in args.iter_mut().zip(OPTION_TENSORS).zip(guards) {
-        *arg = g.as_ref().map(|g| TensorArg::read(device_storage::<CudaStorage>(name, g)?, stream)).transpose()?;
+) -> Result<Vec<Option<TensorArg<'a>>>> {
+    guards
+        .iter()
+        .enumerate()
+        .map(|(i, g)| {
+            let name = OPTION_TENSORS.get(i).copied().unwrap_or("block_mask");
+            g.as_ref().map(|g| TensorArg::read(device_storage::<CudaStorage>(name, g)?, stream)).transpose()
+        })
+        .collect()
+}
+
+/// A block mask as the kernels read it (flash_api.h `CfBlockMask`): its eight lists, then each
+/// rule node's query-side and key-side data (document ids, prefix lengths), in node order. The
+/// rule goes to the kernels as an OR of AND terms (its disjunctive form, at most
+/// `CF_MASK_MAX_NODES` rules in all).
+struct BlockMaskTensors {
+    tensors: Vec<Option<Tensor>>,
+    /// The nodes, their data pointers still null (filled from the tensors' arguments).
+    nodes: Vec<ffi::CfMaskNode>,
+}
+
+impl BlockMaskTensors {
+    fn of(mask: &BlockMask) -> Result<Self> {
+        let lists = [
+            mask.kv_num_blocks(),
+            mask.kv_indices(),
+            mask.full_kv_num_blocks(),
+            mask.full_kv_indices(),
+            mask.q_num_blocks(),
+            mask.q_indices(),
+            mask.full_q_num_blocks(),
+            mask.full_q_indices(),
+        ];
+        let mut tensors: Vec<Option<Tensor>> = lists.into_iter().map(|t| Some(t.clone())).collect();
+        let mut nodes = vec![];
+        let terms = mask.spec().map_or(vec![], dnf);
+        if terms.iter().map(|t| t.len().max(1)).sum::<usize>() > ffi::CF_MASK_MAX_NODES {
+            bail!(
+                "candle-flash: the block mask's rule has more than {} rules in its OR-of-ANDs form, more than the \
+                 CUDA kernels take: simplify it, or run the call on the CPU",
+                ffi::CF_MASK_MAX_NODES
+            )
+        }
+        let far = |x: usize| x.min(1 << 29) as i32;
+        for term in terms {
+            if term.is_empty() {
+                // an empty AND: every key (a node without data)
+                nodes.push(ffi::CfMaskNode { op: ffi::CF_MASK_ALL, ..ffi::CfMaskNode::NONE });
+                tensors.extend([None, None]);
+            }
+            for leaf in term {
+                let (op, a, b, q, k) = match leaf {
+                    MaskSpec::Causal => (ffi::CF_MASK_CAUSAL, 0, 0, None, None),
+                    MaskSpec::Window { left, right } => {
+                        (ffi::CF_MASK_WINDOW, left.map_or(-1, far), right.map_or(-1, far), None, None)
+                    }
+                    MaskSpec::SameDocument { q_doc, k_doc } => {
+                        (ffi::CF_MASK_SAME_DOCUMENT, 0, 0, Some(q_doc.clone()), Some(k_doc.clone()))
+                    }
+                    MaskSpec::PrefixLm { prefix } => (ffi::CF_MASK_PREFIX_LM, 0, 0, Some(prefix.clone()), None),
+                    MaskSpec::Chunked { chunk } => (ffi::CF_MASK_CHUNKED, far(*chunk).max(1), 0, None, None),
+                    MaskSpec::GlobalTokens { n } => (ffi::CF_MASK_GLOBAL_TOKENS, far(*n), 0, None, None),
+                    MaskSpec::And(_) | MaskSpec::Or(_) => unreachable!("dnf returns leaves"),
+                };
+                // rows of the per-sequence data: [B or 1, S] ids, [B or 1] prefix lengths
+                let stride = |t: &Option<Tensor>| -> Result<i64> {
+                    Ok(match t {
+                        Some(t) if t.dim(0)? > 1 => t.elem_count() as i64 / t.dim(0)? as i64,
+                        _ => 0,
+                    })
+                };
+                let (q_batch_stride, k_batch_stride) = (stride(&q)?, stride(&k)?);
+                nodes.push(ffi::CfMaskNode { op, a, b, q_batch_stride, k_batch_stride, ..ffi::CfMaskNode::NONE });
+                tensors.push(q);
+                tensors.push(k);
+            }
+            nodes.last_mut().expect("a term has a node").last_in_term = 1;
+        }
+        Ok(Self { tensors, nodes })
     }
-    Ok(args)
+
+    /// The kernels' `CfBlockMask`, its pointers from `args` (the arguments of [`Self::of`]'s
+    /// tensors, in order).
+    fn params(mask: &BlockMask, nodes: &[ffi::CfMaskNode], args: &[Option<TensorArg>]) -> Result<ffi::CfBlockMask> {
+        let ptr = |i: usize| args[i].as_ref().map_or(std::ptr::null(), |a| a.ptr as *const i32);
+        let (batch, heads) = mask.batch_heads();
+        let (q_blocks, k_blocks) = mask.num_blocks();
+        let mut m = ffi::CfBlockMask {
+            kv_num: ptr(0),
+            kv_idx: ptr(1),
+            full_kv_num: ptr(2),
+            full_kv_idx: ptr(3),
+            q_num: ptr(4),
+            q_idx: ptr(5),
+            full_q_num: ptr(6),
+            full_q_idx: ptr(7),
+            batch: batch as i32,
+            heads: heads as i32,
+            q_blocks: q_blocks as i32,
+            k_blocks: k_blocks as i32,
+            n_nodes: nodes.len() as i32,
+            ..ffi::CfBlockMask::NONE
+        };
+        for (x, node) in nodes.iter().enumerate() {
+            let data = |i: usize| args[8 + 2 * x + i].as_ref().map_or(std::ptr::null(), |a| a.ptr as *const u32);
+            m.nodes[x] = ffi::CfMaskNode { q_data: data(0), k_data: data(1), ..*node };
+        }
+        Ok(m)
+    }
+}
+
+/// A rule as an OR of AND terms of its leaves (its disjunctive form: `and` distributes over `or`).
+fn dnf(spec: &MaskSpec) -> Vec<Vec<&MaskSpec>> {
+    match spec {
+        MaskSpec::And(rules) => rules.iter().fold(vec![vec![]], |acc, r| {
+            let right = dnf(r);
+            acc.iter().flat_map(|t| right.iter().map(move |u| t.iter().chain(u).copied().collect())).collect()
+        }),
+        MaskSpec::Or(rules) => rules.iter().flat_map(dnf).collect(),
+        leaf => vec![vec![leaf]],
+    }
 }
 
 fn window(w: Option<usize>) -> i32 {
@@ -185,8 +309,12 @@ fn fwd_params(shape: &AttnShape, opts: &FlashAttnOptions, a: &FwdArgs) -> Result
     let lse_dims = shape.lse_dims();
     let (lse_batch_stride, lse_head_stride) =
         if varlen { (0, lse_dims[1] as i64) } else { ((lse_dims[1] * lse_dims[2]) as i64, lse_dims[2] as i64) };
-    let [alibi, cu_q, cu_k, table, sinks, prefix] =
-        a.options.each_ref().map(|t| t.as_ref().map_or(std::ptr::null(), const_ptr));
+    let opt = |i: usize| a.options[i].as_ref().map_or(std::ptr::null(), const_ptr);
+    let [alibi, cu_q, cu_k, table, sinks, prefix] = [0, 1, 2, 3, 4, 5].map(opt);
+    let block_mask = match &opts.block_mask {
+        Some(mask) => BlockMaskTensors::params(mask, &BlockMaskTensors::of(mask)?.nodes, &a.options[6..])?,
+        None => ffi::CfBlockMask::NONE,
+    };
     // The table as int32 (a u32 table is passed as is, flash_api.h); sizes fit i32 (validate).
     let (table_stride, page_block_size, num_blocks, max_blocks) = match (&a.options[3], &opts.paged) {
         (Some(t), Some(paged)) => {
@@ -245,6 +373,7 @@ fn fwd_params(shape: &AttnShape, opts: &FlashAttnOptions, a: &FwdArgs) -> Result
         prefix_ranges: prefix as *const i32,
         dv: shape.head_dim_v as i32,
         prefix_max_ranges: opts.mm_prefix_ranges.as_ref().map_or(Ok(0), |r| r.dim(1))? as i32,
+        block_mask,
     })
 }
 
