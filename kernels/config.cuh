@@ -163,6 +163,7 @@ constexpr bool kFp8VtInKernelShort = true, kFp8VtInKernelLong = false;
 template <typename T_, int kHeadDim_, int kBlockN_, int kNWarpGroups_, int kStages_, bool kPingPong_,
           bool kPersistent_, bool kSeparateO_, typename Out_ = T_, bool kVtInKernel_ = false>
 struct FwdSm90Traits {
+    static constexpr bool kBlockMasks = false;  // BlockMasked<> sets it
     using Elem = T_;
     using Out = Out_;
     static constexpr int kElemBytes = (int)sizeof(T_);
@@ -445,6 +446,21 @@ struct BwdDqTraits {
     static_assert(kSmemBytes <= 160 * 1024 || (kF32Wide && kSmemBytes <= 227 * 1024), "must fit sm_80's 163 KB");
 };
 
+// A kernel configuration that reads block masks (common/block_sparse.cuh): the same traits with
+// kBlockMasks set, its own instantiation, so that the kernels of calls without a block mask carry
+// none of its code (their cubins are those of the build before block masks existed).
+template <typename Kt>
+struct BlockMasked : Kt {
+    static constexpr bool kBlockMasks = true;
+};
+
+// The sm_90a forward configurations that run block masks: one mask block a tile (128 rows of
+// 16-bit inputs), whole tiles per mask block (key blocks dividing 128).
+template <typename Kt>
+constexpr bool fwd_sm90_takes_block_masks() {
+    return !Kt::kFp8 && Kt::kBlockM == 128 && 128 % Kt::kBlockN == 0;
+}
+
 // The shared memory of the sm_90a backward kernels, as structs (sm90/bwd.cuh, sm90/bwd_wide.cuh);
 // the traits' kSmemBytes is their sizeof.
 template <typename Kt>
@@ -487,6 +503,7 @@ struct BwdWideSharedStorage;
 // level with 64 from 4k and 2-6% slower below: bench/NOTES.md, 2026-11-26, commit f0052a2.)
 template <typename T_, int kHeadDim_, bool kGeneralLogits_, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64)>
 struct BwdSm90Traits {
+    static constexpr bool kBlockMasks = false;  // BlockMasked<> sets it
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
     // Columns of the K / V / Q / dO tiles in shared memory (whole 64-column panels): d = 96 keeps
@@ -546,6 +563,7 @@ struct BwdSm90Traits {
 // step's Q / dO stage (and that slot).
 template <typename T_, int kHeadDim_>
 struct BwdSm90WideTraits {
+    static constexpr bool kBlockMasks = false;  // BlockMasked<> sets it
     using Elem = T_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockN = 64;

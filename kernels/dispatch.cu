@@ -146,8 +146,13 @@ cudaError_t run_fwd_plan(const CfFwdParams& p, const FwdPlan& pl, void* ws, cuda
             return cudaErrorInvalidValue;  // not planned: f16 / bf16 only
         case FwdKernel::kWgmma:
             if constexpr (sizeof(T) == 2)
-                return with_fwd_sm90_traits<T>(pl.sm90, [&](auto kt) {
-                    return launch_fwd_sm90<decltype(kt)>(p, pl, ws, s);
+                return with_fwd_sm90_traits<T>(pl.sm90, [&](auto kt) -> cudaError_t {
+                    using Kt = decltype(kt);
+                    if (pl.block_mask) {
+                        if constexpr (fwd_sm90_takes_block_masks<Kt>()) return launch_fwd_sm90<BlockMasked<Kt>>(p, pl, ws, s);
+                        return cudaErrorInvalidValue;  // not planned: plan.cuh fwd_sm90_config
+                    }
+                    return launch_fwd_sm90<Kt>(p, pl, ws, s);
                 });
             return cudaErrorInvalidValue;  // not planned: 16-bit and e4m3 (output type T) only
         case FwdKernel::kWgmmaWide:

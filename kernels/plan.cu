@@ -272,6 +272,7 @@ cudaError_t plan_fwd(const CfFwdParams& p, PlanFor what, FwdPlan& pl) {
         pl.kernel = FwdKernel::kWgmma;
         pl.sm90 = fwd_sm90_config(p);
         pl.tma = tma_enabled();
+        pl.block_mask = true;
         return launch ? fwd_sm90_grid(p, pl) : cudaSuccess;
     }
     if (fwd_sm90_wide_takes(p)) {  // 512-wide heads past the decode shapes, on wgmma
@@ -329,6 +330,7 @@ cudaError_t plan_bwd(const CfBwdParams& p, PlanFor what, BwdPlan& pl) {
     pl.kernel = tile90 == 0 ? BwdKernel::kMmaSync : tile90 <= 128 ? BwdKernel::kWgmma : BwdKernel::kWgmmaWide;
     pl.general_logits = pl.kernel == BwdKernel::kWgmma && logits_general(f);
     pl.tma = pl.kernel != BwdKernel::kMmaSync && tma_enabled();
+    pl.block_mask = has_block_mask(f);  // (check_bwd: only on the wgmma kernels)
     // the sm_90a d <= 128 kernel sums the GQA split's partials itself (dkv_in_kernel)
     pl.reduce_dkv = pl.nsplit > 1 && !pl.dkv_in_kernel;
     if (what != PlanFor::kLaunch) return cudaSuccess;
@@ -373,8 +375,9 @@ void describe_fwd_plan(const FwdPlan& pl, char* buf, size_t cap) {
                           pl.cta_order, pl.tma ? "" : " no_tma", pl.workspace);
             break;
         default:
-            std::snprintf(buf, cap, "wgmma %s ctas=%lld order=%d%s workspace=%zu", fwd_sm90_config_name(pl.sm90),
-                          (long long)pl.ctas, pl.cta_order, pl.tma ? "" : " no_tma", pl.workspace);
+            std::snprintf(buf, cap, "wgmma %s ctas=%lld order=%d%s%s workspace=%zu", fwd_sm90_config_name(pl.sm90),
+                          (long long)pl.ctas, pl.cta_order, pl.tma ? "" : " no_tma", pl.block_mask ? " block_mask" : "",
+                          pl.workspace);
             break;
     }
 }
@@ -387,10 +390,10 @@ void describe_bwd_plan(const BwdPlan& pl, char* buf, size_t cap) {
         return;
     }
     const bool no_tma = pl.kernel != BwdKernel::kMmaSync && !pl.tma;
-    std::snprintf(buf, cap, "%s tile=%d%s dq=%s nsplit=%d%s order=%d/%d%s workspace=%zu", kernels[(int)pl.kernel],
+    std::snprintf(buf, cap, "%s tile=%d%s dq=%s nsplit=%d%s order=%d/%d%s%s workspace=%zu", kernels[(int)pl.kernel],
                   pl.tile, pl.general_logits ? " general_logits" : "", dq, pl.nsplit,
                   pl.nsplit > 1 ? (pl.reduce_dkv ? " reduce" : " dkv_in_kernel") : "", pl.dkdv_order, pl.dq_order,
-                  no_tma ? " no_tma" : "", pl.total);
+                  no_tma ? " no_tma" : "", pl.block_mask ? " block_mask" : "", pl.total);
 }
 
 }  // namespace cf

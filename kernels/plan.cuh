@@ -170,6 +170,7 @@ struct BwdPlan {
     // (QueryBlockCta); -1 until plan_bwd computes them for a launch.
     int dkdv_order, dq_order;
     bool tma;  // kWgmma / kWgmmaWide: Q / dO by TMA where the maps encode (else cp.async)
+    bool block_mask;  // kWgmma / kWgmmaWide: the BlockMasked instantiation (config.cuh)
 };
 
 // tc: the tensor-core kernels run (16-bit, or f32 on 3xTF32; plan.cu decides), else SIMT.
@@ -438,6 +439,7 @@ struct FwdPlan {
     int64_t ctas;        // kWgmma / kWgmmaWide: the grid (persistent configurations: at most one wave); -1 until planned
     bool tma;            // kWgmma / kWgmmaWide: Q / K / V by TMA where the maps encode (else cp.async throughout)
     size_t workspace;    // bytes cf_fwd needs (split partials, the e4m3 V^T)
+    bool block_mask;     // kWgmma: the BlockMasked instantiation of configuration sm90 (config.cuh)
 };
 // What a plan is for: sizing the workspace (no occupancy query, nothing the size depends on) or
 // a launch (the CTA orders too, which read the kernels' occupancy on the device).

@@ -40,13 +40,13 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 400 python3 bench/flex_block_sparse.py --iters "${ITERS:-10}" --dense 2>>"$OUT/flex.err" | grep '^{' >> "$jsonl"
   record flex $? "$(grep -c '"flex"' "$jsonl") rows"
   if [ -n "${BASE_BENCH:-}" ]; then
-    # the dense kernels before and after, back to back (the block-mask branches cost nothing there?)
+    # the dense kernels of another build and of this one, back to back, twice
     ab="$OUT/dense-ab.jsonl"
     : > "$ab"
     for round in 1 2; do
       for bin in "$BASE_BENCH" gpu-bin/bench; do
         tag=$([ "$bin" = gpu-bin/bench ] && echo new || echo base)
-        timeout 120 "$bin" --device cuda --impl flash --mode fwd,bwd --hdim 64,128 --heads 16 --tokens 16384 \
+        timeout 120 "$bin" --device cuda --impl flash --mode fwd,bwd --hdim 64,128,256 --heads 16 --tokens 16384 \
           --seqlens 2048,8192 --causal both --dtype bf16 --iters 5 2>>"$OUT/bench.err" | grep '^{' |
           sed "s/^{/{\"tag\": \"$tag\", \"round\": $round, /" >> "$ab"
       done

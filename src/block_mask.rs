@@ -597,9 +597,11 @@ impl BlockMask {
     /// The fraction of the score matrix's blocks that are visited (partial or full), over every
     /// (batch, head) of the mask: what the attention through it costs relative to dense.
     pub fn density(&self) -> Result<f64> {
-        let listed = (self.kv.num_blocks.to_dtype(DType::F64)?.sum_all()?
-            + self.kv.full_num_blocks.to_dtype(DType::F64)?.sum_all()?)?
-        .to_scalar::<f64>()?;
+        // (the counts read to the host: not every device casts i32)
+        let count = |t: &Tensor| -> Result<f64> {
+            Ok(t.flatten_all()?.to_vec1::<i32>()?.into_iter().map(f64::from).sum::<f64>())
+        };
+        let listed = count(&self.kv.num_blocks)? + count(&self.kv.full_num_blocks)?;
         let (qb, kb) = self.num_blocks();
         let (b, h) = self.batch_heads();
         Ok(listed / (b * h * qb * kb).max(1) as f64)

@@ -121,9 +121,12 @@ struct StepDivider {
 // would reach the block it waits on last.
 // kReverse: deterministic mode's query-block order (row0), and no rotation.
 // kMulDiv: head / row0 divide the step index by StepDivider instead of the compiler's division.
+// kBlockMasks: the steps follow a block mask (the kernels' BlockMasked instantiations); without
+// it the type carries none of that code.
 template <typename T, int BN, int BM, bool kHeavyFirst = false, bool kRotate = false, bool kReverse = false,
-          bool kMulDiv = false>
+          bool kMulDiv = false, bool kBlockMasks = false>
 struct DkdvWork {
+    static constexpr bool kMasks = kBlockMasks && CF_MASK_BLOCK % BM == 0 && CF_MASK_BLOCK % BN == 0;
     SeqInfo si;
     MaskInfo mk;
     int b, hkv_i, split, n0, h_begin, mb_lo, nm, total_it, dch, rot;
@@ -153,7 +156,7 @@ struct DkdvWork {
         if (n0 < si.sk) mk.query_range(n0, min(n0 + BN, si.sk) - 1, m_lo, m_hi);
         mb_lo = m_lo / BM;
         nm = m_hi > m_lo ? (m_hi + BM - 1) / BM - mb_lo : 0;
-        if constexpr (CF_MASK_BLOCK % BM == 0 && CF_MASK_BLOCK % BN == 0) {
+        if constexpr (kMasks) {
             if (sparse()) {
                 mb_lo = 0;
                 int most = 0;
@@ -173,7 +176,7 @@ struct DkdvWork {
         vg = si.v<T>(f, hkv_i);
     }
     __device__ __forceinline__ bool empty() const { return n0 >= si.sk; }
-    __device__ __forceinline__ bool sparse() const { return has_block_mask_lists(bmask); }
+    __device__ __forceinline__ bool sparse() const { return kMasks && has_block_mask_lists(bmask); }
     // Deterministic dQ: how many key blocks add into step it's query block (BM rows from m0)
     // before this CTA's does, i.e. this key block minus the first key block the rows see.
     __device__ __forceinline__ int dq_turn(int m0) const {
@@ -202,7 +205,7 @@ struct DkdvWork {
     __device__ __forceinline__ int row0(int it) const {
         int q, r;
         step_divmod(it, q, r);
-        if constexpr (CF_MASK_BLOCK % BM == 0) {
+        if constexpr (kMasks) {
             if (sparse()) {
                 int m0;
                 StepKind kind;
@@ -217,7 +220,7 @@ struct DkdvWork {
 
     // Through a block mask: step r of head h (its first query row and its kind).
     __device__ __forceinline__ void sparse_step(int h, int r, int& m0, StepKind& kind) const {
-        if constexpr (CF_MASK_BLOCK % BM == 0) {
+        if constexpr (kMasks) {
             const BlockList l(bmask, true, b, h, n0 / CF_MASK_BLOCK);
             if (r < l.n * (CF_MASK_BLOCK / BM)) {
                 list_step<CF_MASK_BLOCK / BM, BM>(l, r, m0, kind);
@@ -229,12 +232,16 @@ struct DkdvWork {
     }
     // Step it's kind: kFull without a block mask (the options' masks are MaskInfo's business).
     __device__ __forceinline__ StepKind step_kind(int it) const {
-        if (!sparse()) return StepKind::kFull;
-        int q, r, m0;
-        step_divmod(it, q, r);
-        StepKind kind;
-        sparse_step(h_begin + q, r, m0, kind);
-        return kind;
+        if constexpr (!kMasks) {
+            return StepKind::kFull;
+        } else {
+            if (!sparse()) return StepKind::kFull;
+            int q, r, m0;
+            step_divmod(it, q, r);
+            StepKind kind;
+            sparse_step(h_begin + q, r, m0, kind);
+            return kind;
+        }
     }
 
     // cp.async copies of the CTA's K and V rows. Loader: the kernel's shared layout (TileLoader /

@@ -21,7 +21,7 @@ namespace cf {
 
 // ------------------------------------------------------------------ dK / dV (+ atomic dQ)
 template <typename Kt>
-__global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const __grid_constant__ CfBwdParams p, const BwdWs ws) {
+__global__ void __launch_bounds__(Kt::kNThreads, 1) bwd_dkdv_tc_kernel(const CfBwdParams p, const BwdWs ws) {
     using T = typename Kt::Elem;
     constexpr int D = Kt::kHeadDim, BM = Kt::kBlockM, BN = Kt::kBlockN, NTH = Kt::kNThreads, ST = Kt::kStages;
     constexpr int E = kChunkElems<T>, MK = kMmaK<T>;
@@ -439,6 +439,12 @@ cudaError_t with_dkdv_kernel(const BwdPlan& pl, F&& f) {
         if (pl.kernel == BwdKernel::kWgmma) {
             using Plain = BwdSm90Traits<T, D, false>;
             using General = BwdSm90Traits<T, D, true>;
+            if (pl.block_mask) {  // (never ordered: check_bwd)
+                using MPlain = BlockMasked<Plain>;
+                using MGeneral = BlockMasked<General>;
+                return pl.general_logits ? f(bwd_dkdv_sm90_kernel<MGeneral>, MGeneral{}, std::true_type{})
+                                         : f(bwd_dkdv_sm90_kernel<MPlain>, MPlain{}, std::true_type{});
+            }
             if (ordered)
                 return pl.general_logits ? f(bwd_dkdv_sm90_kernel<General, true>, General{}, std::true_type{})
                                          : f(bwd_dkdv_sm90_kernel<Plain, true>, Plain{}, std::true_type{});
@@ -448,6 +454,7 @@ cudaError_t with_dkdv_kernel(const BwdPlan& pl, F&& f) {
     } else if constexpr (sizeof(T) == 2 && (D == 192 || D == 256)) {
         if (pl.kernel == BwdKernel::kWgmmaWide) {
             using Kt = BwdSm90WideTraits<T, D>;
+            if (pl.block_mask) return f(bwd_dkdv_sm90_wide_kernel<BlockMasked<Kt>>, BlockMasked<Kt>{}, std::true_type{});
             return ordered ? f(bwd_dkdv_sm90_wide_kernel<Kt, true>, Kt{}, std::true_type{})
                            : f(bwd_dkdv_sm90_wide_kernel<Kt>, Kt{}, std::true_type{});
         }

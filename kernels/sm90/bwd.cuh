@@ -406,8 +406,10 @@ struct BwdMainloop {
             bwd_p_ds<BM, Kt::kGeneralLogits ? Logits::kGeneral : Logits::kPlain>(li, mk, sT, dpT, cL, cD, full, m0,
                                                                                n0 + key_l0, q4);
         }
-        if (kind != StepKind::kFull)
-            mask_rule_p_ds<BM>(sT, dpT, w.bmask, mk, b, m0, n0 + key_l0, q4, kind == StepKind::kVoid);
+        if constexpr (Kt::kBlockMasks) {
+            if (kind != StepKind::kFull)
+                mask_rule_p_ds<BM>(sT, dpT, w.bmask, mk, b, m0, n0 + key_l0, q4, kind == StepKind::kVoid);
+        }
     }
 
     // ---- the dV / dK step: dV += P^T dO, dK += dS^T Q (A from registers; B = dO / Q [queries][d], MN-major)
@@ -690,7 +692,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
     const int g = lane >> 2, q4 = lane & 3;
     // CTAs key block slowest under causal-like masks (plan.cuh heavy_first_order: measured there)
-    using Work = DkdvWork<T, BN, BM, true, false, kOrdered, true>;  // StepDivider
+    using Work = DkdvWork<T, BN, BM, true, false, kOrdered, true, Kt::kBlockMasks>;  // StepDivider
     const Work w(p, ws);
     if (w.empty()) return;
     const SeqInfo& si = w.si;

@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int g = lane >> 2, q4 = lane & 3;
     // CTAs key block slowest under causal-like masks (plan.cuh heavy_first_order), and the
     // rotated query-block order without masks (common/bwd_work.cuh DkdvWork kRotate)
-    using Work = DkdvWork<T, BN, BM, true, true, kOrdered>;
+    using Work = DkdvWork<T, BN, BM, true, true, kOrdered, false, Kt::kBlockMasks>;
     const Work w(p, ws);
     const bool trace = blockIdx.x == 1 && blockIdx.y == 0 && blockIdx.z == 0;
     (void)trace;
@@ -353,8 +353,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             const LogitInfo li(f, w.b, hq);
             const bool full = kind == StepKind::kFull && mk.block_full(m0, BM, n0, BN) && m0 + BM <= si.sq;
             bwd_p_ds<BM>(li, mk, sc, dp, sL + st * BM, sD + st * BM, full, m0, n0 + key_l0, q4);
-            if (kind != StepKind::kFull)
-                mask_rule_p_ds<BM>(sc, dp, w.bmask, mk, w.b, m0, n0 + key_l0, q4, kind == StepKind::kVoid);
+            if constexpr (Kt::kBlockMasks) {
+                if (kind != StepKind::kFull)
+                    mask_rule_p_ds<BM>(sc, dp, w.bmask, mk, w.b, m0, n0 + key_l0, q4, kind == StepKind::kVoid);
+            }
             CF_BTRACE(trace, wg, it, 5);
             ml.store_p_ds(sc, dp);
             fence_async_smem();  // st.shared (generic proxy) -> wgmma (async proxy)

@@ -269,7 +269,7 @@ struct FwdProducer {
     // way every producer thread commits once per buffer.
     static __device__ __forceinline__ void run(const CfFwdParams& p, const FwdTmaMaps& maps, int tail_groups,
                                                FwdSharedStorage<Kt>& ss, const FwdPipelines<Kt>& pl, int ptid) {
-        const FwdTileScheduler<BM, BN, !Kt::kPersistent, !Kt::kFp8> sched(p, tail_groups);
+        const FwdTileScheduler<BM, BN, !Kt::kPersistent, Kt::kBlockMasks> sched(p, tail_groups);
         const int dch = p.d >> 3;
         uint32_t kv = 0, tcount = 0;  // key blocks and tiles loaded so far (pipeline counters)
         uint32_t nraw = 0;            // kVtInKernel: raw V tiles transposed so far (vraw_bar's phases)
@@ -288,7 +288,7 @@ struct FwdProducer {
                 if constexpr (Kt::kVtInKernel) {
                     if (ptid == 0) {
                         tma_load_tile<BN, D, 1>(smem_addr(ss.vraw.data), &maps.v, raw_bar,
-                                                krow0 + t.template key_start<BN>(j), hk, kbatch);
+                                                krow0 + t.template key_start<BN, Kt::kBlockMasks>(j), hk, kbatch);
                         mbar_arrive(raw_bar);
                     }
                 }
@@ -297,7 +297,7 @@ struct FwdProducer {
                 const Pipeline<Kt::kStages> pipe = is_k ? pl.k() : pl.v();
                 T* dst = is_k ? ss.k[pipe.stage(kv + j)] : ss.v[pipe.stage(kv + j)];
                 const uint32_t n = kv + j;
-                const int n0 = t.template key_start<BN>(j);
+                const int n0 = t.template key_start<BN, Kt::kBlockMasks>(j);
                 pipe.producer_acquire(n);
                 if constexpr (Kt::kVtInKernel) {
                     if (!is_k) {
@@ -455,12 +455,22 @@ struct FwdMainloop {
         // Logit transform and mask (skipped for blocks this warp sees whole), then the online
         // softmax; leaves P in s and the output correction in corr.
         // Through a block mask a partly visible block also takes the rule's mask (a void step,
-        // a bad list entry, hides everything). The step's key and kind are read at the start of
-        // its iteration (next_step), so that a list entry's load runs under the waits and S.
-        auto softmax_block = [&](float (&s)[BN / 2], int n0, StepKind kind, float (&corr)[2]) {
+        // a bad list entry, hides everything). There the step's key and kind are read at the start
+        // of its iteration (ms), so that a list entry's load runs under the waits and S; without a
+        // block mask step j's key is computed here (the kernel as it was before block masks).
+        struct MaskStep {
+            int n0 = 0;
+            StepKind kind = StepKind::kFull;
+        } ms;
+        auto read_step = [&](int j) {
+            if constexpr (Kt::kBlockMasks) t.template step<BN>(j, ms.n0, ms.kind);
+        };
+        auto softmax_block = [&](float (&s)[BN / 2], int j, float (&corr)[2]) {
+            const int n0 = Kt::kBlockMasks ? ms.n0 : (t.nb_hi - 1 - j) * BN;
+            const StepKind kind = Kt::kBlockMasks ? ms.kind : StepKind::kFull;
             auto row_of = [&](int, int r) { return wrow0 + g + 8 * r; };
             mask_scores<1, NT>(s, li, t.mk, row_of, n0, q4, kind == StepKind::kFull && t.mk.block_full(wrow0, 16, n0, BN));
-            if constexpr (CF_MASK_BLOCK % BN == 0) {  // (the tiles a block mask runs on: plan.cuh)
+            if constexpr (Kt::kBlockMasks) {  // (the BlockMasked instantiations: plan.cuh)
                 if (kind != StepKind::kFull)
                     mask_rule_scores<1, NT>(s, p.block_mask, t.mk, t.si.b, row_of, n0, q4, kind == StepKind::kVoid);
             }
@@ -488,9 +498,7 @@ struct FwdMainloop {
         // the rescale runs while S is on the tensor cores, not on the step's critical tail).
         float corr[2];
         // Block 0: S only (nothing to multiply with V yet).
-        int n0;
-        StepKind kind;
-        t.template step<BN>(0, n0, kind);
+        read_step(0);
         {
             pl.k().consumer_wait(kv);
             float s[BN / 2];
@@ -501,12 +509,12 @@ struct FwdMainloop {
             wg_wait<0>();
             reg_fence(s);
             pl.k().consumer_release(kv, lane);
-            softmax_block(s, n0, kind, corr);  // corr = 0 or 1 on o = 0: nothing to rescale
+            softmax_block(s, 0, corr);  // corr = 0 or 1 on o = 0: nothing to rescale
             to_p(s);
         }
         for (int j = 1; j < t.nblocks; ++j) {
             float s[BN / 2];
-            t.template step<BN>(j, n0, kind);
+            read_step(j);
             if constexpr (Kt::kSerialPV) {
                 // P(j-1) V(j-1), completed, then S(j), completed, then the softmax: no product
                 // is in flight while another's registers are live, so S 128 + O 64 is the peak
@@ -533,7 +541,7 @@ struct FwdMainloop {
                 reg_fence(s);
                 CF_TRACE(trace, turn.wg, j, 6);
                 pl.k().consumer_release(kv + j, lane);
-                softmax_block(s, n0, kind, corr);
+                softmax_block(s, j, corr);
                 CF_TRACE(trace, turn.wg, j, 7);
             } else {
                 CF_TRACE(trace, turn.wg, j, 0);
@@ -556,7 +564,7 @@ struct FwdMainloop {
                 reg_fence(s);
                 CF_TRACE(trace, turn.wg, j, 5);
                 pl.k().consumer_release(kv + j, lane);
-                softmax_block(s, n0, kind, corr);
+                softmax_block(s, j, corr);
                 CF_TRACE(trace, turn.wg, j, 6);
                 finish_pv(kv + j - 1);
                 CF_TRACE(trace, turn.wg, j, 7);
@@ -654,7 +662,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocks)
     }
 
     setmaxnreg_inc<Kt::kConsumerRegs>();
-    const FwdTileScheduler<Kt::kBlockM, Kt::kBlockN, !Kt::kPersistent, !Kt::kFp8> sched(p, tail_groups);
+    const FwdTileScheduler<Kt::kBlockM, Kt::kBlockN, !Kt::kPersistent, Kt::kBlockMasks> sched(p, tail_groups);
     const PingPong<Kt> turn{wg};
     const uint32_t aQwg = smem_addr(ss.q) + wg * 64 * kPanelRowBytes;  // this warpgroup's 64 rows of Q
     const uint32_t aK = smem_addr(ss.k), aV = smem_addr(ss.v);
@@ -736,6 +744,19 @@ cudaError_t launch_fwd_sm90(const CfFwdParams& p, const FwdPlan& pl, void* works
 CF_FWD_SM90_CONFIGS(CF_INST_FWD_SM90)
 CF_FWD_SM90_FP8_CONFIGS(CF_INST_FWD_SM90)
 #undef CF_INST_FWD_SM90
+// The configurations that run block masks (plan.cuh fwd_sm90_config), as BlockMasked instances.
+#define CF_INST_FWD_SM90_MASKED(name)                                                                         \
+    static_assert(fwd_sm90_takes_block_masks<FwdSm90Traits##name<__half>>(), #name " runs block masks");     \
+    template cudaError_t launch_fwd_sm90<BlockMasked<FwdSm90Traits##name<__half>>>(const CfFwdParams&,            \
+                                                                                  const FwdPlan&, void*, cudaStream_t); \
+    template cudaError_t launch_fwd_sm90<BlockMasked<FwdSm90Traits##name<__nv_bfloat16>>>(                         \
+        const CfFwdParams&, const FwdPlan&, void*, cudaStream_t);
+CF_INST_FWD_SM90_MASKED(D64Short)
+CF_INST_FWD_SM90_MASKED(D96)
+CF_INST_FWD_SM90_MASKED(D128)
+CF_INST_FWD_SM90_MASKED(D192)
+CF_INST_FWD_SM90_MASKED(D256)
+#undef CF_INST_FWD_SM90_MASKED
 
 }  // namespace cf
 

@@ -34,9 +34,9 @@ struct FwdTile {
     __device__ __forceinline__ bool empty() const { return m0 >= si.sq; }
     // Step j's first key and its kind (always kFull without a block mask: the options' masks
     // are MaskInfo's business).
-    template <int BN>
+    template <int BN, bool kBlockMasks = true>
     __device__ __forceinline__ void step(int j, int& n0, StepKind& kind) const {
-        if constexpr (CF_MASK_BLOCK % BN == 0) {
+        if constexpr (kBlockMasks && CF_MASK_BLOCK % BN == 0) {
             if (sparse) {
                 list_step<CF_MASK_BLOCK / BN, BN>(bl, j, n0, kind);
                 return;
@@ -45,11 +45,12 @@ struct FwdTile {
         n0 = (nb_hi - 1 - j) * BN;
         kind = StepKind::kFull;
     }
-    template <int BN>
+    // Step j's first key; kBlockMasks: the kernel reads block masks (else the dense walk's).
+    template <int BN, bool kBlockMasks>
     __device__ __forceinline__ int key_start(int j) const {
         int n0;
         StepKind kind;
-        step<BN>(j, n0, kind);
+        step<BN, kBlockMasks>(j, n0, kind);
         return n0;
     }
 };
